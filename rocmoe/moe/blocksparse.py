@@ -1,0 +1,311 @@
+"""Block-sparse products over a :class:`Topology`, with autograd.
+
+Sparse operands are ``[nnz, B, B]`` value tensors over a topology. Dense weights are
+grouped by expert: ``[E, K, F]`` where ``F`` is the logical ffn width (the padding up to
+``nb * B`` is implicit: read as zero, never written).
+
+=======  ==========================================  =====================
+op       meaning                                      shapes
+=======  ==========================================  =====================
+SDD      S = (A @ W) restricted to the topology       A [P, K], W [E, K, F]
+DSD      D = S @ W                                    W [E, F, N] -> [P, N]
+DSᵀD     D = Sᵀ @ B                                   B [P, N] -> [E, F, N]
+DDSᵀ     D = W @ Sᵀ                                   W [E, M, F] -> [M, P]
+=======  ==========================================  =====================
+
+On CUDA/ROCm tensors the Triton kernels run; elsewhere a torch implementation that walks
+the same topology indices (COO rows, BCSR columns, CSC transpose) gives the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F_
+
+from ..errors import ConfigurationError, DTypeError, InvalidArgumentError
+from .topology import Topology
+
+_BACKENDS = ("auto", "torch", "triton")
+_backend = os.environ.get("ROCMOE_MOE_BACKEND", "auto")
+
+
+def set_backend(name: str) -> None:
+    """``auto`` (Triton on GPU tensors, torch otherwise), ``torch`` or ``triton``."""
+    global _backend
+    if name not in _BACKENDS:
+        raise ConfigurationError(f"MoE backend must be one of {_BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if _backend == "torch":
+        return False
+    if _backend == "triton":
+        return True
+    return t.is_cuda and _triton_available()
+
+
+_TRITON_OK = None
+
+
+def _triton_available() -> bool:
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            from . import kernels  # noqa: F401
+            _TRITON_OK = True
+        except Exception:  # triton missing or broken: the torch path still works
+            _TRITON_OK = False
+    return _TRITON_OK
+
+
+def _check_same_dtype(*tensors: torch.Tensor) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise DTypeError(f"block-sparse operands must share one dtype, got {sorted(map(str, dtypes))}")
+    if not tensors[0].is_floating_point():
+        raise DTypeError(f"block-sparse operands must be floating point, got {tensors[0].dtype}")
+
+
+# ---------------------------------------------------------------------------- torch path
+def _grouped_col_blocks(w: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """[E, K, F] -> [E * nb, K, B]: the column blocks of every expert, zero-padded."""
+    e, k, f = w.shape
+    w = F_.pad(w, (0, topo.ffn_padded - f))
+    return w.view(e, k, topo.blocks_per_expert, topo.block_size).permute(0, 2, 1, 3) \
+            .reshape(e * topo.blocks_per_expert, k, topo.block_size)
+
+
+def _grouped_row_blocks(w: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """[E, F, N] -> [E * nb, B, N]: the row blocks of every expert, zero-padded."""
+    e, f, n = w.shape
+    w = F_.pad(w, (0, 0, 0, topo.ffn_padded - f))
+    return w.reshape(e * topo.blocks_per_expert, topo.block_size, n)
+
+
+def _sdd_torch(a, w, topo):
+    b = topo.block_size
+    valid = topo.block_valid()
+    cols = topo.column_indices.clamp(min=0).long()
+    a_blocks = a.reshape(topo.num_row_blocks, b, a.shape[1])[topo.row_indices.long()]
+    out = torch.bmm(a_blocks, _grouped_col_blocks(w, topo)[cols])
+    return out * valid.view(-1, 1, 1).to(out.dtype)
+
+
+def _dsd_torch(s, w, topo):
+    valid = topo.block_valid()
+    cols = topo.column_indices.clamp(min=0).long()
+    prod = torch.bmm(s, _grouped_row_blocks(w, topo)[cols]) * valid.view(-1, 1, 1).to(s.dtype)
+    out = prod.new_zeros(topo.num_row_blocks, topo.block_size, w.shape[2])
+    out.index_add_(0, topo.row_indices.long(), prod)
+    return out.view(topo.num_rows, w.shape[2])
+
+
+def _dstd_torch(s, b, topo):
+    # Walk blocks in transpose (CSC) order, as the GPU kernel does.
+    order = topo.transpose_blocks.long()
+    cols = topo.column_indices[order]
+    valid = (cols >= 0).view(-1, 1, 1).to(s.dtype)
+    rows = topo.row_indices[order].long()
+    n = b.shape[1]
+    b_blocks = b.reshape(topo.num_row_blocks, topo.block_size, n)[rows]
+    prod = torch.bmm(s[order].transpose(1, 2), b_blocks) * valid
+    out = prod.new_zeros(topo.num_column_blocks, topo.block_size, n)
+    out.index_add_(0, cols.clamp(min=0).long(), prod)
+    return out.view(topo.num_experts, topo.ffn_padded, n)[:, :topo.ffn_size]
+
+
+# --------------------------------------------------------------------------- triton path
+def _tile_n(n: int) -> int:
+    return 128 if n >= 128 else max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _block_k(b: int) -> int:
+    return min(b, 64)
+
+
+def _warps(b: int) -> int:
+    return 8 if b >= 128 else 4
+
+
+def _launch_opts(is_interpret: bool) -> dict:
+    return {} if is_interpret else {"num_stages": 3}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _sdd_triton(a, w, topo):
+    from . import kernels
+    b = topo.block_size
+    out = torch.empty(topo.nnz, b, b, device=a.device, dtype=a.dtype)
+    if topo.nnz == 0:
+        return out
+    kernels.get("sdd_kernel")[(topo.nnz,)](
+        a, w, out, topo.row_indices, topo.column_indices,
+        a.shape[1], w.shape[2], topo.blocks_per_expert,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        BLOCK=b, BLOCK_K=_block_k(b), num_warps=_warps(b), **_launch_opts(_interpreting()))
+    return out
+
+
+def _dsd_triton(s, w, topo):
+    from . import kernels
+    b = topo.block_size
+    n = w.shape[2]
+    out = torch.empty(topo.num_rows, n, device=s.device, dtype=s.dtype)
+    if topo.num_row_blocks == 0:
+        return out
+    bn = _tile_n(n)
+    grid = (topo.num_row_blocks, -(-n // bn))
+    kernels.get("dsd_kernel")[grid](
+        s, w, out, topo.row_offsets, topo.column_indices,
+        n, w.shape[1], topo.blocks_per_expert,
+        w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), num_warps=_warps(b),
+        **_launch_opts(_interpreting()))
+    return out
+
+
+def _dstd_triton(s, b_dense, topo, out=None):
+    from . import kernels
+    b = topo.block_size
+    n = b_dense.shape[1]
+    if out is None:
+        out = torch.empty(topo.num_experts, topo.ffn_size, n, device=s.device, dtype=s.dtype)
+    bn = _tile_n(n)
+    grid = (topo.num_column_blocks, -(-n // bn))
+    kernels.get("dstd_kernel")[grid](
+        s, b_dense, out, topo.column_offsets, topo.transpose_blocks, topo.row_indices,
+        n, topo.ffn_size, topo.blocks_per_expert,
+        b_dense.stride(0), b_dense.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), num_warps=_warps(b),
+        **_launch_opts(_interpreting()))
+    return out
+
+
+# ------------------------------------------------------------------------ raw dispatch
+def _sdd(a, w, topo):
+    return _sdd_triton(a, w, topo) if _use_triton(a) else _sdd_torch(a, w, topo)
+
+
+def _dsd(s, w, topo):
+    return _dsd_triton(s, w, topo) if _use_triton(s) else _dsd_torch(s, w, topo)
+
+
+def _dstd(s, b, topo):
+    return _dstd_triton(s, b, topo) if _use_triton(s) else _dstd_torch(s, b, topo)
+
+
+# ---------------------------------------------------------------------------- autograd
+class _SDD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, w, topo):
+        ctx.topo = topo
+        ctx.save_for_backward(a, w)
+        return _sdd(a, w, topo)
+
+    @staticmethod
+    def backward(ctx, grad_s):
+        a, w = ctx.saved_tensors
+        topo = ctx.topo
+        grad_s = grad_s.contiguous()
+        grad_a = _dsd(grad_s, w.transpose(1, 2), topo) if ctx.needs_input_grad[0] else None
+        grad_w = (_dstd(grad_s, a, topo).transpose(1, 2)
+                  if ctx.needs_input_grad[1] else None)
+        return grad_a, grad_w, None
+
+
+class _DSD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, s, w, topo):
+        ctx.topo = topo
+        ctx.save_for_backward(s, w)
+        return _dsd(s, w, topo)
+
+    @staticmethod
+    def backward(ctx, grad_d):
+        s, w = ctx.saved_tensors
+        topo = ctx.topo
+        grad_s = _sdd(grad_d, w.transpose(1, 2), topo) if ctx.needs_input_grad[0] else None
+        grad_w = _dstd(s, grad_d, topo) if ctx.needs_input_grad[1] else None
+        return grad_s, grad_w, None
+
+
+class _DSTD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, s, b, topo):
+        ctx.topo = topo
+        ctx.save_for_backward(s, b)
+        return _dstd(s, b, topo)
+
+    @staticmethod
+    def backward(ctx, grad_d):
+        s, b = ctx.saved_tensors
+        topo = ctx.topo
+        grad_s = _sdd(b, grad_d.transpose(1, 2), topo) if ctx.needs_input_grad[0] else None
+        grad_b = _dsd(s, grad_d, topo) if ctx.needs_input_grad[1] else None
+        return grad_s, grad_b, None
+
+
+def _check_sparse(s: torch.Tensor, topo: Topology) -> None:
+    want = (topo.nnz, topo.block_size, topo.block_size)
+    if tuple(s.shape) != want:
+        raise InvalidArgumentError(f"sparse values must have shape {want} for this topology, "
+                                   f"got {tuple(s.shape)}")
+
+
+def sdd(a: torch.Tensor, w: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """S = A @ W on the topology's blocks. A [P, K], W [E, K, F] -> values [nnz, B, B]."""
+    _check_same_dtype(a, w)
+    if a.dim() != 2 or a.shape[0] != topo.num_rows or w.dim() != 3 \
+            or w.shape[0] != topo.num_experts or w.shape[1] != a.shape[1] \
+            or w.shape[2] != topo.ffn_size:
+        raise InvalidArgumentError(
+            f"sdd expects A [{topo.num_rows}, K] and W [{topo.num_experts}, K, "
+            f"{topo.ffn_size}], got {tuple(a.shape)} and {tuple(w.shape)}")
+    return _SDD.apply(a, w, topo)
+
+
+def dsd(s: torch.Tensor, w: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """D = S @ W. values [nnz, B, B], W [E, F, N] -> [P, N]."""
+    _check_same_dtype(s, w)
+    _check_sparse(s, topo)
+    if w.dim() != 3 or w.shape[0] != topo.num_experts or w.shape[1] != topo.ffn_size:
+        raise InvalidArgumentError(f"dsd expects W [{topo.num_experts}, {topo.ffn_size}, N], "
+                                   f"got {tuple(w.shape)}")
+    return _DSD.apply(s, w, topo)
+
+
+def dstd(s: torch.Tensor, b: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """DSᵀD: D = Sᵀ @ B. values [nnz, B, B], B [P, N] -> [E, F, N]."""
+    _check_same_dtype(s, b)
+    _check_sparse(s, topo)
+    if b.dim() != 2 or b.shape[0] != topo.num_rows:
+        raise InvalidArgumentError(f"dstd expects B [{topo.num_rows}, N], got {tuple(b.shape)}")
+    return _DSTD.apply(s, b, topo)
+
+
+def ddst(w: torch.Tensor, s: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """DDSᵀ: D = W @ Sᵀ with W [E, M, F] read as [M, E*F] -> [M, P].
+
+    (W Sᵀ)ᵀ = S Wᵀ, so this is DSD on transposed views: the kernels take strides, no copy.
+    """
+    return dsd(s, w.transpose(1, 2), topo).t()
+
+
+def to_dense(s: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """Dense [P, E * F_padded] view of sparse values (for tests and debugging)."""
+    rows, cols = topo.dense_shape()
+    out = s.new_zeros(topo.num_row_blocks, topo.num_column_blocks, topo.block_size,
+                      topo.block_size)
+    valid = topo.block_valid()
+    out[topo.row_indices.long()[valid], topo.column_indices.long()[valid]] = s[valid]
+    return out.permute(0, 2, 1, 3).reshape(rows, cols)

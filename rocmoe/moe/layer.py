@@ -1,0 +1,122 @@
+"""DroplessMoE: every token goes through its k experts; no capacity factor, no drops."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F_
+from torch import nn
+
+from ..errors import ConfigurationError
+from . import blocksparse as bs
+from .permute import check_block_size, permute_pad, plan_routing, unpermute_combine
+from .router import Router, _check_config, check_tokens
+from .topology import build_topology
+
+_ACTIVATIONS = {
+    "gelu": lambda t: F_.gelu(t, approximate="tanh"),
+    "gelu_exact": F_.gelu,
+    "relu": F_.relu,
+    "silu": F_.silu,
+}
+
+
+def expert_ffn(x_perm, w1, w2, w3, topo, activation):
+    """SDD -> act -> DSD on the padded, expert-sorted rows (plus a GLU gate with w3)."""
+    act = _ACTIVATIONS[activation]
+    h = act(bs.sdd(x_perm, w1, topo))
+    if w3 is not None:
+        h = h * bs.sdd(x_perm, w3, topo)
+    return bs.dsd(h, w2, topo)
+
+
+class DroplessMoE(nn.Module):
+    """Dropless block-sparse mixture of experts (MegaBlocks-style, zero host syncs).
+
+    Parameters: ``router.weight [E, hidden]``, ``w1 [E, hidden, ffn]``, ``w2 [E, ffn, hidden]``
+    and ``w3 [E, hidden, ffn]`` when ``glu``. With a multi-rank ``ctx`` the experts are split
+    over ranks (rank r owns a contiguous range of ``E / world`` experts and only their
+    weights); tokens travel to the owner of their expert and back.
+
+    After a forward, ``aux_loss`` is the router's auxiliary loss (scalar) and
+    ``tokens_per_expert`` the device-side histogram of this rank's routing.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
+                 activation: str = "gelu", glu: bool = False, block_size: int = 128,
+                 ctx=None, *, renormalize: bool = True, jitter_eps: float = 0.0,
+                 load_balancing_coef: float = 1e-2, z_loss_coef: float = 1e-3,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        _check_config(hidden_size, num_experts, top_k)
+        if not isinstance(ffn_hidden_size, int) or ffn_hidden_size < 1:
+            raise ConfigurationError(f"ffn_hidden_size must be a positive int, got {ffn_hidden_size!r}")
+        if activation not in _ACTIVATIONS:
+            raise ConfigurationError(f"activation must be one of {sorted(_ACTIVATIONS)}, "
+                                     f"got {activation!r}")
+        check_block_size(block_size)
+        world = 1 if ctx is None else int(ctx.world_size)
+        rank = 0 if ctx is None else int(ctx.rank)
+        if num_experts % world != 0:
+            raise ConfigurationError(
+                f"num_experts={num_experts} must be divisible by the number of ranks "
+                f"({world}) for expert parallelism; pick a multiple of {world}")
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.activation = activation
+        self.glu = glu
+        self.block_size = block_size
+        self.ctx = ctx
+        self.world_size = world
+        self.rank = rank
+        self.num_local_experts = num_experts // world
+        self.router = Router(hidden_size, num_experts, top_k, renormalize=renormalize,
+                             jitter_eps=jitter_eps, load_balancing_coef=load_balancing_coef,
+                             z_loss_coef=z_loss_coef, device=device, dtype=dtype)
+        e_local = self.num_local_experts
+        kw = dict(device=device, dtype=dtype)
+        self.w1 = nn.Parameter(torch.empty(e_local, hidden_size, ffn_hidden_size, **kw))
+        self.w2 = nn.Parameter(torch.empty(e_local, ffn_hidden_size, hidden_size, **kw))
+        self.w3 = (nn.Parameter(torch.empty(e_local, hidden_size, ffn_hidden_size, **kw))
+                   if glu else None)
+        self.reset_parameters()
+        self.aux_loss: torch.Tensor | None = None
+        self.tokens_per_expert: torch.Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w1, std=1.0 / math.sqrt(self.hidden_size))
+        nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.ffn_hidden_size))
+        if self.w3 is not None:
+            nn.init.normal_(self.w3, std=1.0 / math.sqrt(self.hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if x.dim() == 3:
+            x = x.reshape(-1, shape[-1])
+        check_tokens(x, self.hidden_size)
+        expert_ids, weights = self.router.route(x)
+        self.aux_loss = self.router.aux_loss
+        self.tokens_per_expert = self.router.tokens_per_expert
+        if self.world_size == 1:
+            y = self._local_experts(x, expert_ids, weights, self.router.tokens_per_expert)
+        else:
+            from .parallel import expert_parallel_forward
+            y = expert_parallel_forward(self, x, expert_ids, weights)
+        return y.reshape(shape)
+
+    def _local_experts(self, x, expert_ids, weights, tokens_per_expert=None):
+        plan = plan_routing(expert_ids, self.num_local_experts, self.block_size,
+                            tokens_per_expert)
+        topo = build_topology(plan, self.ffn_hidden_size)
+        x_perm = permute_pad(x, plan)
+        y_perm = expert_ffn(x_perm, self.w1, self.w2, self.w3, topo, self.activation)
+        return unpermute_combine(y_perm, weights, plan)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "
+                f"experts={self.num_experts} ({self.num_local_experts} local), "
+                f"top_k={self.top_k}, block={self.block_size}, act={self.activation}, "
+                f"glu={self.glu}")
