@@ -1,0 +1,37 @@
+# The two commands of the README: `make demo` and `make test`. Both set up what they need.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+# The CPU build of torch on machines without a GPU stack; override on ROCm/CUDA machines,
+# e.g. `make test TORCH_SPEC=` to keep the torch you have.
+TORCH_SPEC ?= torch==2.13.0
+RANKS ?= 4
+PYTEST_ARGS ?=
+
+# Open MPI refuses to run as root unless told; containers and CI run as root.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export PYTHONUNBUFFERED := 1
+
+STAMP := build/.setup-stamp
+NATIVE_SOURCES := $(shell find hip bindings -type f) CMakeLists.txt pyproject.toml
+
+.PHONY: setup build demo test clean
+
+setup: $(STAMP)
+
+$(STAMP): $(NATIVE_SOURCES)
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q scikit-build-core cffi
+	$(PIP) install -q --no-build-isolation -e ".[test]"
+	@mkdir -p build && touch $(STAMP)
+
+build: setup
+
+demo: setup
+	mpiexec -n $(RANKS) --oversubscribe $(PYTHON) examples/demo.py
+
+test: setup
+	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf build rocmoe/*.so
