@@ -69,7 +69,7 @@ class SymmetricHeap:
         """Byte offset of `tensor`'s first element in the heap (views are fine)."""
         if not isinstance(tensor, torch.Tensor):
             raise errors.InvalidArgumentError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-        ptr = tensor.data_ptr()
+        ptr = address_of(tensor)
         if tensor.device != self.device or not (self.base <= ptr < self.base + self.size):
             raise errors.NotOnHeapError(
                 f"tensor at {ptr:#x} on {tensor.device} is not on this rank's symmetric heap "
@@ -101,16 +101,21 @@ class SymmetricHeap:
             offset = int(out[0]) if status == lib.ROCMOE_OK else -1
             local_error = None if status == lib.ROCMOE_OK else _native_message()
         shape_key = hash(shape) & 0x7FFFFFFFFFFFFFFF
-        table = self._channel.exchange(
-            KIND_ALLOC,
-            [int(shape_ok), status, nbytes, _DTYPE_CODES.get(dtype, 0), len(shape), shape_key,
-             offset],
-            "symmetric allocation", mismatch_error=errors.HeapMismatchError)
-        oks, statuses, sizes, dcodes, _, keys, offsets = (table[:, i] for i in range(7))
 
         def rollback():
             if offset >= 0:
                 check(lib.rocmoe_heap_free(self._handle, offset), "rolling back an allocation")
+
+        try:
+            table = self._channel.exchange(
+                KIND_ALLOC,
+                [int(shape_ok), status, nbytes, _DTYPE_CODES.get(dtype, 0), len(shape), shape_key,
+                 offset],
+                "symmetric allocation", mismatch_error=errors.HeapMismatchError)
+        except errors.RocmoeError:
+            rollback()  # the other ranks made a different call: they allocated nothing
+            raise
+        oks, statuses, sizes, dcodes, _, keys, offsets = (table[:, i] for i in range(7))
 
         if not oks.all():
             rollback()
@@ -139,11 +144,11 @@ class SymmetricHeap:
                 "allocation or free differed; the heap is no longer symmetric")
 
         tensor = self.tensor_at(self.base + offset, shape, dtype, nbytes)
-        self._live[tensor.data_ptr()] = Allocation(offset, nbytes, shape, dtype)
+        self._live[self.base + offset] = Allocation(offset, nbytes, shape, dtype)
         return tensor
 
     def free(self, tensor: torch.Tensor) -> None:
-        ptr = tensor.data_ptr() if isinstance(tensor, torch.Tensor) else -1
+        ptr = address_of(tensor) if isinstance(tensor, torch.Tensor) else -1
         alloc = self._live.get(ptr)
         table = self._channel.exchange(
             KIND_FREE, [int(alloc is not None), alloc.offset if alloc else -1],
@@ -174,6 +179,12 @@ class SymmetricHeap:
         else:
             raw = torch.as_tensor(_DeviceBuffer(address, nbytes), device=self.device)
         return raw.view(dtype).reshape(shape)
+
+
+def address_of(tensor: torch.Tensor) -> int:
+    """Address of a tensor's first element; unlike data_ptr() also right for empty tensors,
+    whose data_ptr() torch reports as 0."""
+    return tensor.untyped_storage().data_ptr() + tensor.storage_offset() * tensor.element_size()
 
 
 def _native_message() -> str:
