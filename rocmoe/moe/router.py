@@ -72,9 +72,10 @@ class Router(nn.Module):
             # Multiplicative jitter (Switch Transformer): explores routing early in training.
             noise = torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
             x = x * noise
-        # Gating decides which expert gets a token; do it in fp32 so bf16 rounding cannot flip
-        # near-ties differently from the fp32 reference.
-        return x.float() @ self.weight.float().t()
+        # Gating decides which expert gets a token; do it in (at least) fp32 so bf16 rounding
+        # cannot flip near-ties differently from the fp32 reference.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        return x.to(dtype) @ self.weight.to(dtype).t()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         check_tokens(x, self.hidden_size)

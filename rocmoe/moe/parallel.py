@@ -1,0 +1,147 @@
+"""Expert parallelism: experts split over ranks, tokens travel to their expert and back.
+
+Rank r owns global experts ``[r * E_local, (r + 1) * E_local)``. A forward:
+
+1. route locally; sort this rank's (token, slot) pairs by global expert, which also groups
+   them by destination rank;
+2. exchange the per-expert counts (``[world, E_local]`` each way);
+3. dispatch: all-to-all of the sorted rows;
+4. run the local experts on what arrived (rows arrive grouped by source rank, then by local
+   expert; the expert of each row comes from the counts by a device-side searchsorted);
+5. combine: all-to-all back, unsort, weight by the gates and sum the k slots.
+
+The transport sits behind :class:`ExpertTransport` so the layer does not care whether rows
+move through MPI (host backend, CPU tensors) or the symmetric heap. ``transport_for(ctx)``
+picks one; the MPI transport needs ``ctx.comm`` (an mpi4py communicator), which every
+rocmoe Context has.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import ConfigurationError
+from .router import expert_histogram
+
+
+class ExpertTransport:
+    """What expert parallelism needs from the communication layer."""
+
+    rank: int
+    world_size: int
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """[world, E_local] counts this rank sends -> [world, E_local] counts it receives."""
+        raise NotImplementedError
+
+    def all_to_all(self, rows: torch.Tensor, send_splits: list[int],
+                   recv_splits: list[int]) -> torch.Tensor:
+        """Rows [sum(send_splits), H] -> [sum(recv_splits), H], like all_to_all_single."""
+        raise NotImplementedError
+
+
+class MPITransport(ExpertTransport):
+    """Alltoall(v) over the context's mpi4py communicator (host backend, CPU tensors).
+
+    Row counts are read on the host here: MPI needs the byte counts on the host, and on the
+    host backend the tensors are host memory anyway, so this costs no device sync.
+    """
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.world_size = comm.Get_size()
+
+    def exchange_counts(self, send_counts):
+        send = np.ascontiguousarray(send_counts.detach().to("cpu", torch.int64).numpy())
+        recv = np.empty_like(send)
+        self.comm.Alltoall(send, recv)
+        return torch.from_numpy(recv).to(send_counts.device, send_counts.dtype)
+
+    def all_to_all(self, rows, send_splits, recv_splits):
+        from mpi4py import MPI
+        device = rows.device
+        src = rows.detach().to("cpu").contiguous()
+        width = src.shape[1]
+        out = torch.empty(sum(recv_splits), width, dtype=src.dtype)
+        row_bytes = width * src.element_size()
+        # Move raw bytes: works for every dtype (bf16 has no MPI datatype).
+        send_buf = src.view(torch.uint8).numpy().reshape(-1) if src.numel() else \
+            np.empty(0, np.uint8)
+        recv_buf = out.view(torch.uint8).numpy().reshape(-1) if out.numel() else \
+            np.empty(0, np.uint8)
+        send_counts = [c * row_bytes for c in send_splits]
+        recv_counts = [c * row_bytes for c in recv_splits]
+        send_displs = np.concatenate([[0], np.cumsum(send_counts)[:-1]]).tolist()
+        recv_displs = np.concatenate([[0], np.cumsum(recv_counts)[:-1]]).tolist()
+        self.comm.Alltoallv([send_buf, send_counts, send_displs, MPI.BYTE],
+                            [recv_buf, recv_counts, recv_displs, MPI.BYTE])
+        return out.to(device)
+
+
+def transport_for(ctx) -> ExpertTransport:
+    transport = getattr(ctx, "moe_transport", None)
+    if transport is not None:
+        return transport
+    comm = getattr(ctx, "comm", None)
+    if comm is None:
+        raise ConfigurationError(
+            "expert parallelism needs a context with an mpi4py communicator (ctx.comm); "
+            "create it with rocmoe.init()")
+    return MPITransport(comm)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, transport, send_splits, recv_splits):
+        ctx.transport = transport
+        ctx.splits = (send_splits, recv_splits)
+        return transport.all_to_all(rows, send_splits, recv_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits = ctx.splits
+        return ctx.transport.all_to_all(grad.contiguous(), recv_splits, send_splits), None, None, None
+
+
+def all_to_all(rows, transport, send_splits, recv_splits):
+    return _AllToAll.apply(rows, transport, list(send_splits), list(recv_splits))
+
+
+def expert_parallel_forward(layer, x, expert_ids, weights):
+    transport = transport_for(layer.ctx)
+    world, e_local = transport.world_size, layer.num_local_experts
+    if world != layer.world_size:
+        raise ConfigurationError(f"the layer was built for {layer.world_size} ranks but the "
+                                 f"context's communicator has {world}")
+    num_tokens, top_k = expert_ids.shape
+    flat = expert_ids.reshape(-1).long()
+    # 1. sort pairs by global expert (stable: deterministic order within an expert)
+    order = torch.sort(flat, stable=True).indices
+    counts = expert_histogram(expert_ids, layer.num_experts).view(world, e_local)
+    # 2. counts each way; the split sizes go to the host for the transport's buffers
+    recv_counts = transport.exchange_counts(counts)
+    send_splits = counts.sum(dim=1).tolist()
+    recv_splits = recv_counts.sum(dim=1).tolist()
+    # 3. dispatch
+    token_of_pair = order // top_k
+    sent = x.index_select(0, token_of_pair)
+    received = all_to_all(sent, transport, send_splits, recv_splits)
+    # 4. local experts; row i belongs to segment searchsorted(ends, i) = (source, expert)
+    seg_ends = torch.cumsum(recv_counts.reshape(-1).long(), 0)
+    rows = torch.arange(received.shape[0], device=x.device)
+    local_ids = (torch.searchsorted(seg_ends, rows, right=True) % e_local).to(torch.int32)
+    ones = torch.ones(received.shape[0], 1, dtype=x.dtype, device=x.device)
+    y_recv = layer._local_experts(received, local_ids.view(-1, 1), ones,
+                                  recv_counts.sum(dim=0).to(torch.int32))
+    # 5. combine: back to the source rank, unsort, weight and sum the k slots
+    y_sorted = all_to_all(y_recv, transport, recv_splits, send_splits)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
+                                                                         device=order.device))
+    y_pairs = y_sorted.index_select(0, inverse).view(num_tokens, top_k, -1)
+    return (y_pairs * weights.to(y_pairs.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+__all__ = ["ExpertTransport", "MPITransport", "transport_for", "all_to_all",
+           "expert_parallel_forward"]

@@ -1,0 +1,34 @@
+"""Every Triton kernel builds ahead of time for CDNA3, CDNA2 and Hopper, with matrix units."""
+
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from rocmoe.moe import kernels  # noqa: E402
+
+TARGETS = [
+    (GPUTarget("hip", "gfx942", 64), "amdgcn", "v_mfma"),
+    (GPUTarget("hip", "gfx90a", 64), "amdgcn", "v_mfma"),
+    (GPUTarget("cuda", 90, 32), "ptx", "wgmma"),
+]
+
+
+@pytest.fixture(autouse=True)
+def compiled_not_interpreted(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.mark.parametrize("target,asm_key,instruction", TARGETS,
+                         ids=["gfx942", "gfx90a", "sm90"])
+@pytest.mark.parametrize("name", kernels.names())
+def test_kernel_compiles_with_matrix_instructions(name, target, asm_key, instruction):
+    signature = kernels.aot_signatures("bf16")[name]
+    constexprs = {k: v for k, v in dict(BLOCK=128, BLOCK_N=128, BLOCK_K=64).items()
+                  if k in signature}
+    src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
+    assert instruction in compiled.asm[asm_key], f"{name} for {target} has no {instruction}"

@@ -1,0 +1,125 @@
+"""The four block-sparse products against dense matmuls over the same topology (torch path)."""
+
+import pytest
+import torch
+
+from rocmoe.errors import DTypeError, InvalidArgumentError
+from rocmoe.moe import blocksparse as bs
+from rocmoe.moe import build_topology, plan_routing
+
+
+@pytest.fixture(autouse=True)
+def torch_backend():
+    bs.set_backend("torch")
+    yield
+    bs.set_backend("auto")
+
+
+def _setup(block=16, ffn=40, e=4, t=23, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+    topo = build_topology(plan_routing(ids, e, block), ffn)
+    return topo, g
+
+
+def _mask(topo):
+    """Dense [P, E*F] 0/1 mask of the topology's blocks (logical ffn columns only)."""
+    dense = bs.to_dense(torch.ones(topo.nnz, topo.block_size, topo.block_size,
+                                   dtype=torch.float64), topo)
+    keep = (torch.arange(topo.num_experts * topo.ffn_padded) % topo.ffn_padded) < topo.ffn_size
+    return dense[:, keep]
+
+
+def _cat(w):  # [E, K, F] -> [K, E*F]
+    return w.permute(1, 0, 2).reshape(w.shape[1], -1)
+
+
+def _to_logical(s, topo):
+    dense = bs.to_dense(s, topo)
+    keep = (torch.arange(topo.num_experts * topo.ffn_padded) % topo.ffn_padded) < topo.ffn_size
+    return dense[:, keep]
+
+
+def test_sdd_equals_dense_product_masked_by_the_topology():
+    topo, g = _setup()
+    a = torch.randn(topo.num_rows, 12, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 12, 40, generator=g, dtype=torch.float64)
+    s = bs.sdd(a, w, topo)
+    torch.testing.assert_close(_to_logical(s, topo), (a @ _cat(w)) * _mask(topo))
+
+
+def test_sdd_leaves_the_ffn_padding_columns_zero():
+    topo, g = _setup(ffn=40)
+    s = bs.sdd(torch.randn(topo.num_rows, 12, generator=g), torch.randn(4, 12, 40, generator=g), topo)
+    dense = bs.to_dense(s, topo).view(topo.num_rows, 4, topo.ffn_padded)
+    assert torch.count_nonzero(dense[:, :, 40:]) == 0
+
+
+def test_dsd_equals_dense_product():
+    topo, g = _setup()
+    s = bs.sdd(torch.randn(topo.num_rows, 12, generator=g, dtype=torch.float64),
+               torch.randn(4, 12, 40, generator=g, dtype=torch.float64), topo)
+    w = torch.randn(4, 40, 9, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(bs.dsd(s, w, topo), _to_logical(s, topo) @ w.reshape(-1, 9))
+
+
+def test_dstd_equals_dense_transposed_product():
+    topo, g = _setup()
+    s = bs.sdd(torch.randn(topo.num_rows, 12, generator=g, dtype=torch.float64),
+               torch.randn(4, 12, 40, generator=g, dtype=torch.float64), topo)
+    b = torch.randn(topo.num_rows, 7, generator=g, dtype=torch.float64)
+    expect = (_to_logical(s, topo).t() @ b).view(4, 40, 7)
+    torch.testing.assert_close(bs.dstd(s, b, topo), expect)
+
+
+def test_ddst_equals_dense_times_transposed_sparse():
+    topo, g = _setup()
+    s = bs.sdd(torch.randn(topo.num_rows, 12, generator=g, dtype=torch.float64),
+               torch.randn(4, 12, 40, generator=g, dtype=torch.float64), topo)
+    w = torch.randn(4, 5, 40, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(bs.ddst(w, s, topo), _cat(w) @ _to_logical(s, topo).t())
+
+
+@pytest.mark.parametrize("op", ["sdd", "dsd", "dstd", "ddst"])
+def test_gradients_pass_gradcheck(op):
+    topo, g = _setup(block=16, ffn=20, e=3, t=9)
+    d = dict(generator=g, dtype=torch.float64)
+    s = bs.sdd(torch.randn(topo.num_rows, 6, **d), torch.randn(3, 6, 20, **d), topo).detach()
+    if op == "sdd":
+        args = (torch.randn(topo.num_rows, 6, **d), torch.randn(3, 6, 20, **d))
+        fn = lambda a, w: bs.sdd(a, w, topo)
+    elif op == "dsd":
+        args = (s, torch.randn(3, 20, 5, **d))
+        fn = lambda s_, w: bs.dsd(s_, w, topo)
+    elif op == "dstd":
+        args = (s, torch.randn(topo.num_rows, 5, **d))
+        fn = lambda s_, b: bs.dstd(s_, b, topo)
+    else:
+        args = (torch.randn(3, 5, 20, **d), s)
+        fn = lambda w, s_: bs.ddst(w, s_, topo)
+    args = tuple(a.clone().requires_grad_(True) for a in args)
+    # Compare on the topology's support only: values outside it are not part of the matrix.
+    def restricted(*xs):
+        out = fn(*xs)
+        return out * _support_mask(out, topo)
+    assert torch.autograd.gradcheck(restricted, args, eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+def _support_mask(out, topo):
+    if out.dim() == 3 and out.shape[1:] == (topo.block_size, topo.block_size):
+        m = torch.ones_like(out)
+        m[~topo.block_valid()] = 0
+        return m
+    return torch.ones_like(out)
+
+
+def test_mixed_dtypes_are_rejected():
+    topo, g = _setup()
+    with pytest.raises(DTypeError, match="share one dtype"):
+        bs.sdd(torch.randn(topo.num_rows, 12), torch.randn(4, 12, 40, dtype=torch.float64), topo)
+
+
+def test_wrong_sparse_shape_is_rejected():
+    topo, g = _setup()
+    with pytest.raises(InvalidArgumentError, match="sparse values must have shape"):
+        bs.dsd(torch.randn(3, 16, 16), torch.randn(4, 40, 9), topo)
