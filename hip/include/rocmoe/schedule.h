@@ -291,6 +291,33 @@ ROCMOE_HD inline int64_t split_begin(int64_t n, int32_t parts, int32_t i) {
     return (n / parts) * i + ((n % parts) * i) / parts;
 }
 
+/* ---------------------------------------------------------------------------------------
+ * Workspace layouts of the three fused ops. Every rank allocates the same symmetric receive
+ * buffer and signal array (rocmoe.ops keeps one per context and op, grown collectively), so
+ * the GPU kernels and the host backend must agree on where things are. Signal slots hold
+ * epochs and are indexed by the rank that writes them.
+ *
+ *   embedding_all_to_all  recv: [batch/world, total_tables, dim] of dtype (the output)
+ *                         slots: [world] "source s has delivered its tables' columns"
+ *   gemv_all_reduce       recv: partials [world][chunk_max] fp32 at 0 (from each source, for
+ *                         this rank's chunk), then result [n] of dtype at gemv_result_offset
+ *                         slots: [0, world) partial from source s is in;
+ *                                [world, 2 world) owner s's reduced chunk is in
+ *   gemm_all_to_all       recv: [recv_rows, n] of dtype, sources in rank order
+ *                         slots: [world] "source s has delivered its rows"
+ * ------------------------------------------------------------------------------------- */
+constexpr uint64_t kWorkspaceAlign = 256;
+
+ROCMOE_HD inline uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+ROCMOE_HD inline int64_t gemv_chunk_max(int64_t n, int32_t world) {
+    return (n + world - 1) / world;
+}
+
+ROCMOE_HD inline uint64_t gemv_result_offset(int64_t n, int32_t world) {
+    return align_up(static_cast<uint64_t>(world) * gemv_chunk_max(n, world) * 4u, kWorkspaceAlign);
+}
+
 }  // namespace sched
 }  // namespace rocmoe
 
