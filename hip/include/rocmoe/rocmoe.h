@@ -128,8 +128,110 @@ int rocmoe_signal_wait_until(rocmoe_ctx *ctx, uint64_t offset, int cmp, uint64_t
 int rocmoe_put_signal(rocmoe_ctx *ctx, int peer, uint64_t dst_offset, const void *src,
                       uint64_t nbytes, uint64_t sig_offset, uint64_t sig_value);
 
+/* ---- GPU device-side access (ipc backend; ROCMOE_ERR_BACKEND elsewhere) ----
+ * rocmoe_device_peer_table: device address of an array [world] of heap bases as this
+ * process sees them (own rank included), for kernels (rocmoe/shmem.h Team.peer_bases),
+ * Triton and torch. Valid until rocmoe_finalize.
+ * rocmoe_ipc_store_signal: launches on `stream` (a hipStream_t / cudaStream_t; NULL: the
+ * default stream) a kernel that stores nbytes of device memory `src` into `peer`'s heap at
+ * dst_offset, then sets `peer`'s slot sig_offset to sig_value (system-scope release). Returns
+ * at once; the stream orders it.
+ * rocmoe_ipc_wait_verify: launches on `stream` a kernel that waits (on the GPU, bounded by
+ * timeout_s, <= 0: the context's) until this rank's slot sig_offset is >= value, then counts
+ * the bytes of this rank's heap at heap_offset that differ from device memory `expected`;
+ * synchronises the stream and returns ROCMOE_ERR_TIMEOUT or the count in *mismatches. */
+int rocmoe_device_peer_table(const rocmoe_ctx *ctx, void **out);
+int rocmoe_ipc_store_signal(rocmoe_ctx *ctx, int peer, uint64_t dst_offset, const void *src,
+                            uint64_t nbytes, uint64_t sig_offset, uint64_t sig_value,
+                            void *stream);
+int rocmoe_ipc_wait_verify(rocmoe_ctx *ctx, uint64_t sig_offset, uint64_t value, double timeout_s,
+                           uint64_t heap_offset, const void *expected, uint64_t nbytes,
+                           void *stream, uint64_t *mismatches);
+
 /* host segments left behind by crashed jobs (name prefix "rocmoe.") */
 int rocmoe_host_segment_owner(const char *name, int *pid, int *alive);
+
+/* ---- fused ops (issue 3): host persistent kernels, hip/src/host/fused_ops.cpp ----
+ * Each call runs the schedule of rocmoe/schedule.h on worker threads of this rank and puts
+ * its slices into the peers' receive buffers (memcpy into their mappings), then waits for
+ * every source's slice and copies the received data to `out`. The caller (rocmoe.ops) has
+ * validated the inputs on every rank and agreed on the sizes before calling: these entry
+ * points recheck only what could corrupt memory. Workspace sizes and the slot layout are
+ * given by the *_workspace functions (same on every rank for the same arguments). */
+enum {
+    ROCMOE_DTYPE_F32 = 0,
+    ROCMOE_DTYPE_BF16 = 1,
+    ROCMOE_DTYPE_F16 = 2
+};
+
+enum {
+    ROCMOE_BAG_SUM = 0,
+    ROCMOE_BAG_MEAN = 1
+};
+
+typedef struct rocmoe_fused_common {
+    uint64_t epoch;          /* this call's number for the op, 1, 2, 3, ... (signals never reset) */
+    uint64_t signal_offset;  /* heap offset of the op's uint64 signal slots */
+    uint64_t recv_offset;    /* heap offset of the op's receive buffer (same on every rank) */
+    uint64_t recv_bytes;     /* its capacity in bytes */
+    int workers;             /* worker threads; <= 0: ROCMOE_HOST_WORKERS or min(4, cores) */
+    int ranks_per_node;      /* for the remote-first order; <= 0: one node */
+    double timeout_s;        /* bound of every wait; <= 0: the context's */
+} rocmoe_fused_common;
+
+typedef struct rocmoe_embedding_a2a_args {
+    rocmoe_fused_common common;
+    int dtype;                       /* of the tables and of out */
+    int mode;                        /* ROCMOE_BAG_* */
+    int num_tables;                  /* this rank's tables (0 allowed) */
+    int total_tables;                /* over all ranks */
+    int table_base;                  /* global index of this rank's first table */
+    int64_t batch;                   /* global batch, a multiple of the world size */
+    int64_t dim;
+    const void *const *weights;      /* num_tables x [rows, dim], contiguous */
+    const int64_t *rows;             /* num_tables */
+    const int64_t *const *indices;   /* num_tables x [num_indices] */
+    const int64_t *num_indices;      /* num_tables */
+    const int64_t *const *offsets;   /* num_tables x [batch] bag starts */
+    const float *const *per_sample_weights;  /* NULL, or num_tables x [num_indices] */
+    void *out;                       /* [batch / world, total_tables, dim] */
+} rocmoe_embedding_a2a_args;
+
+typedef struct rocmoe_gemv_allreduce_args {
+    rocmoe_fused_common common;
+    int dtype;                       /* of w, x and out */
+    int64_t n, k;
+    const void *w;                   /* [n, k] row-major, contiguous */
+    const void *x;                   /* [k] */
+    void *out;                       /* [n], identical on every rank */
+} rocmoe_gemv_allreduce_args;
+
+typedef struct rocmoe_gemm_a2a_args {
+    rocmoe_fused_common common;
+    int dtype;                       /* of x, y and out */
+    int64_t m, k, n;
+    const void *x;                   /* [m, k], dtype; NULL when y is given */
+    const float *w;                  /* [k, n] fp32 (accumulation is fp32) */
+    const void *y;                   /* NULL: compute x @ w here; else [m, n] rows to send */
+    const int64_t *send_counts;      /* world: rows for each destination, in row order */
+    const int64_t *dest_row_offsets; /* world: first row of this rank's part in each dest */
+    int64_t recv_rows;               /* rows this rank receives in all */
+    void *out;                       /* [recv_rows, n] */
+} rocmoe_gemm_a2a_args;
+
+/* bytes of receive buffer and number of signal slots each op needs */
+int rocmoe_embedding_a2a_workspace(int world, int64_t batch, int total_tables, int64_t dim,
+                                   int dtype, uint64_t *recv_bytes, uint64_t *signal_slots);
+int rocmoe_gemv_allreduce_workspace(int world, int64_t n, int dtype, uint64_t *recv_bytes,
+                                    uint64_t *signal_slots);
+int rocmoe_gemm_a2a_workspace(int world, int64_t recv_rows, int64_t n, int dtype,
+                              uint64_t *recv_bytes, uint64_t *signal_slots);
+
+int rocmoe_host_embedding_a2a(rocmoe_ctx *ctx, const rocmoe_embedding_a2a_args *args);
+int rocmoe_host_gemv_allreduce(rocmoe_ctx *ctx, const rocmoe_gemv_allreduce_args *args);
+int rocmoe_host_gemm_a2a(rocmoe_ctx *ctx, const rocmoe_gemm_a2a_args *args);
+/* worker threads a fused op uses when common.workers <= 0 */
+int rocmoe_host_default_workers(void);
 
 /* ROCMOE_CDEF_END */
 
