@@ -348,4 +348,46 @@ int rocmoe_put_signal(rocmoe_ctx *ctx, int peer, uint64_t dst_offset, const void
     return rocmoe_signal_set(ctx, peer, sig_offset, sig_value);
 }
 
+/* ---- GPU device-side access (ipc backend) ---- */
+
+int rocmoe_device_peer_table(const rocmoe_ctx *ctx, void **out) {
+    int rc = check_connected(ctx);
+    if (rc != ROCMOE_OK) return rc;
+    if (out == nullptr) return fail(ROCMOE_ERR_INVALID, "out is NULL");
+    return ctx->backend->device_peer_table(out);
+}
+
+int rocmoe_ipc_store_signal(rocmoe_ctx *ctx, int peer, uint64_t dst_offset, const void *src,
+                            uint64_t nbytes, uint64_t sig_offset, uint64_t sig_value,
+                            void *stream) {
+    // Everything is checked before the launch: bad input must leave peers untouched.
+    int rc = check_connected(ctx);
+    if (rc == ROCMOE_OK) rc = check_peer(ctx, peer);
+    if (rc == ROCMOE_OK) rc = check_range(ctx, dst_offset, nbytes);
+    if (rc == ROCMOE_OK) rc = check_slot(ctx, sig_offset);
+    if (rc != ROCMOE_OK) return rc;
+    if (nbytes > 0 && src == nullptr) return fail(ROCMOE_ERR_INVALID, "src is NULL");
+    if (sig_offset + 8 > dst_offset && sig_offset < dst_offset + nbytes)
+        return fail(ROCMOE_ERR_INVALID,
+                    "signal slot at offset %" PRIu64 " lies inside the destination range [%" PRIu64
+                    ", %" PRIu64 ")",
+                    sig_offset, dst_offset, dst_offset + nbytes);
+    return ctx->backend->device_store_signal(peer, dst_offset, src, nbytes, sig_offset, sig_value,
+                                             stream);
+}
+
+int rocmoe_ipc_wait_verify(rocmoe_ctx *ctx, uint64_t sig_offset, uint64_t value, double timeout_s,
+                           uint64_t heap_offset, const void *expected, uint64_t nbytes,
+                           void *stream, uint64_t *mismatches) {
+    int rc = check_connected(ctx);
+    if (rc == ROCMOE_OK) rc = check_slot(ctx, sig_offset);
+    if (rc == ROCMOE_OK) rc = check_range(ctx, heap_offset, nbytes);
+    if (rc != ROCMOE_OK) return rc;
+    if (mismatches == nullptr) return fail(ROCMOE_ERR_INVALID, "mismatches is NULL");
+    if (nbytes > 0 && expected == nullptr) return fail(ROCMOE_ERR_INVALID, "expected is NULL");
+    if (!(timeout_s > 0)) timeout_s = ctx->args.timeout_s;
+    return ctx->backend->device_wait_verify(sig_offset, value, timeout_s, heap_offset, expected,
+                                            nbytes, stream, mismatches);
+}
+
 }  // extern "C"

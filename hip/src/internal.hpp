@@ -52,6 +52,22 @@ public:
     virtual int signal_load(uint64_t offset, uint64_t *value) = 0;
     // false only when the peer is known to have exited
     virtual bool peer_alive(int /*peer*/) const { return true; }
+
+    // GPU backends: device-side access for kernels (rocmoe_device_peer_table,
+    // rocmoe_ipc_store_signal, rocmoe_ipc_wait_verify). Arguments are checked by the ABI.
+    virtual int device_peer_table(void ** /*out*/) {
+        return fail(ROCMOE_ERR_BACKEND, "this backend has no device-side peer table (use ipc)");
+    }
+    virtual int device_store_signal(int /*peer*/, uint64_t /*dst*/, const void * /*src*/,
+                                    uint64_t /*n*/, uint64_t /*sig*/, uint64_t /*value*/,
+                                    void * /*stream*/) {
+        return fail(ROCMOE_ERR_BACKEND, "GPU store+signal kernels need the ipc backend");
+    }
+    virtual int device_wait_verify(uint64_t /*sig*/, uint64_t /*value*/, double /*timeout_s*/,
+                                   uint64_t /*offset*/, const void * /*expected*/, uint64_t /*n*/,
+                                   void * /*stream*/, uint64_t * /*mismatches*/) {
+        return fail(ROCMOE_ERR_BACKEND, "GPU wait+verify kernels need the ipc backend");
+    }
 };
 
 constexpr size_t kBlobSize = 256;
