@@ -1,0 +1,460 @@
+// ipc backend: the symmetric heap is one device allocation per rank (fine-grained on AMD,
+// so system-scope atomics and peer stores are coherent; plain cudaMalloc on NVIDIA). Its IPC
+// handle is the bootstrap blob; connect opens every peer's handle, so every heap of the
+// node is addressable from every rank's kernels through a device-side table of bases.
+//
+// Several ranks may share one GPU (each its own process): opening an IPC handle exported by
+// another process on the same device is allowed. A handle of this very process can't be
+// opened (the driver refuses); the owner's address is used directly instead.
+//
+// Host-initiated operations run on two streams of their own:
+//   stream_       blocking (it waits for the legacy default stream, where torch puts its
+//                 work by default), so a put sees the data that torch just produced; puts,
+//                 gets and host signal stores are ordered on it.
+//   poll_stream_  non-blocking, used only to read signal slots: a host wait must see the
+//                 slot change while a kernel of this process still runs on another stream.
+#include <cerrno>
+#include <cinttypes>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+// This backend's kernels store through IPC mappings whatever facade the build selected.
+#define ROCMOE_SHMEM_IPC 1
+
+#include "internal.hpp"
+#include "rocmoe/platform.h"
+#include "rocmoe/shmem.h"
+
+namespace rocmoe {
+namespace {
+
+namespace sh = rocmoe::shmem;
+
+constexpr char kMagic[8] = {'R', 'O', 'C', 'M', 'O', 'E', 'I', 'P'};
+constexpr uint32_t kBlobVersion = 1;
+constexpr int kStoreThreads = 512;
+constexpr int kVerifyThreads = 256;
+
+struct IpcBlob {
+    char magic[8];
+    uint32_t version;
+    int32_t rank;
+    int32_t pid;
+    int32_t device;
+    uint64_t heap_size;
+    uint64_t base;        // the heap's address in its owner's process
+    char host[64];        // IPC handles only open on the node that made them
+    hipIpcMemHandle_t handle;
+};
+static_assert(sizeof(IpcBlob) <= kBlobSize, "the ipc bootstrap blob must fit kBlobSize");
+
+#define ROCMOE_GPU_TRY(call, ...)                                                          \
+    do {                                                                                   \
+        hipError_t rocmoe_err_ = (call);                                                   \
+        if (rocmoe_err_ != hipSuccess) return gpu_fail(rocmoe_err_, #call, ##__VA_ARGS__); \
+    } while (0)
+
+int gpu_fail(hipError_t err, const char *call, const char *context = nullptr) {
+    return fail(err == hipErrorOutOfMemory ? ROCMOE_ERR_NOMEM : ROCMOE_ERR_SYSTEM,
+                "%s failed: %s (%s)%s%s", call, hipGetErrorName(err), hipGetErrorString(err),
+                context ? "; " : "", context ? context : "");
+}
+
+bool pid_alive(int pid) {
+    if (pid <= 0) return false;
+    return kill(pid, 0) == 0 || errno == EPERM;
+}
+
+std::string host_name() {
+    char name[64] = {};
+    if (gethostname(name, sizeof name - 1) != 0) return "?";
+    return name;
+}
+
+// ---------------------------------------------------------------------------------------
+// kernels
+// ---------------------------------------------------------------------------------------
+
+// Host-initiated signal: one thread; the fence orders the puts that this stream already
+// completed (and any the caller made visible) before the flag.
+__global__ void signal_store_kernel(uint64_t *slot, uint64_t value, int add) {
+    __threadfence_system();
+    if (add) platform::fetch_add_release_system(slot, value);
+    else platform::store_release_system(slot, value);
+}
+
+// A slice of `n` bytes into rank `pe`'s heap, then one signal for the whole slice.
+// Each workgroup copies its chunk; the last workgroup to finish (counted in `arrivals`,
+// which it resets for the next launch on the same stream) raises the signal. Every thread
+// fences its own stores before its workgroup is counted, so the signal publishes them all.
+__global__ void store_signal_kernel(sh::Team team, char *dst, const char *src, uint64_t n,
+                                    uint64_t chunk, uint64_t *sig, uint64_t value, int pe,
+                                    unsigned int *arrivals) {
+    const uint64_t begin = static_cast<uint64_t>(blockIdx.x) * chunk;
+    if (begin < n) {
+        const uint64_t len = (n - begin < chunk) ? n - begin : chunk;
+        sh::put_nbi_wg(team, dst + begin, src + begin, len, pe);
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (sh::wg_thread_id() == 0) {
+        const unsigned int done = atomicAdd(arrivals, 1u);
+        if (done == gridDim.x - 1) {
+            atomicExch(arrivals, 0u);
+            sh::signal_set(team, sig, value, pe);
+        }
+    }
+}
+
+struct VerifyResult {
+    unsigned long long status;      // sh::WaitStatus, max over workgroups
+    unsigned long long observed;    // the slot's value when the wait ended
+    unsigned long long mismatches;  // bytes that differ from `expected`
+};
+
+// Wait (bounded, on the device) until this rank's slot reaches `value`, then compare
+// `nbytes` of the local heap at `got` with `expected`. Every workgroup waits for itself,
+// so no workgroup reads its chunk before the signal was seen.
+__global__ void wait_verify_kernel(sh::Team team, uint64_t *sig, uint64_t value,
+                                   uint64_t timeout_ns, const unsigned char *got,
+                                   const unsigned char *expected, uint64_t n, uint64_t chunk,
+                                   VerifyResult *result) {
+    __shared__ int status;
+    if (sh::wg_thread_id() == 0) {
+        uint64_t observed = 0;
+        status = sh::wait_until(team, sig, sh::kCmpGe, value, timeout_ns, &observed);
+        if (blockIdx.x == 0) result->observed = observed;
+        if (status != sh::kWaitOk) atomicMax(&result->status, static_cast<unsigned long long>(status));
+    }
+    __syncthreads();
+    if (status != sh::kWaitOk) return;
+    const uint64_t begin = static_cast<uint64_t>(blockIdx.x) * chunk;
+    if (begin >= n) return;
+    const uint64_t len = (n - begin < chunk) ? n - begin : chunk;
+    unsigned long long bad = 0;
+    for (uint64_t i = sh::wg_thread_id(); i < len; i += blockDim.x * blockDim.y * blockDim.z)
+        bad += got[begin + i] != expected[begin + i];
+    if (bad) atomicAdd(&result->mismatches, bad);
+}
+
+// ---------------------------------------------------------------------------------------
+// backend
+// ---------------------------------------------------------------------------------------
+
+class IpcBackend final : public Backend {
+public:
+    ~IpcBackend() override { finalize(); }
+
+    int init(const rocmoe_init_args &args) override {
+        args_ = args;
+        if (args.local_size != args.world_size)
+            return fail(ROCMOE_ERR_BACKEND,
+                        "the ipc backend needs every rank on one node (world size %d, %d ranks on "
+                        "this node); use rocshmem (AMD) or nvshmem (NVIDIA) across nodes",
+                        args.world_size, args.local_size);
+        int count = 0;
+        if (hipGetDeviceCount(&count) != hipSuccess) count = 0;
+        if (args.device < 0 || args.device >= count)
+            return fail(ROCMOE_ERR_INVALID,
+                        "GPU %d does not exist: this process sees %d GPU(s) (check "
+                        "CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES)",
+                        args.device, count);
+        ROCMOE_GPU_TRY(hipSetDevice(args.device));
+        ROCMOE_GPU_TRY(hipDeviceGetAttribute(&sm_count_, hipDeviceAttributeMultiprocessorCount,
+                                             args.device));
+
+        unsigned flags = hipDeviceMallocFinegrained;
+        if (const char *env = std::getenv("ROCMOE_HIP_FINEGRAINED"); env && env[0] == '0')
+            flags = hipDeviceMallocDefault;  // coarse-grained: faster, but not coherent
+        void *heap = nullptr;
+        hipError_t err = hipExtMallocWithFlags(&heap, args.heap_size, flags);
+        if (err != hipSuccess)
+            return fail(err == hipErrorOutOfMemory ? ROCMOE_ERR_NOMEM : ROCMOE_ERR_SYSTEM,
+                        "allocating the %" PRIu64 "-byte symmetric heap on GPU %d failed: %s; "
+                        "lower ROCMOE_HEAP_SIZE (ranks sharing a GPU each need their own heap)",
+                        args.heap_size, args.device, hipGetErrorString(err));
+        heap_ = static_cast<char *>(heap);
+        // Signal slots must start at 0 on every rank (epochs count up from 1).
+        ROCMOE_GPU_TRY(hipMemset(heap_, 0, args.heap_size));
+        ROCMOE_GPU_TRY(hipStreamCreateWithFlags(&stream_, hipStreamDefault));
+        ROCMOE_GPU_TRY(hipStreamCreateWithFlags(&poll_stream_, hipStreamNonBlocking));
+        void *table = nullptr;
+        ROCMOE_GPU_TRY(hipMalloc(&table, sizeof(void *) * args.world_size));
+        table_ = static_cast<void **>(table);
+        bases_.assign(args.world_size, nullptr);
+        pids_.assign(args.world_size, 0);
+        opened_.assign(args.world_size, false);
+        bases_[args.rank] = heap_;
+        pids_[args.rank] = getpid();
+        ROCMOE_GPU_TRY(hipMemcpy(table_, bases_.data(), sizeof(void *) * args.world_size,
+                                 hipMemcpyHostToDevice));
+        return ROCMOE_OK;
+    }
+
+    int bootstrap_blob(void *out) override {
+        IpcBlob blob{};
+        std::memcpy(blob.magic, kMagic, sizeof kMagic);
+        blob.version = kBlobVersion;
+        blob.rank = args_.rank;
+        blob.pid = getpid();
+        blob.device = args_.device;
+        blob.heap_size = args_.heap_size;
+        blob.base = reinterpret_cast<uint64_t>(heap_);
+        std::strncpy(blob.host, host_name().c_str(), sizeof blob.host - 1);
+        // A world of one never exports: nothing would open the handle.
+        if (args_.world_size > 1)
+            ROCMOE_GPU_TRY(hipIpcGetMemHandle(&blob.handle, heap_),
+                           "the GPU driver refused to export the heap for IPC");
+        std::memcpy(out, &blob, sizeof blob);
+        return ROCMOE_OK;
+    }
+
+    int connect(const void *all_blobs) override {
+        ROCMOE_GPU_TRY(hipSetDevice(args_.device));
+        const char *raw = static_cast<const char *>(all_blobs);
+        const std::string me = host_name();
+        for (int peer = 0; peer < args_.world_size; ++peer) {
+            if (peer == args_.rank) continue;
+            IpcBlob blob;
+            std::memcpy(&blob, raw + static_cast<size_t>(peer) * kBlobSize, sizeof blob);
+            if (std::memcmp(blob.magic, kMagic, sizeof kMagic) != 0 || blob.version != kBlobVersion ||
+                blob.rank != peer)
+                return fail(ROCMOE_ERR_INVALID,
+                            "rank %d's bootstrap blob is not an ipc handle of this librocmoe "
+                            "version: every rank must run the same build and backend",
+                            peer);
+            if (blob.heap_size != args_.heap_size)
+                return fail(ROCMOE_ERR_INVALID,
+                            "rank %d's heap is %" PRIu64 " bytes, this rank's is %" PRIu64
+                            ": every rank must use the same ROCMOE_HEAP_SIZE",
+                            peer, blob.heap_size, args_.heap_size);
+            blob.host[sizeof blob.host - 1] = '\0';
+            if (me != blob.host)
+                return fail(ROCMOE_ERR_UNREACHABLE,
+                            "rank %d runs on host '%s', this rank on '%s': IPC handles only open "
+                            "on one node; use rocshmem/nvshmem across nodes",
+                            peer, blob.host, me.c_str());
+            pids_[peer] = blob.pid;
+            if (blob.pid == getpid()) {
+                // Same process (e.g. two contexts of one program): same address space.
+                bases_[peer] = reinterpret_cast<void *>(blob.base);
+                continue;
+            }
+            void *mapped = nullptr;
+            hipError_t err = hipIpcOpenMemHandle(&mapped, blob.handle, hipIpcMemLazyEnablePeerAccess);
+            if (err != hipSuccess)
+                return fail(ROCMOE_ERR_UNREACHABLE,
+                            "opening rank %d's heap (GPU %d, pid %d) from GPU %d failed: %s; "
+                            "are both GPUs peers of each other (hipDeviceCanAccessPeer)?",
+                            peer, blob.device, blob.pid, args_.device, hipGetErrorString(err));
+            bases_[peer] = mapped;
+            opened_[peer] = true;
+        }
+        ROCMOE_GPU_TRY(hipMemcpy(table_, bases_.data(), sizeof(void *) * args_.world_size,
+                                 hipMemcpyHostToDevice));
+        return ROCMOE_OK;
+    }
+
+    int finalize() override {
+        if (heap_ == nullptr && table_ == nullptr) return ROCMOE_OK;
+        int rc = ROCMOE_OK;
+        auto keep_first = [&rc](hipError_t err, const char *what) {
+            if (err != hipSuccess && rc == ROCMOE_OK) rc = gpu_fail(err, what);
+        };
+        keep_first(hipSetDevice(args_.device), "hipSetDevice");
+        // Nothing of ours may still be writing into a heap that is about to go away.
+        if (stream_) keep_first(hipStreamSynchronize(stream_), "hipStreamSynchronize");
+        for (int peer = 0; peer < static_cast<int>(bases_.size()); ++peer)
+            if (opened_[peer]) keep_first(hipIpcCloseMemHandle(bases_[peer]), "hipIpcCloseMemHandle");
+        for (auto &entry : scratch_) keep_first(hipFree(entry.second), "hipFree(scratch)");
+        scratch_.clear();
+        if (table_) keep_first(hipFree(table_), "hipFree(peer table)");
+        if (heap_) keep_first(hipFree(heap_), "hipFree(heap)");
+        if (stream_) keep_first(hipStreamDestroy(stream_), "hipStreamDestroy");
+        if (poll_stream_) keep_first(hipStreamDestroy(poll_stream_), "hipStreamDestroy");
+        heap_ = nullptr;
+        table_ = nullptr;
+        stream_ = poll_stream_ = nullptr;
+        bases_.clear();
+        opened_.clear();
+        return rc;
+    }
+
+    void *base() const override { return heap_; }
+
+    int peer_ptr(int peer, uint64_t offset, void **out) const override {
+        *out = static_cast<char *>(bases_[peer]) + offset;
+        return ROCMOE_OK;
+    }
+
+    int put(int peer, uint64_t dst, const void *src, uint64_t n) override {
+        ROCMOE_GPU_TRY(hipSetDevice(args_.device));
+        ROCMOE_GPU_TRY(hipMemcpyAsync(static_cast<char *>(bases_[peer]) + dst, src, n,
+                                      hipMemcpyDefault, stream_));
+        // The host API promises that src may be reused on return.
+        ROCMOE_GPU_TRY(hipStreamSynchronize(stream_));
+        return ROCMOE_OK;
+    }
+
+    int get(int peer, uint64_t src, void *dst, uint64_t n) override {
+        ROCMOE_GPU_TRY(hipSetDevice(args_.device));
+        ROCMOE_GPU_TRY(hipMemcpyAsync(dst, static_cast<char *>(bases_[peer]) + src, n,
+                                      hipMemcpyDefault, stream_));
+        ROCMOE_GPU_TRY(hipStreamSynchronize(stream_));
+        return ROCMOE_OK;
+    }
+
+    // Everything this rank issued on the device (its kernels' stores included) is complete.
+    int quiet() override {
+        ROCMOE_GPU_TRY(hipSetDevice(args_.device));
+        ROCMOE_GPU_TRY(hipDeviceSynchronize());
+        return ROCMOE_OK;
+    }
+
+    int signal_store(int peer, uint64_t offset, uint64_t value, bool add) override {
+        ROCMOE_GPU_TRY(hipSetDevice(args_.device));
+        auto *slot = reinterpret_cast<uint64_t *>(static_cast<char *>(bases_[peer]) + offset);
+        hipLaunchKernelGGL(signal_store_kernel, dim3(1), dim3(1), 0, stream_, slot, value,
+                           add ? 1 : 0);
+        ROCMOE_GPU_TRY(hipGetLastError(), "launching the signal kernel");
+        ROCMOE_GPU_TRY(hipStreamSynchronize(stream_));
+        return ROCMOE_OK;
+    }
+
+    int signal_load(uint64_t offset, uint64_t *value) override {
+        ROCMOE_GPU_TRY(hipMemcpyAsync(value, heap_ + offset, sizeof(uint64_t), hipMemcpyDeviceToHost,
+                                      poll_stream_));
+        ROCMOE_GPU_TRY(hipStreamSynchronize(poll_stream_));
+        return ROCMOE_OK;
+    }
+
+    bool peer_alive(int peer) const override {
+        return peer == args_.rank || pids_[peer] == 0 || pid_alive(pids_[peer]);
+    }
+
+    // -- device-side access ---------------------------------------------------------------
+    int device_peer_table(void **out) override {
+        *out = table_;
+        return ROCMOE_OK;
+    }
+
+    int device_store_signal(int peer, uint64_t dst, const void *src, uint64_t n, uint64_t sig,
+                            uint64_t value, void *stream) override {
+        ROCMOE_GPU_TRY(hipSetDevice(args_.device));
+        auto s = static_cast<hipStream_t>(stream);
+        void *arrivals = nullptr;
+        int rc = scratch_for(s, &arrivals);
+        if (rc != ROCMOE_OK) return rc;
+        uint64_t chunk = 0;
+        const unsigned blocks = grid_for(n, kStoreThreads * 16ull * 4, &chunk);
+        hipLaunchKernelGGL(store_signal_kernel, dim3(blocks), dim3(kStoreThreads), 0, s, team(),
+                           heap_ + dst, static_cast<const char *>(src), n, chunk,
+                           reinterpret_cast<uint64_t *>(heap_ + sig), value, peer,
+                           static_cast<unsigned int *>(arrivals));
+        ROCMOE_GPU_TRY(hipGetLastError(), "launching the store+signal kernel");
+        return ROCMOE_OK;
+    }
+
+    int device_wait_verify(uint64_t sig, uint64_t value, double timeout_s, uint64_t offset,
+                           const void *expected, uint64_t n, void *stream,
+                           uint64_t *mismatches) override {
+        ROCMOE_GPU_TRY(hipSetDevice(args_.device));
+        auto s = static_cast<hipStream_t>(stream);
+        void *scratch = nullptr;
+        int rc = scratch_for(s, &scratch);
+        if (rc != ROCMOE_OK) return rc;
+        // The result lives after the arrivals counter in the same per-stream scratch block.
+        auto *result = reinterpret_cast<VerifyResult *>(static_cast<char *>(scratch) + 64);
+        ROCMOE_GPU_TRY(hipMemsetAsync(result, 0, sizeof(VerifyResult), s));
+        uint64_t chunk = 0;
+        const unsigned blocks = grid_for(n, kVerifyThreads * 64ull, &chunk);
+        const uint64_t timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+        hipLaunchKernelGGL(wait_verify_kernel, dim3(blocks), dim3(kVerifyThreads), 0, s, team(),
+                           reinterpret_cast<uint64_t *>(heap_ + sig), value, timeout_ns,
+                           reinterpret_cast<const unsigned char *>(heap_ + offset),
+                           static_cast<const unsigned char *>(expected), n, chunk, result);
+        ROCMOE_GPU_TRY(hipGetLastError(), "launching the wait+verify kernel");
+        VerifyResult host{};
+        ROCMOE_GPU_TRY(hipMemcpyAsync(&host, result, sizeof host, hipMemcpyDeviceToHost, s));
+        ROCMOE_GPU_TRY(hipStreamSynchronize(s));
+        if (host.status != sh::kWaitOk)
+            return fail(ROCMOE_ERR_TIMEOUT,
+                        "rank %d timed out after %.3g s waiting on the GPU for signal slot at "
+                        "offset %" PRIu64 " to reach >= %" PRIu64 " (it holds %llu); is the "
+                        "peer alive and making the same calls?",
+                        args_.rank, timeout_s, sig, value, host.observed);
+        *mismatches = host.mismatches;
+        return ROCMOE_OK;
+    }
+
+private:
+    sh::Team team() const { return sh::Team{table_, args_.rank, args_.world_size}; }
+
+    // One chunk per workgroup, a multiple of 16 bytes (vector copies), at least `min_chunk`
+    // bytes, and no more than four workgroups per multiprocessor. An empty slice still
+    // launches one workgroup: its signal must be raised (DESIGN.md, signal protocol).
+    unsigned grid_for(uint64_t n, uint64_t min_chunk, uint64_t *chunk) const {
+        const uint64_t max_blocks = static_cast<uint64_t>(sm_count_ > 0 ? sm_count_ : 1) * 4;
+        uint64_t blocks = (n + min_chunk - 1) / min_chunk;
+        if (blocks < 1) blocks = 1;
+        if (blocks > max_blocks) blocks = max_blocks;
+        uint64_t c = (n + blocks - 1) / blocks;
+        c = (c + 15) & ~uint64_t(15);
+        if (c == 0) c = 16;
+        *chunk = c;
+        return static_cast<unsigned>((n + c - 1) / c > 0 ? (n + c - 1) / c : 1);
+    }
+
+    // Per-stream device scratch (the arrivals counter, then a VerifyResult): launches on
+    // one stream are ordered, so they can share it; launches on two streams cannot.
+    int scratch_for(hipStream_t s, void **out) {
+        std::lock_guard<std::mutex> lock(scratch_mutex_);
+        auto it = scratch_.find(s);
+        if (it != scratch_.end()) {
+            *out = it->second;
+            return ROCMOE_OK;
+        }
+        void *p = nullptr;
+        ROCMOE_GPU_TRY(hipMalloc(&p, 256));
+        ROCMOE_GPU_TRY(hipMemset(p, 0, 256));
+        scratch_[s] = p;
+        *out = p;
+        return ROCMOE_OK;
+    }
+
+    rocmoe_init_args args_{};
+    int sm_count_ = 0;
+    char *heap_ = nullptr;
+    void **table_ = nullptr;
+    hipStream_t stream_ = nullptr;
+    hipStream_t poll_stream_ = nullptr;
+    std::vector<void *> bases_;
+    std::vector<int> pids_;
+    std::vector<bool> opened_;
+    std::mutex scratch_mutex_;
+    std::map<hipStream_t, void *> scratch_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_ipc_backend() { return std::make_unique<IpcBackend>(); }
+
+int gpu_device_count(int *count) {
+    int n = 0;
+    // No driver or no device is not an error here: the answer is "0 GPUs".
+    if (hipGetDeviceCount(&n) != hipSuccess) {
+        (void)hipGetLastError();
+        n = 0;
+    }
+    *count = n;
+    return ROCMOE_OK;
+}
+
+}  // namespace rocmoe
