@@ -263,6 +263,10 @@ class Context:
         this tensor before its owner has zeroed it."""
         t = self.empty(shape, dtype)
         t.zero_()
+        if t.is_cuda:
+            # zero_() is only queued on the GPU; a peer's put after the barrier must not
+            # land before it runs.
+            torch.cuda.current_stream(t.device).synchronize()
         self.barrier()
         return t
 
@@ -289,6 +293,13 @@ class Context:
         if not tensor.is_contiguous():
             raise errors.InvalidArgumentError("ctx.peer() needs a contiguous tensor")
         return self.heap.tensor_at(address, tuple(tensor.shape), tensor.dtype, nbytes)
+
+    def device_peer_table(self) -> int:
+        """Device address of the ipc backend's table of heap bases ([world] pointers, own
+        rank included), for GPU kernels (rocmoe/shmem.h) and Triton. ipc backend only."""
+        out = ffi.new("void **")
+        check(lib.rocmoe_device_peer_table(self._live(), out), "ctx.device_peer_table")
+        return int(ffi.cast("uintptr_t", out[0]))
 
     # -- one-sided communication -----------------------------------------------------
     def put(self, dst: torch.Tensor, src: torch.Tensor, peer: int) -> None:
