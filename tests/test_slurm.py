@@ -1,0 +1,156 @@
+"""Slurm: the local template runs a 2-rank rocmoe ring under a real Slurm, failures propagate,
+and rocmoe-launch binds each local rank to its GPU.
+
+The cluster tests need a running Slurm (CI: `slurm/local-cluster.sh start`); they skip when
+there is none, unless ROCMOE_REQUIRE_ALL=1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, REQUIRE_ALL, mpi_env
+
+SLURM = REPO / "slurm"
+JOB_TIMEOUT_S = 300
+
+
+def _unavailable(message: str):
+    if REQUIRE_ALL:
+        pytest.fail(message + " and ROCMOE_REQUIRE_ALL=1")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def slurm_env() -> dict:
+    """Environment for sbatch/sinfo, pointing at the local cluster when no other config is."""
+    if shutil.which("sbatch") is None:
+        _unavailable("Slurm is not installed (apt-get install slurm-wlm munge)")
+    env = mpi_env()
+    local_conf = Path(os.environ.get("ROCMOE_SLURM_DIR", "/tmp/rocmoe-slurm")) / "slurm.conf"
+    if "SLURM_CONF" not in env and not Path("/etc/slurm/slurm.conf").exists() and local_conf.exists():
+        env["SLURM_CONF"] = str(local_conf)
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%a %T"], env=env, capture_output=True,
+                              text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        proc = None
+    if proc is None or proc.returncode != 0 or not proc.stdout.strip():
+        why = proc.stderr.strip() if proc is not None else "sinfo timed out"
+        _unavailable(f"no Slurm is running ({why}); start one with slurm/local-cluster.sh start")
+    if not any(state in proc.stdout for state in ("idle", "mixed")):
+        _unavailable(f"no Slurm node can take a job: {proc.stdout.strip()!r}")
+    return env
+
+
+def submit_and_wait(env: dict, tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    """sbatch --wait local.sbatch args; returns (exit status, job id, job output)."""
+    out = tmp_path / "job-%j.out"
+    proc = subprocess.Popen(
+        ["sbatch", "--wait", "--parsable", f"--output={out}", f"--chdir={REPO}",
+         str(SLURM / "local.sbatch"), *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, _ = proc.communicate()
+        job = stdout.strip().split(";")[0]
+        if job:
+            subprocess.run(["scancel", job], env=env, timeout=30)
+        pytest.fail(f"Slurm job {job or '?'} did not finish within {JOB_TIMEOUT_S} s")
+    job = stdout.strip().splitlines()[0].split(";")[0] if stdout.strip() else ""
+    assert job.isdigit(), f"sbatch did not submit: {stdout} {stderr}"
+    text = Path(str(out).replace("%j", job)).read_text()
+    return proc.returncode, job, text
+
+
+@pytest.mark.slurm
+def test_local_template_runs_a_two_rank_ring_under_slurm(slurm_env, tmp_path):
+    rc, job, text = submit_and_wait(slurm_env, tmp_path)
+    assert rc == 0, text
+    assert f"rocmoe job {job}: 1 node(s)" in text
+    assert f"RING OK world=2 backend=host elements=65536 slurm_job={job}" in text, text
+
+
+@pytest.mark.slurm
+def test_local_template_passes_program_and_arguments_and_fails_with_the_program(slurm_env, tmp_path):
+    rc, job, text = submit_and_wait(
+        slurm_env, tmp_path, "python3", "-c",
+        "import os, sys; print('rank', os.environ['OMPI_COMM_WORLD_RANK'], 'arg', sys.argv[1]); "
+        "sys.exit(3)", "two words")
+    assert rc != 0, text  # a failing rank fails the job, so CI notices
+    assert sorted(line for line in text.splitlines() if line.startswith("rank ")) == [
+        "rank 0 arg two words", "rank 1 arg two words"]
+
+
+# -- rocmoe-launch (no Slurm needed: it only reads the environment) ---------------------------
+def launch(extra: dict, *program: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.endswith("VISIBLE_DEVICES") and not k.startswith(("SLURM_", "OMPI_", "ROCMOE_"))}
+    env.update(extra)
+    return subprocess.run([str(SLURM / "rocmoe-launch"), *program], env=env, capture_output=True,
+                          text=True, timeout=30)
+
+
+def visible(extra: dict) -> str:
+    proc = launch(extra, "sh", "-c", "echo ${ROCR_VISIBLE_DEVICES-unset}/${HIP_VISIBLE_DEVICES-unset}")
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_launch_binds_local_rank_through_the_gpu_map_into_slurms_device_list():
+    devices = {"ROCR_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "ROCMOE_GPU_MAP": "4,5,2,3,6,7,0,1",
+               "HIP_VISIBLE_DEVICES": "3"}
+    got = [visible({**devices, "SLURM_LOCALID": str(r)}) for r in range(8)]
+    # HIP_VISIBLE_DEVICES would index ROCR's list a second time: it must be gone
+    assert got == [f"{g}/unset" for g in (4, 5, 2, 3, 6, 7, 0, 1)]
+    # map entries index what Slurm made visible, not physical numbers
+    assert visible({"ROCR_VISIBLE_DEVICES": "8,9,10,11", "SLURM_LOCALID": "2"}) == "10/unset"
+
+
+def test_launch_keeps_a_single_gpu_that_slurm_already_bound():
+    assert visible({"ROCR_VISIBLE_DEVICES": "6", "SLURM_LOCALID": "3"}) == "6/unset"
+
+
+def test_launch_uses_the_mpi_local_rank_without_slurm():
+    assert visible({"ROCR_VISIBLE_DEVICES": "0,1,2,3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == "1/unset"
+
+
+def test_launch_refuses_a_rank_without_a_gpu():
+    proc = launch({"ROCR_VISIBLE_DEVICES": "0,1", "SLURM_LOCALID": "5"}, "true")
+    assert proc.returncode == 2 and "only 2 are visible" in proc.stderr
+
+
+def test_launch_sets_threads_from_cpus_per_task_and_execs_the_program():
+    proc = launch({"SLURM_CPUS_PER_TASK": "7"}, "sh", "-c", "echo $OMP_NUM_THREADS; exit 5")
+    assert proc.returncode == 5 and proc.stdout.strip() == "7"
+
+
+@pytest.mark.parametrize("template,needles", [
+    ("mi250x-frontier.sbatch", ["--gpus-per-node=8", "--ntasks-per-node=8",
+                                "MPICH_GPU_SUPPORT_ENABLED=1", "ROCMOE_GPU_MAP"]),
+    ("mi300x.sbatch", ["--gpus-per-node=8", "--ntasks-per-node=8"]),
+    ("lumi-g.sbatch", ["--partition=standard-g", "--gpus-per-node=8", "mask_cpu:",
+                       "MPICH_GPU_SUPPORT_ENABLED=1"]),
+    ("local.sbatch", ["--ntasks=2", "mpiexec"]),
+])
+def test_templates_are_valid_bash_with_their_platform_settings(template, needles):
+    path = SLURM / template
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    text = path.read_text()
+    for needle in needles:
+        assert needle in text, (template, needle)
+
+
+def test_gpu_templates_refuse_to_run_without_a_program(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROCMOE_", "SLURM_"))}
+    env.update(ROCMOE_HOME=str(REPO), ROCMOE_MODULES="")
+    proc = subprocess.run(["bash", str(SLURM / "mi300x.sbatch")], env=env, capture_output=True,
+                          text=True, timeout=30, cwd=str(tmp_path))
+    assert proc.returncode == 2 and "no program" in proc.stderr
