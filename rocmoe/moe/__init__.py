@@ -4,7 +4,8 @@ Importing this package needs torch only: Triton is loaded when a GPU tensor firs
 a block-sparse op, and the rocmoe runtime (native library) only for expert parallelism.
 """
 
-from .blocksparse import ddst, dsd, dstd, get_backend, sdd, set_backend, to_dense
+from .blocksparse import (ddst, dsd, dstd, fused_expert_ffn, get_backend, sdd, set_backend,
+                          set_kernel_config, to_dense)
 from .layer import DroplessMoE, expert_ffn
 from .permute import (RoutingPlan, padded_rows_bound, permute_pad, plan_routing,
                       unpermute_combine)
@@ -14,6 +15,6 @@ from .topology import Topology, build_topology
 __all__ = [
     "DroplessMoE", "Router", "Topology", "RoutingPlan", "build_topology", "plan_routing",
     "permute_pad", "unpermute_combine", "padded_rows_bound", "sdd", "dsd", "dstd", "ddst",
-    "to_dense", "expert_ffn", "expert_histogram", "load_balancing_loss", "z_loss",
+    "to_dense", "expert_ffn", "fused_expert_ffn", "set_kernel_config", "expert_histogram", "load_balancing_loss", "z_loss",
     "set_backend", "get_backend",
 ]

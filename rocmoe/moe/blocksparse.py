@@ -122,46 +122,70 @@ def _dstd_torch(s, b, topo):
 
 
 # --------------------------------------------------------------------------- triton path
+# Tile configuration of the Triton kernels. BLOCK_M is the topology's block size; these are
+# the rest. Override with ROCMOE_MOE_KERNEL_CONFIG='{"block_n": 256, ...}' or set_kernel_config.
+KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def set_kernel_config(**kw) -> None:
+    unknown = set(kw) - set(KERNEL_CONFIG)
+    if unknown:
+        raise ConfigurationError(f"unknown kernel config keys {sorted(unknown)}; "
+                                 f"known: {sorted(KERNEL_CONFIG)}")
+    KERNEL_CONFIG.update(kw)
+
+
+if os.environ.get("ROCMOE_MOE_KERNEL_CONFIG"):
+    import json as _json
+    set_kernel_config(**_json.loads(os.environ["ROCMOE_MOE_KERNEL_CONFIG"]))
+
+ACT_CODES = {"none": 0, "gelu": 1, "relu": 2, "silu": 3}
+
+
 def _tile_n(n: int) -> int:
-    return 128 if n >= 128 else max(16, 1 << (max(n, 1) - 1).bit_length())
+    want = KERNEL_CONFIG["block_n"]
+    return want if n >= want else max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
 def _block_k(b: int) -> int:
-    return min(b, 64)
+    return min(b, KERNEL_CONFIG["block_k"])
 
 
-def _warps(b: int) -> int:
-    return 8 if b >= 128 else 4
-
-
-def _launch_opts(is_interpret: bool) -> dict:
-    return {} if is_interpret else {"num_stages": 3}
+def _launch(b: int) -> dict:
+    if _interpreting():
+        return {}
+    return dict(num_warps=KERNEL_CONFIG["num_warps"] if b >= 64 else 4,
+                num_stages=KERNEL_CONFIG["num_stages"])
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _sdd_triton(a, w, topo):
+def _sdd_triton(a, w, topo, act_grad_of=None, act="none"):
     from . import kernels
     b = topo.block_size
     out = torch.empty(topo.nnz, b, b, device=a.device, dtype=a.dtype)
     if topo.nnz == 0:
         return out
+    k = a.shape[1]
+    bk = _block_k(b)
+    h = out if act_grad_of is None else act_grad_of
     kernels.get("sdd_kernel")[(topo.nnz,)](
-        a, w, out, topo.row_indices, topo.column_indices,
-        a.shape[1], w.shape[2], topo.blocks_per_expert,
+        a, w, out, h, topo.row_indices, topo.column_indices,
+        k, w.shape[2], topo.blocks_per_expert,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        BLOCK=b, BLOCK_K=_block_k(b), num_warps=_warps(b), **_launch_opts(_interpreting()))
+        BLOCK=b, BLOCK_K=bk, EVEN_K=k % bk == 0, EVEN_F=w.shape[2] % b == 0,
+        EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0, **_launch(b))
     return out
 
 
-def _dsd_triton(s, w, topo):
+def _dsd_triton(s, w, topo, act="none"):
     from . import kernels
     b = topo.block_size
     n = w.shape[2]
     out = torch.empty(topo.num_rows, n, device=s.device, dtype=s.dtype)
-    if topo.num_row_blocks == 0:
+    if topo.num_row_blocks == 0 or n == 0:
         return out
     bn = _tile_n(n)
     grid = (topo.num_row_blocks, -(-n // bn))
@@ -169,39 +193,119 @@ def _dsd_triton(s, w, topo):
         s, w, out, topo.row_offsets, topo.column_indices,
         n, w.shape[1], topo.blocks_per_expert,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), num_warps=_warps(b),
-        **_launch_opts(_interpreting()))
+        BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), EVEN_F=w.shape[1] % b == 0,
+        EVEN_N=n % bn == 0, ACT=ACT_CODES[act], **_launch(b))
     return out
 
 
-def _dstd_triton(s, b_dense, topo, out=None):
+def _dstd_triton(s, b_dense, topo, act="none", out=None):
     from . import kernels
     b = topo.block_size
     n = b_dense.shape[1]
     if out is None:
         out = torch.empty(topo.num_experts, topo.ffn_size, n, device=s.device, dtype=s.dtype)
+    if topo.num_column_blocks == 0 or n == 0:
+        return out
     bn = _tile_n(n)
     grid = (topo.num_column_blocks, -(-n // bn))
     kernels.get("dstd_kernel")[grid](
         s, b_dense, out, topo.column_offsets, topo.transpose_blocks, topo.row_indices,
         n, topo.ffn_size, topo.blocks_per_expert,
         b_dense.stride(0), b_dense.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), num_warps=_warps(b),
-        **_launch_opts(_interpreting()))
+        BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
+        **_launch(b))
     return out
 
 
 # ------------------------------------------------------------------------ raw dispatch
-def _sdd(a, w, topo):
-    return _sdd_triton(a, w, topo) if _use_triton(a) else _sdd_torch(a, w, topo)
+def _act_torch(t, act):
+    if act == "gelu":
+        return F_.gelu(t, approximate="tanh")
+    if act == "relu":
+        return F_.relu(t)
+    if act == "silu":
+        return F_.silu(t)
+    return t
 
 
-def _dsd(s, w, topo):
-    return _dsd_triton(s, w, topo) if _use_triton(s) else _dsd_torch(s, w, topo)
+def _act_grad_torch(h, act):
+    """act'(h), the same formulas the kernels use."""
+    h = h.float()
+    if act == "gelu":
+        c = 1.5957691216057308
+        sig = torch.sigmoid(c * (h + 0.044715 * h ** 3))
+        return sig + h * sig * (1 - sig) * c * (1 + 0.134145 * h * h)
+    if act == "relu":
+        return (h > 0).float()
+    if act == "silu":
+        sig = torch.sigmoid(h)
+        return sig * (1 + h * (1 - sig))
+    return torch.ones_like(h)
 
 
-def _dstd(s, b, topo):
-    return _dstd_triton(s, b, topo) if _use_triton(s) else _dstd_torch(s, b, topo)
+def _sdd(a, w, topo, act_grad_of=None, act="none"):
+    if _use_triton(a):
+        return _sdd_triton(a, w, topo, act_grad_of, act)
+    out = _sdd_torch(a, w, topo)
+    if act_grad_of is not None:
+        out = (out.float() * _act_grad_torch(act_grad_of, act)).to(out.dtype)
+    return out
+
+
+def _dsd(s, w, topo, act="none"):
+    if _use_triton(s):
+        return _dsd_triton(s, w, topo, act)
+    return _dsd_torch(_act_torch(s, act), w, topo)
+
+
+def _dstd(s, b, topo, act="none", out=None):
+    if _use_triton(s):
+        return _dstd_triton(s, b, topo, act, out)
+    res = _dstd_torch(_act_torch(s, act), b, topo)
+    if out is not None:
+        out.copy_(res)
+        return out
+    return res
+
+
+class _FusedExpertFFN(torch.autograd.Function):
+    """y = act(x W1) W2 over the topology, with the activation fused into the products.
+
+    Forward: h = SDD(x, W1); y = DSD(act(h), W2) where DSD applies act as it loads h, so
+    act(h) is never written. Backward: dh = SDD(dy, W2ᵀ) * act'(h) (epilogue);
+    dW2 = DSᵀD(act(h), dy); dx = DSD(dh, W1ᵀ); dW1 = DSᵀD(dh, x)ᵀ written straight into a
+    [E, K, F] tensor. Only h is saved (MegaBlocks also keeps act(h)).
+    """
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, topo, act):
+        h = _sdd(x, w1, topo)
+        y = _dsd(h, w2, topo, act)
+        ctx.topo, ctx.act = topo, act
+        ctx.save_for_backward(x, w1, w2, h)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w1, w2, h = ctx.saved_tensors
+        topo, act = ctx.topo, ctx.act
+        grad_y = grad_y.contiguous()
+        grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, act_grad_of=h, act=act)
+        grad_w2 = _dstd(h, grad_y, topo, act) if ctx.needs_input_grad[2] else None
+        grad_x = _dsd(grad_h, w1.transpose(1, 2), topo) if ctx.needs_input_grad[0] else None
+        grad_w1 = None
+        if ctx.needs_input_grad[1]:
+            grad_w1 = torch.empty_like(w1, memory_format=torch.contiguous_format)
+            _dstd(grad_h, x, topo, out=grad_w1.transpose(1, 2))
+        return grad_x, grad_w1, grad_w2, None, None
+
+
+def fused_expert_ffn(x, w1, w2, topo, act="gelu"):
+    """act(x @ W1) @ W2 on the topology's blocks (act: gelu (tanh form), relu, silu, none)."""
+    if act not in ACT_CODES:
+        raise ConfigurationError(f"fused activation must be one of {sorted(ACT_CODES)}, got {act!r}")
+    _check_same_dtype(x, w1, w2)
+    return _FusedExpertFFN.apply(x, w1, w2, topo, act)
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -218,8 +322,10 @@ class _SDD(torch.autograd.Function):
         topo = ctx.topo
         grad_s = grad_s.contiguous()
         grad_a = _dsd(grad_s, w.transpose(1, 2), topo) if ctx.needs_input_grad[0] else None
-        grad_w = (_dstd(grad_s, a, topo).transpose(1, 2)
-                  if ctx.needs_input_grad[1] else None)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.empty_like(w, memory_format=torch.contiguous_format)
+            _dstd(grad_s, a, topo, out=grad_w.transpose(1, 2))
         return grad_a, grad_w, None
 
 

@@ -1,14 +1,23 @@
 """Triton kernels of the block-sparse products (AMD and NVIDIA).
 
-Each program computes one output tile with ``tl.dot`` over a K loop, which is what the
-compilers lower to MFMA (CDNA) and wgmma (Hopper). The kernels read the topology's int32
-indices from device memory; programs whose blocks are empty (row blocks past the real
-token count) run a zero-trip loop and store zeros, so the launch grid is static and the
-host never needs the real count.
+Each program computes one output tile with ``tl.dot`` over a K loop, which the compilers
+lower to MFMA (CDNA) and wgmma (Hopper). The kernels read the topology's int32 indices from
+device memory; programs whose blocks are empty (row blocks past the real token count) run a
+zero-trip loop and store zeros, so the launch grid is static and the host never needs the
+real count.
 
-The kernel bodies are plain functions wrapped by ``triton.jit`` on first use (``get``):
-``TRITON_INTERPRET=1`` is read at wrap time, so tests can switch to the interpreter
-in-process and check the very same code on CPU tensors.
+They rely on two properties of every topology ``build_topology`` makes (block-diagonal by
+expert): the blocks of a row are consecutive column blocks of one expert, stored
+consecutively; and the valid blocks of a column are consecutive row blocks. So after reading
+the first block's indices, the K loops walk memory linearly, with no index loads inside
+the loop (which would stall the software pipeline).
+
+Activations can be fused: DSD and DSᵀD apply ``ACT`` to the sparse operand as they load it
+(so the forward never writes act(h)), and SDD can multiply its result by ``act'(h)`` in the
+epilogue (which turns dL/d act(h) into dL/dh in the same pass).
+
+The kernels are wrapped by ``triton.jit`` on first use (``get``). ``TRITON_INTERPRET=1``
+must be set before triton is imported for the interpreter to run them on CPU tensors.
 """
 
 from __future__ import annotations
@@ -20,6 +29,9 @@ import triton.language as tl
 
 _RAW = {}
 _JITTED = {}
+
+# Activation codes shared with blocksparse.py (constexpr ACT).
+ACT_NONE, ACT_GELU_TANH, ACT_RELU, ACT_SILU = 0, 1, 2, 3
 
 
 def _kernel(fn):
@@ -39,13 +51,41 @@ def names() -> list[str]:
     return sorted(_RAW)
 
 
+@triton.jit
+def _activate(x, ACT: tl.constexpr):
+    if ACT == 1:  # gelu, tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3))
+        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+    elif ACT == 2:
+        x = tl.maximum(x, 0.0)
+    elif ACT == 3:
+        x = x * tl.sigmoid(x)
+    return x
+
+
+@triton.jit
+def _activate_grad(x, ACT: tl.constexpr):
+    if ACT == 1:
+        s = tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+        d = s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * x * x)
+    elif ACT == 2:
+        d = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == 3:
+        s = tl.sigmoid(x)
+        d = s * (1.0 + x * (1.0 - s))
+    else:
+        d = tl.full(x.shape, 1.0, tl.float32)
+    return d
+
+
 @_kernel
-def sdd_kernel(a_ptr, w_ptr, out_ptr, row_idx_ptr, col_idx_ptr,
+def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, row_idx_ptr, col_idx_ptr,
                K, F, nb,
                stride_am, stride_ak,
                stride_we, stride_wk, stride_wf,
-               BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+               BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               EVEN_F: tl.constexpr, EPILOGUE_ACT_GRAD: tl.constexpr):
     # out[n] = a[rows of block n] @ w[e, :, cols of block n]   (one B x B block per program)
+    # with EPILOGUE_ACT_GRAD: out[n] *= act'(h[n])
     n = tl.program_id(0)
     row_block = tl.load(row_idx_ptr + n)
     col = tl.load(col_idx_ptr + n)
@@ -64,14 +104,24 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, row_idx_ptr, col_idx_ptr,
               + f_cols[None, :] * stride_wf)
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for k in range(0, k_end, BLOCK_K):
-        k_ok = (k + rk) < K
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & (f_cols[None, :] < F), other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            if EVEN_F:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=f_cols[None, :] < F, other=0.0)
+        else:
+            k_ok = (k + rk) < K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & (f_cols[None, :] < F), other=0.0)
         acc += tl.dot(a, w)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    out_ptrs = out_ptr + n.to(tl.int64) * BLOCK * BLOCK + rm[:, None] * BLOCK + rn[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty))
+    offs = n.to(tl.int64) * BLOCK * BLOCK + rm[:, None] * BLOCK + rn[None, :]
+    if EPILOGUE_ACT_GRAD != 0:
+        h = tl.load(h_ptr + offs).to(tl.float32)
+        acc = acc * _activate_grad(h, EPILOGUE_ACT_GRAD)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty))
 
 
 @_kernel
@@ -79,34 +129,45 @@ def dsd_kernel(s_ptr, w_ptr, out_ptr, row_off_ptr, col_idx_ptr,
                N, F, nb,
                stride_we, stride_wf, stride_wn,
                stride_om, stride_on,
-               BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # out[rows of row block r, tile] = sum over blocks n of r: s[n] @ w[e, cols of n, tile]
+               BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_F: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr):
+    # out[rows of row block r, tile] = sum over blocks of r: act(s[blk]) @ w[e, cols of blk, tile]
     row_block = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = tl.load(row_off_ptr + row_block)
     end = tl.load(row_off_ptr + row_block + 1)
     first_col = tl.load(col_idx_ptr + start, mask=start < end, other=-1)
     # An empty row block (past the real token count) gets a zero-trip loop and stores zeros.
-    end = tl.where(first_col >= 0, end, start)
-    steps_per_block: tl.constexpr = BLOCK // BLOCK_K
-    num_steps = (end - start) * steps_per_block
+    num_blocks = tl.where(first_col >= 0, end - start, 0)
+    first_col = tl.where(first_col >= 0, first_col, 0)
+    expert = first_col // nb
+    f_first = (first_col % nb) * BLOCK
     rm = tl.arange(0, BLOCK)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
+    # The blocks of a row are stored one after another and cover consecutive ffn columns,
+    # so the K loop is linear in the ffn index; the sparse operand jumps by one B x B block
+    # each time kk crosses a block boundary. A flat loop (not blocks x static sub-steps)
+    # keeps one BLOCK_K slice per pipeline stage, so 3-4 stages fit in shared memory.
+    s_blk = s_ptr + start.to(tl.int64) * BLOCK * BLOCK
+    s_offs = rm[:, None] * BLOCK + rk[None, :]
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (f_first + rk)[:, None] * stride_wf
+              + rn[None, :] * stride_wn)
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
-    for step in range(0, num_steps):
-        n = start + step // steps_per_block
-        kk = (step % steps_per_block) * BLOCK_K
-        col = tl.load(col_idx_ptr + n)
-        expert = col // nb
-        f = (col % nb) * BLOCK + kk + rk
-        s = tl.load(s_ptr + n.to(tl.int64) * BLOCK * BLOCK + rm[:, None] * BLOCK
-                    + (kk + rk)[None, :])
-        w = tl.load(w_ptr + expert.to(tl.int64) * stride_we + f[:, None] * stride_wf
-                    + rn[None, :] * stride_wn,
-                    mask=(f[:, None] < F) & n_ok[None, :], other=0.0)
+    for kk in range(0, num_blocks * BLOCK, BLOCK_K):
+        k_in_block = kk % BLOCK
+        s = tl.load(s_blk + s_offs + k_in_block)
+        if ACT != 0:
+            s = _activate(s.to(tl.float32), ACT).to(w_ptr.dtype.element_ty)
+        if EVEN_F and EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=((f_first + kk + rk)[:, None] < F) & n_ok[None, :],
+                        other=0.0)
         acc += tl.dot(s, w)
+        w_ptrs += BLOCK_K * stride_wf
+        s_blk += tl.where(k_in_block == BLOCK - BLOCK_K, BLOCK * BLOCK, 0)
     rows = (row_block * BLOCK + rm).to(tl.int64)
     out_ptrs = out_ptr + rows[:, None] * stride_om + rn[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -117,54 +178,73 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, t_blocks_ptr, row_idx_ptr,
                 N, F, nb,
                 stride_bm, stride_bn,
                 stride_oe, stride_of, stride_on,
-                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # out[e, cols of column block c, tile] = sum over blocks n of column c: s[n]^T @ b[rows of n]
+                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_N: tl.constexpr, ACT: tl.constexpr):
+    # out[e, cols of column block c, tile] = sum over blocks of c: act(s[blk])^T @ b[rows of blk]
     c = tl.program_id(0)
     pid_n = tl.program_id(1)
     start = tl.load(col_off_ptr + c)
     end = tl.load(col_off_ptr + c + 1)
+    first = tl.load(t_blocks_ptr + start, mask=start < end, other=0)
+    first_row = tl.load(row_idx_ptr + first, mask=start < end, other=0)
+    num_blocks = end - start
     expert = c // nb
     f0 = (c % nb) * BLOCK
-    steps_per_block: tl.constexpr = BLOCK // BLOCK_K
-    num_steps = (end - start) * steps_per_block
     rm = tl.arange(0, BLOCK)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
+    # Valid blocks of a column are consecutive row blocks: block ids step by nb, rows by B.
+    # act(s[blk])^T tile: element (m, k) is s[blk, kk % B + k, m]
+    s_blk = s_ptr + first.to(tl.int64) * BLOCK * BLOCK
+    s_offs = rk[None, :] * BLOCK + rm[:, None]
+    b_ptrs = (b_ptr + (first_row.to(tl.int64) * BLOCK + rk)[:, None] * stride_bm
+              + rn[None, :] * stride_bn)
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
-    for step in range(0, num_steps):
-        blk = tl.load(t_blocks_ptr + start + step // steps_per_block)
-        kk = (step % steps_per_block) * BLOCK_K
-        row_block = tl.load(row_idx_ptr + blk)
-        # s[n]^T tile: element (m, k) is s[n, kk + k, m]
-        s_t = tl.load(s_ptr + blk.to(tl.int64) * BLOCK * BLOCK + (kk + rk)[None, :] * BLOCK
-                      + rm[:, None])
-        b_rows = (row_block * BLOCK + kk + rk).to(tl.int64)
-        b = tl.load(b_ptr + b_rows[:, None] * stride_bm + rn[None, :] * stride_bn,
-                    mask=n_ok[None, :], other=0.0)
+    for kk in range(0, num_blocks * BLOCK, BLOCK_K):
+        k_in_block = kk % BLOCK
+        s_t = tl.load(s_blk + s_offs + k_in_block * BLOCK)
+        if ACT != 0:
+            s_t = _activate(s_t.to(tl.float32), ACT).to(b_ptr.dtype.element_ty)
+        if EVEN_N:
+            b = tl.load(b_ptrs)
+        else:
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         acc += tl.dot(s_t, b)
+        b_ptrs += BLOCK_K * stride_bm
+        s_blk += tl.where(k_in_block == BLOCK - BLOCK_K, nb * BLOCK * BLOCK, 0)
     f = f0 + rm
     out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + f[:, None] * stride_of
                 + rn[None, :] * stride_on)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(f[:, None] < F) & n_ok[None, :])
 
 
+_CONSTEXPR_DEFAULTS = dict(BLOCK=128, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, EVEN_F=True,
+                           EVEN_N=True, EPILOGUE_ACT_GRAD=ACT_NONE, ACT=ACT_NONE)
+
+
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
     """Argument types of every kernel for ahead-of-time ``triton.compile``."""
     p = "*" + dtype
     i = "*i32"
+    c = "constexpr"
     return {
-        "sdd_kernel": dict(a_ptr=p, w_ptr=p, out_ptr=p, row_idx_ptr=i, col_idx_ptr=i,
+        "sdd_kernel": dict(a_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, row_idx_ptr=i, col_idx_ptr=i,
                            K="i32", F="i32", nb="i32", stride_am="i32", stride_ak="i32",
                            stride_we="i32", stride_wk="i32", stride_wf="i32",
-                           BLOCK="constexpr", BLOCK_K="constexpr"),
+                           BLOCK=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c),
         "dsd_kernel": dict(s_ptr=p, w_ptr=p, out_ptr=p, row_off_ptr=i, col_idx_ptr=i,
                            N="i32", F="i32", nb="i32", stride_we="i32", stride_wf="i32",
                            stride_wn="i32", stride_om="i32", stride_on="i32",
-                           BLOCK="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr"),
+                           BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_F=c, EVEN_N=c, ACT=c),
         "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, t_blocks_ptr=i,
                             row_idx_ptr=i, N="i32", F="i32", nb="i32", stride_bm="i32",
                             stride_bn="i32", stride_oe="i32", stride_of="i32",
-                            stride_on="i32", BLOCK="constexpr", BLOCK_N="constexpr",
-                            BLOCK_K="constexpr"),
+                            stride_on="i32", BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c),
     }
+
+
+def aot_constexprs(name: str, **overrides) -> dict:
+    sig = aot_signatures()[name]
+    values = dict(_CONSTEXPR_DEFAULTS, **overrides)
+    return {k: v for k, v in values.items() if sig.get(k) == "constexpr"}

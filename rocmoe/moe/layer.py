@@ -22,8 +22,17 @@ _ACTIVATIONS = {
 }
 
 
+_FUSABLE = {"gelu", "relu", "silu"}
+
+
 def expert_ffn(x_perm, w1, w2, w3, topo, activation):
-    """SDD -> act -> DSD on the padded, expert-sorted rows (plus a GLU gate with w3)."""
+    """SDD -> act -> DSD on the padded, expert-sorted rows (plus a GLU gate with w3).
+
+    Without GLU the activation is fused into the block-sparse kernels (one pass fewer over
+    the [rows, ffn] activations each way); GLU and exact-erf GELU compose the ops instead.
+    """
+    if w3 is None and activation in _FUSABLE:
+        return bs.fused_expert_ffn(x_perm, w1, w2, topo, activation)
     act = _ACTIVATIONS[activation]
     h = act(bs.sdd(x_perm, w1, topo))
     if w3 is not None:

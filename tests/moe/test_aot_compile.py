@@ -24,11 +24,15 @@ def compiled_not_interpreted(monkeypatch):
 
 @pytest.mark.parametrize("target,asm_key,instruction", TARGETS,
                          ids=["gfx942", "gfx90a", "sm90"])
-@pytest.mark.parametrize("name", kernels.names())
-def test_kernel_compiles_with_matrix_instructions(name, target, asm_key, instruction):
+@pytest.mark.parametrize("name,fused", [("sdd_kernel", False), ("sdd_kernel", True),
+                                        ("dsd_kernel", False), ("dsd_kernel", True),
+                                        ("dstd_kernel", True)])
+def test_kernel_compiles_with_matrix_instructions(name, fused, target, asm_key, instruction):
+    assert set(kernels.names()) == {"sdd_kernel", "dsd_kernel", "dstd_kernel"}
     signature = kernels.aot_signatures("bf16")[name]
-    constexprs = {k: v for k, v in dict(BLOCK=128, BLOCK_N=128, BLOCK_K=64).items()
-                  if k in signature}
+    # fused: the GELU prologue (DSD, DSᵀD) or the act' epilogue (SDD) must not cost the MMAs
+    act = dict(ACT=kernels.ACT_GELU_TANH, EPILOGUE_ACT_GRAD=kernels.ACT_GELU_TANH) if fused else {}
+    constexprs = kernels.aot_constexprs(name, **act)
     src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
     compiled = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
     assert instruction in compiled.asm[asm_key], f"{name} for {target} has no {instruction}"
