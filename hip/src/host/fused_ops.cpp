@@ -420,7 +420,7 @@ int embedding_a2a(const Kernel &k, const rocmoe_embedding_a2a_args &a) {
         rc = k.wait(s, s, "its embedding columns");
         if (rc != ROCMOE_OK) return rc;
     }
-    std::memcpy(a.out, k.local_heap() + k.common->recv_offset, bl * bag_stride);
+    if (bl * bag_stride != 0) std::memcpy(a.out, k.local_heap() + k.common->recv_offset, bl * bag_stride);
     return ROCMOE_OK;
 }
 
@@ -503,7 +503,7 @@ int gemv_allreduce(const Kernel &k, const rocmoe_gemv_allreduce_args &a) {
         rc = k.wait(k.world + s, s, "its reduced chunk");
         if (rc != ROCMOE_OK) return rc;
     }
-    std::memcpy(a.out, k.local_heap() + k.common->recv_offset + result_off, n * esize);
+    if (n > 0) std::memcpy(a.out, k.local_heap() + k.common->recv_offset + result_off, n * esize);
     return ROCMOE_OK;
 }
 
@@ -599,7 +599,8 @@ int gemm_a2a(const Kernel &k, const rocmoe_gemm_a2a_args &a) {
         rc = k.wait(s, s, "its rows");
         if (rc != ROCMOE_OK) return rc;
     }
-    std::memcpy(a.out, k.local_heap() + k.common->recv_offset, a.recv_rows * row_bytes);
+    if (a.recv_rows * row_bytes != 0)
+        std::memcpy(a.out, k.local_heap() + k.common->recv_offset, a.recv_rows * row_bytes);
     return ROCMOE_OK;
 }
 
@@ -683,7 +684,8 @@ int rocmoe_host_embedding_a2a(rocmoe_ctx *ctx, const rocmoe_embedding_a2a_args *
                                             &need, &slots);
     if (rc != ROCMOE_OK) return rc;
     if (a->num_tables < 0 || a->table_base < 0 || a->table_base + a->num_tables > a->total_tables ||
-        (a->mode != ROCMOE_BAG_SUM && a->mode != ROCMOE_BAG_MEAN) || a->out == nullptr ||
+        (a->mode != ROCMOE_BAG_SUM && a->mode != ROCMOE_BAG_MEAN) ||
+        (a->out == nullptr && need > 0) ||
         (a->num_tables > 0 && (a->weights == nullptr || a->rows == nullptr || a->indices == nullptr ||
                                a->num_indices == nullptr || a->offsets == nullptr)))
         return fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: inconsistent arguments (tables "
@@ -701,7 +703,7 @@ int rocmoe_host_gemv_allreduce(rocmoe_ctx *ctx, const rocmoe_gemv_allreduce_args
     uint64_t need = 0, slots = 0;
     int rc = rocmoe_gemv_allreduce_workspace(ctx->args.world_size, a->n, a->dtype, &need, &slots);
     if (rc != ROCMOE_OK) return rc;
-    if (a->k < 0 || a->out == nullptr || (a->n * a->k > 0 && (a->w == nullptr || a->x == nullptr)))
+    if (a->k < 0 || (a->out == nullptr && a->n > 0) || (a->n * a->k > 0 && (a->w == nullptr || a->x == nullptr)))
         return fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: NULL tensor or negative size");
     rocmoe::Kernel k;
     rc = rocmoe::start_kernel(ctx, &a->common, "gemv_all_reduce", need, slots, &k);

@@ -1,0 +1,92 @@
+"""Fused communication-computation ops (DESIGN.md, "Fused ops").
+
+    import rocmoe, rocmoe.ops
+    ctx = rocmoe.init()
+    emb = rocmoe.ops.embedding_all_to_all(tables, indices, offsets)      # [B/world, T, D]
+    y = rocmoe.ops.gemv_all_reduce(W_local, x_local)                     # [N], on every rank
+    y = rocmoe.ops.gemm_all_to_all(X, W, send_counts)                    # like all_to_all_single
+
+Each is also `torch.ops.rocmoe.<name>` (autograd, fake kernels, torch.compile). Every call is
+collective: all ranks call the same ops in the same order. Bad input on any rank raises a
+RocmoeError on every rank before anything is sent. The unfused baselines (compute, then MPI
+Alltoallv / Allreduce) are `rocmoe.ops.reference.*`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import _ops  # noqa: F401  (registers torch.ops.rocmoe.*)
+from . import reference  # noqa: F401  (mpi4py is imported only when a reference runs)
+from ._common import context_id, release_workspaces, resolve_context
+from ._kernels import BAD_COUNTS, embedding_query_layout
+
+__all__ = ["embedding_all_to_all", "gemv_all_reduce", "gemm_all_to_all", "release_workspaces",
+           "reference"]
+
+# (context id, this rank's table signature) -> agreed layout; a rank whose tables change asks
+# again, and the op itself re-checks the layout on every call
+_layouts: dict = {}
+
+
+def _table_signature(weights, offsets, mode, psw):
+    return (len(weights), tuple((tuple(w.shape), w.dtype) for w in weights),
+            tuple(o.shape[0] if o.dim() == 1 else -1 for o in offsets), mode, psw is None)
+
+
+@torch.compiler.disable
+def _embedding_layout(ctx, weights, indices, offsets, mode, psw) -> list[int]:
+    key = (context_id(ctx), _table_signature(weights, offsets, mode, psw))
+    layout = _layouts.get(key)
+    if layout is None:
+        layout = embedding_query_layout(ctx, weights, indices, offsets, mode, psw)
+        _layouts[key] = layout
+    return layout
+
+
+def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
+                         offsets: Sequence[torch.Tensor], mode: str = "sum",
+                         per_sample_weights: Optional[Sequence[torch.Tensor]] = None,
+                         ctx=None) -> torch.Tensor:
+    """Table-wise model-parallel EmbeddingBag + all-to-all.
+
+    weights: this rank's tables (a contiguous range of the global tables), each [rows_t, D];
+    indices / offsets: their lookups over the whole global batch (offsets = bag starts, one
+    per bag; an empty bag gives zeros); per_sample_weights: with mode="sum" only.
+    Returns [B_global // world, T_total, D]: this rank's bags, all tables in global order."""
+    ctx = resolve_context(ctx)
+    weights, indices, offsets = list(weights), list(indices), list(offsets)
+    psw = None if per_sample_weights is None else list(per_sample_weights)
+    layout = _embedding_layout(ctx, weights, indices, offsets, mode, psw)
+    return torch.ops.rocmoe.embedding_all_to_all(weights, indices, offsets, psw or [],
+                                                 psw is not None, mode, layout, context_id(ctx))
+
+
+def gemv_all_reduce(W_local: torch.Tensor, x_local: torch.Tensor, ctx=None) -> torch.Tensor:  # noqa: N803
+    """y = sum over ranks r of W_r @ x_r ([N]), identical on every rank. W_local is [N, K_r],
+    x_local [K_r]. Two-phase direct all-reduce: reduce-scatter by stores into each chunk's
+    owner, then all-gather by stores."""
+    ctx = resolve_context(ctx)
+    return torch.ops.rocmoe.gemv_all_reduce(W_local, x_local, context_id(ctx))
+
+
+def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> torch.Tensor:  # noqa: N803
+    """Y = X @ W; rows of Y go to the ranks in order, send_counts[d] rows to rank d (a list of
+    ints or a 1-D integer tensor summing to M). Returns the rows received, from rank 0 first,
+    like all_to_all_single: [sum of what every rank sends here, N]."""
+    ctx = resolve_context(ctx)
+    if isinstance(send_counts, torch.Tensor):
+        if send_counts.dim() != 1 or send_counts.is_floating_point():
+            # the op reports this on every rank (raising here would leave the others waiting)
+            send_counts = list(BAD_COUNTS)
+        else:
+            send_counts = [int(c) for c in send_counts.tolist()]
+    else:
+        try:
+            send_counts = [int(c) for c in send_counts]
+        except (TypeError, ValueError):
+            send_counts = list(BAD_COUNTS)
+    y, _ = torch.ops.rocmoe.gemm_all_to_all(X, W, send_counts, context_id(ctx))
+    return y

@@ -1,0 +1,196 @@
+"""What the three fused ops share: context lookup, the per-call agreement, and workspaces.
+
+Protocol of one fused call (DESIGN.md, "Signal protocol"):
+
+1. Every rank validates its own inputs (shapes, dtypes, devices, index ranges) without
+   touching any peer.
+2. One bounded control all-gather (`agree`) carries each rank's verdict and the sizes the
+   others need (batch, table counts, send counts). If any rank is bad, every rank raises
+   (the bad one its own error, the others an InvalidArgumentError naming it) and nothing was
+   written anywhere. The same all-gather is also the *credit* of the receive buffers: it
+   completes on a rank only after every rank has entered this call, i.e. has returned from
+   the previous call of the op and so has copied its previous output out of the buffer.
+3. The op's epoch increments (same on every rank), the workspace grows if the agreed sizes
+   need it (collective, identical decision everywhere), and the persistent kernel runs:
+   puts into the peers' receive buffers, epoch signals, bounded waits, copy-out.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .. import errors
+from .._native import check, ffi, lib
+
+# dtype codes of the C ABI (ROCMOE_DTYPE_*)
+DTYPE_CODES = {torch.float32: lib.ROCMOE_DTYPE_F32, torch.bfloat16: lib.ROCMOE_DTYPE_BF16,
+               torch.float16: lib.ROCMOE_DTYPE_F16}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+_MAGIC = 0x524F434D4F45  # "ROCMOE": tags the agreement records of the fused ops
+OP_CODES = {"embedding_all_to_all": 1, "gemv_all_reduce": 2, "gemm_all_to_all": 3,
+            "all_to_all_rows": 4, "embedding_layout": 5}
+
+# ---- contexts by id: custom ops take ints, not Python objects ---------------------------
+_contexts: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_contexts_lock = threading.Lock()
+
+
+def resolve_context(ctx=None):
+    if ctx is None:
+        from ..runtime import current_context
+        ctx = current_context()
+    if ctx.finalized:
+        raise errors.ContextError("the rocmoe context passed to a fused op was finalized")
+    return ctx
+
+
+def context_id(ctx) -> int:
+    with _contexts_lock:
+        _contexts[id(ctx)] = ctx
+    return id(ctx)
+
+
+def context_by_id(ctx_id: int):
+    ctx = _contexts.get(ctx_id)
+    if ctx is None or ctx.finalized:
+        raise errors.ContextError(
+            f"fused op called with context id {ctx_id}, which is not a live rocmoe context")
+    return ctx
+
+
+# ---- checks --------------------------------------------------------------------------
+def check_float_dtype(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in DTYPE_CODES:
+        raise errors.DTypeError(
+            f"{what} has dtype {t.dtype}; fused ops take float32, bfloat16 or float16")
+
+
+def check_device(ctx, t: torch.Tensor, what: str) -> None:
+    if t.device != ctx.device:
+        raise errors.DeviceMismatchError(
+            f"{what} is on {t.device}, but the {ctx.backend} backend of this context computes on "
+            f"{ctx.device}; move it there first")
+
+
+def check_index_dtype(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise errors.DTypeError(f"{what} has dtype {t.dtype}; indices are int32 or int64")
+
+
+# ---- the agreement -------------------------------------------------------------------
+def agree(ctx, op: str, epoch: int, problem: Optional[Exception], payload) -> np.ndarray:
+    """Bounded all-gather of [magic, op, epoch, ok, *payload] (payload: fixed length for a
+    given op and world size). Raises on every rank if any rank had a problem or the ranks are
+    in different calls. Returns the [world, len(payload)] payload table."""
+    payload = np.asarray(payload, dtype=np.int64).reshape(-1)
+    record = np.concatenate([np.array([_MAGIC, OP_CODES[op], epoch, int(problem is None)],
+                                      dtype=np.int64), payload])
+    table = ctx.channel.allgather(record, f"{op} (agreeing on inputs)")
+    heads = table[:, :3]
+    if (heads[:, 0] != _MAGIC).any() or (heads[:, 1] != heads[0, 1]).any() or \
+            (heads[:, 2] != heads[0, 2]).any():
+        names = {v: k for k, v in OP_CODES.items()}
+        calls = ", ".join(f"rank {r}: {names.get(int(o), '?')} call {int(e)}"
+                          for r, (_, o, e) in enumerate(heads))
+        raise errors.CollectiveMismatchError(
+            f"{op}: ranks are in different fused-op calls ({calls}); every rank must call the "
+            "same fused ops in the same order")
+    if problem is not None:
+        raise problem
+    bad = [r for r in range(table.shape[0]) if not table[r, 3]]
+    if bad:
+        raise errors.InvalidArgumentError(
+            f"{op}: rank(s) {bad} rejected their inputs (see their errors); no rank sent "
+            "anything")
+    return table[:, 4:]
+
+
+# ---- workspaces ----------------------------------------------------------------------
+class Workspace:
+    """One op's symmetric receive buffer and signal slots on one context.
+
+    Slots are zeroed once, at creation; afterwards they only ever hold epochs, which grow by
+    one per call, so nothing is re-zeroed between calls (stale values are < the epoch)."""
+
+    def __init__(self, ctx, op: str):
+        self.ctx = ctx
+        self.op = op
+        self.epoch = 0
+        self.signals: Optional[torch.Tensor] = None
+        self.buffer: Optional[torch.Tensor] = None
+
+    def prepare(self, recv_bytes: int, slots: int) -> None:
+        """Collective: make room for `recv_bytes` and `slots`. The sizes come from the agreed
+        table, so every rank takes the same branch and the same allocations."""
+        ctx = self.ctx
+        if self.signals is None or self.signals.numel() < slots:
+            if self.signals is not None:
+                # a larger world cannot happen on one context; keep the code honest anyway
+                raise errors.ContextError(f"{self.op}: signal slots cannot grow on a context")
+            self.signals = ctx.zeros((max(slots, 1),), torch.int64)
+        have = 0 if self.buffer is None else self.buffer.numel()
+        if recv_bytes > have:
+            if self.buffer is not None:
+                ctx.free(self.buffer)
+                self.buffer = None
+            # grow geometrically so a slowly growing batch does not reallocate every call
+            size = max(recv_bytes, min(2 * have, recv_bytes * 2), 4096)
+            self.buffer = ctx.empty((size,), torch.uint8)
+
+    def common(self, cstruct) -> None:
+        heap = self.ctx.heap
+        cstruct.epoch = self.epoch
+        cstruct.signal_offset = heap.offset_of(self.signals)
+        cstruct.recv_offset = heap.offset_of(self.buffer)
+        cstruct.recv_bytes = self.buffer.numel()
+        cstruct.workers = 0
+        cstruct.ranks_per_node = self.ctx.local_size
+        cstruct.timeout_s = self.ctx.timeout_s
+
+    def release(self) -> None:
+        """Collective: free the workspace (e.g. before ctx.finalize() to reuse the heap)."""
+        if self.buffer is not None:
+            self.ctx.free(self.buffer)
+            self.buffer = None
+        if self.signals is not None:
+            self.ctx.free(self.signals)
+            self.signals = None
+
+
+_workspaces: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def workspace(ctx, op: str) -> Workspace:
+    per_ctx = _workspaces.setdefault(ctx, {})
+    ws = per_ctx.get(op)
+    if ws is None:
+        ws = per_ctx[op] = Workspace(ctx, op)
+    return ws
+
+
+def release_workspaces(ctx=None) -> None:
+    """Collective: free every fused-op workspace of `ctx` (ops recreate them on next use)."""
+    ctx = resolve_context(ctx)
+    for ws in _workspaces.pop(ctx, {}).values():
+        ws.release()
+
+
+def workspace_sizes(fn, *args) -> tuple[int, int]:
+    recv = ffi.new("uint64_t *")
+    slots = ffi.new("uint64_t *")
+    check(fn(*args, recv, slots), "fused-op workspace")
+    return int(recv[0]), int(slots[0])
+
+
+def ptr(t: torch.Tensor):
+    return ffi.cast("void *", t.data_ptr())
+
+
+def i64_array(values):
+    return ffi.new("int64_t[]", [int(v) for v in values] or [0])

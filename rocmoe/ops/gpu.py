@@ -1,0 +1,621 @@
+"""GPU path of the fused ops: workspaces on a symmetric arena, launches, waits, errors.
+
+rocmoe.ops' public functions call these when their tensors are on a GPU:
+
+* ``embedding_all_to_all(arena, weights, indices, offsets, mode, per_sample_weights)``
+* ``gemv_all_reduce(arena, w_local, x_local)``
+* ``gemm_all_to_all(arena, x, w, send_counts)``
+
+``arena`` is where the receive buffers and signal slots live, symmetric over the ranks:
+``ContextArena(ctx)`` (the ipc backend's device heap; also the host backend's shared
+memory, which lets the Triton kernel run under ``TRITON_INTERPRET=1`` on CPU processes) or
+``TorchIpcArena(comm)`` (device memory shared through CUDA/HIP IPC handles that torch
+makes, for GPU machines where the ipc backend is not built).
+
+Protocol of one call (DESIGN.md, "Signal protocol"), per op and arena:
+
+1. epoch ``e`` = 1, 2, 3, ... ; the receive buffer used is ``e % 2`` (double buffering);
+2. producer side: wait until every destination has acknowledged call ``e - 2`` (its buffer
+   ``e % 2`` is free again; normally long true), run the persistent kernel: tiles stored
+   straight into the destinations' buffers, each slice's completer stores ``e`` into the
+   destination's signal slot for this rank (release, system scope);
+3. consumer side: wait until every source's slot holds ``>= e``, copy the received data
+   out of the heap, acknowledge ``e`` to every source.
+
+Every wait is bounded (``timeout_s``, default the context's / ``ROCMOE_TIMEOUT_S``). A wait
+that runs out records a status on the device; the call synchronises, reads it and raises
+``CommTimeoutError`` naming the op, this rank, the peer and the slice.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .. import errors
+
+ALIGN = 256
+
+# ---------------------------------------------------------------------------------------
+# Schedule (mirror of hip/include/rocmoe/schedule.h; tests compare the two)
+# ---------------------------------------------------------------------------------------
+
+
+def _node_size(rank: int, world: int, per_node: int) -> tuple[int, int]:
+    per = per_node if per_node > 0 else world
+    begin = (rank // per) * per
+    return begin, min(begin + per, world) - begin
+
+
+def slice_at(rank: int, world: int, per_node: int, pos: int) -> int:
+    """Destination at order position `pos`: other nodes, then node peers, then self."""
+    begin, local = _node_size(rank, world, per_node)
+    remote = world - local
+    if pos < remote:
+        return (begin + local + pos) % world
+    if pos < world - 1:
+        return begin + (rank - begin + 1 + pos - remote) % local
+    return rank
+
+
+def slice_order(rank: int, world: int, per_node: int = 0) -> list[int]:
+    return [slice_at(rank, world, per_node, p) for p in range(world)]
+
+
+def task_prefix(order: Sequence[int], tasks_per_dest: Sequence[int]) -> list[int]:
+    prefix = [0]
+    for dest in order:
+        prefix.append(prefix[-1] + max(1, int(tasks_per_dest[dest])))
+    return prefix
+
+
+# ---------------------------------------------------------------------------------------
+# Symmetric arenas
+# ---------------------------------------------------------------------------------------
+
+
+class Arena:
+    """Symmetric memory for the fused ops: same offsets on every rank, peers' bases known."""
+
+    rank: int
+    world: int
+    ranks_per_node: int
+    device: torch.device
+    comm: object
+    timeout_s: float
+    peer_bases: torch.Tensor  # int64 [world] on `device`: each rank's base as seen here
+
+    def alloc(self, nbytes: int) -> tuple[torch.Tensor, int]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def allgather(self, values) -> list:
+        return self.comm.allgather(values)
+
+    def base(self) -> int:
+        return int(self.peer_bases_host[self.rank])
+
+    def workspace(self, op: str) -> "Workspace":
+        ws = self._workspaces.get(op)
+        if ws is None:
+            ws = Workspace(self, op)
+            self._workspaces[op] = ws
+        return ws
+
+
+def _ranks_per_node(comm) -> int:
+    try:
+        from mpi4py import MPI
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        n = local.Get_size()
+        local.Free()
+        return n
+    except Exception:  # pragma: no cover - comms without Split_type
+        return comm.Get_size()
+
+
+class ContextArena(Arena):
+    """The rocmoe context's symmetric heap (ipc backend on GPUs; host backend on CPUs)."""
+
+    def __init__(self, ctx):
+        from .._native import ffi, lib, check
+        self.ctx = ctx
+        self.comm = ctx.comm
+        self.rank, self.world = ctx.rank, ctx.world_size
+        self.ranks_per_node = getattr(ctx, "local_size", 0) or self.world
+        self.device = ctx.device
+        self.timeout_s = ctx.timeout_s
+        bases = []
+        for r in range(self.world):
+            out = ffi.new("void **")
+            check(lib.rocmoe_peer_ptr(ctx._handle, r, 0, out), f"peer base of rank {r}")
+            bases.append(int(ffi.cast("uintptr_t", out[0])))
+        self.peer_bases_host = bases
+        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
+        self._workspaces = {}
+        self._owned = []
+
+    def alloc(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        t = self.ctx.zeros((max(nbytes, ALIGN),), dtype=torch.uint8)
+        self._owned.append(t)
+        return t, self.ctx.heap.offset_of(t)
+
+
+class TorchIpcArena(Arena):
+    """One device buffer per rank, shared with the ranks of this node through the IPC
+    handles torch makes for CUDA/HIP storages; a deterministic bump allocator on top keeps
+    offsets identical on every rank. For GPU machines without the ipc backend built."""
+
+    def __init__(self, comm=None, nbytes: int = 256 << 20, device: Optional[torch.device] = None,
+                 timeout_s: Optional[float] = None):
+        if comm is None:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        self.comm = comm
+        self.rank, self.world = comm.Get_rank(), comm.Get_size()
+        self.ranks_per_node = _ranks_per_node(comm)
+        if self.ranks_per_node != self.world:
+            raise errors.ConfigurationError(
+                "TorchIpcArena reaches peers through IPC handles, so all ranks must share one "
+                f"node ({self.ranks_per_node} of {self.world} ranks do); use the rocshmem/nvshmem "
+                "backend across nodes")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.timeout_s = float(timeout_s if timeout_s is not None
+                               else os.environ.get("ROCMOE_TIMEOUT_S", 60))
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)
+        handle = self.buffer.untyped_storage()._share_cuda_()
+        offset_in_storage = 0
+        handles = comm.allgather(handle)
+        self._peer_storages = []
+        bases = []
+        for r, h in enumerate(handles):
+            if r == self.rank:
+                bases.append(self.buffer.data_ptr())
+                continue
+            storage = torch.UntypedStorage._new_shared_cuda(*h)
+            self._peer_storages.append(storage)
+            bases.append(storage.data_ptr() + offset_in_storage)
+        self.peer_bases_host = bases
+        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=device)
+        self._next = 0
+        self._workspaces = {}
+        comm.Barrier()
+
+    def alloc(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        nbytes = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        if self._next + nbytes > self.buffer.numel():
+            raise errors.HeapExhaustedError(
+                f"TorchIpcArena: {nbytes} bytes requested, {self.buffer.numel() - self._next} of "
+                f"{self.buffer.numel()} left; create the arena with a larger nbytes")
+        offset = self._next
+        self._next += nbytes
+        return self.buffer[offset:offset + nbytes], offset
+
+
+class SingleRankArena(Arena):
+    """World size 1 without MPI (benchmarks on one GPU): the "peer" is this rank."""
+
+    class _Comm:
+        def Barrier(self):
+            pass
+
+        def allgather(self, v):
+            return [v]
+
+        def Get_rank(self):
+            return 0
+
+        def Get_size(self):
+            return 1
+
+    def __init__(self, nbytes: int = 1 << 30, device=None, timeout_s: float = 60.0):
+        self.comm = self._Comm()
+        self.rank, self.world, self.ranks_per_node = 0, 1, 1
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self.timeout_s = timeout_s
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self.peer_bases_host = [self.buffer.data_ptr()]
+        self.peer_bases = torch.tensor(self.peer_bases_host, dtype=torch.int64, device=self.device)
+        self._next = 0
+        self._workspaces = {}
+
+    alloc = TorchIpcArena.alloc
+
+
+# ---------------------------------------------------------------------------------------
+# Per-op workspace: signal and ack slots, double-buffered receive space, counters, epoch
+# ---------------------------------------------------------------------------------------
+
+
+class Workspace:
+    def __init__(self, arena: Arena, op: str):
+        self.arena, self.op = arena, op
+        w = arena.world
+        # slots[0:w] data signals (by source), [w:2w] acks (by destination), [2w:3w] a
+        # second signal set for two-phase ops (gemv_all_reduce's all-gather, by owner)
+        self.slots, self.slot_offset = arena.alloc(3 * w * 8)
+        self.slots = self.slots[:3 * w * 8].view(torch.int64)
+        self.signal_offset = self.slot_offset
+        self.ack_offset = self.slot_offset + w * 8
+        self.recv_bytes = 0
+        self.recv = []          # two local views
+        self.recv_offsets = []  # their heap offsets
+        self.epoch = 0
+        self.counters = torch.zeros(2 + w, dtype=torch.int32, device=arena.device)
+        self.status = torch.zeros(3 * w, dtype=torch.int32, device=arena.device)
+        arena.barrier()  # nobody signals into slots a peer has not zeroed yet
+
+    def ensure_recv(self, nbytes: int) -> None:
+        """Grow the receive buffers; collective: every rank passes the same (agreed) size."""
+        if nbytes <= self.recv_bytes and self.recv:
+            return
+        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
+        self.recv, self.recv_offsets = [], []
+        for _ in range(2):
+            t, off = self.arena.alloc(size)
+            self.recv.append(t)
+            self.recv_offsets.append(off)
+        self.recv_bytes = size
+        self.arena.barrier()
+
+    def next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    def buffer(self, epoch: int) -> tuple[torch.Tensor, int]:
+        return self.recv[epoch % 2], self.recv_offsets[epoch % 2]
+
+    @property
+    def signals(self) -> torch.Tensor:
+        return self.slots[:self.arena.world]
+
+    @property
+    def acks(self) -> torch.Tensor:
+        return self.slots[self.arena.world:]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _wait_budget(timeout_s: float) -> int:
+    # Iterations of an acquire-polling loop (no device clock in Triton): a system-scope
+    # atomic takes about a microsecond on a GPU; the interpreter is ~50x slower per poll.
+    per_s = 2e4 if _interpreting() else 1e6
+    return int(min(2**31 - 1, max(1, timeout_s * per_s)))
+
+
+def _launch_wait(slots: torch.Tensor, status: torch.Tensor, epoch: int, timeout_s: float) -> None:
+    from . import triton_gemm_a2a as tk
+    tk.get("wait_kernel")[(slots.numel(),)](slots, status, epoch, _wait_budget(timeout_s))
+
+
+def _launch_ack(arena: Arena, ws: Workspace, epoch: int) -> None:
+    from . import triton_gemm_a2a as tk
+    tk.get("signal_peers_kernel")[(arena.world,)](arena.peer_bases, ws.ack_offset, arena.rank,
+                                                  epoch)
+
+
+def check_status(ws: Workspace, epoch: int, what: str) -> None:
+    """Synchronise and turn a recorded wait timeout into CommTimeoutError."""
+    status = ws.status.cpu().numpy()
+    w = ws.arena.world
+    late_acks = [int(d) for d in np.nonzero(status[:w])[0]]
+    late_data = sorted({int(s) % w for s in np.nonzero(status[w:])[0]})
+    if late_data:
+        raise errors.CommTimeoutError(
+            f"{what}: rank {ws.arena.rank} waited {ws.arena.timeout_s:g} s for slice(s) from "
+            f"rank(s) {late_data} of call {epoch} (signal slot(s) {late_data}); a peer did not "
+            "reach this call, died, or was given different arguments")
+    if late_acks:
+        raise errors.CommTimeoutError(
+            f"{what}: rank {ws.arena.rank} waited {ws.arena.timeout_s:g} s for rank(s) "
+            f"{late_acks} to release their receive buffer of call {epoch - 2} (ack slot(s) "
+            f"{late_acks}); a peer stopped calling {what}")
+
+
+# ---------------------------------------------------------------------------------------
+# GEMM + All-to-All (Triton)
+# ---------------------------------------------------------------------------------------
+
+_PLATFORM = "hip" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def _num_programs(device: torch.device, total_tasks: int) -> int:
+    if device.type == "cpu":
+        return min(total_tasks, 4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(total_tasks, sms))
+
+
+@dataclass
+class GemmPlan:
+    counts: np.ndarray           # [world, world]: rows s sends to d
+    row_start: list
+    dest_rows: list              # first row of this rank's part at each destination
+    recv_rows: int
+    recv_capacity_rows: int      # max over ranks (the symmetric buffer size)
+    order: list
+    prefix: list
+    config: dict = field(default_factory=dict)
+
+
+def plan_gemm(arena: Arena, m: int, n: int, send_counts: Sequence[int], config: dict) -> GemmPlan:
+    w, r = arena.world, arena.rank
+    counts = np.asarray(arena.allgather([int(c) for c in send_counts]), dtype=np.int64)
+    if counts.shape != (w, w):
+        raise errors.InvalidArgumentError(
+            f"gemm_all_to_all: send_counts must have {w} entries on every rank, got "
+            f"{[len(c) for c in counts] if counts.ndim == 1 else counts.shape}")
+    row_start = [0] + list(np.cumsum(counts[r])[:-1])
+    dest_rows = [int(counts[:r, d].sum()) for d in range(w)]
+    recv = counts.sum(axis=0)
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    n_tiles = math.ceil(n / bn) if n > 0 else 1
+    tasks = [max(1, math.ceil(int(c) / bm) * n_tiles) for c in counts[r]]
+    order = slice_order(r, w, arena.ranks_per_node)
+    return GemmPlan(counts, [int(v) for v in row_start], dest_rows, int(recv[r]), int(recv.max()),
+                    order, task_prefix(order, tasks), config)
+
+
+def gemm_config(device: torch.device) -> dict:
+    from . import triton_gemm_a2a as tk
+    if device.type == "cpu":  # interpreter: small tiles keep it quick
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
+    return tk.default_config(_PLATFORM)
+
+
+def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts: Sequence[int], *,
+                    signal: bool = True, check: bool = True, config: Optional[dict] = None,
+                    plan: Optional[GemmPlan] = None) -> torch.Tensor:
+    """Y = X @ W with Y's rows sent to the ranks by `send_counts` (all_to_all_single order).
+
+    `signal=False` runs the same kernel without done counters, signals, waits or acks (the
+    benchmark's baseline for the cost of the fusion machinery; the result is then only
+    right at world size 1)."""
+    from . import triton_gemm_a2a as tk
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+        raise errors.InvalidArgumentError(
+            f"gemm_all_to_all: expected X [M, K] and W [K, N], got {tuple(x.shape)} and "
+            f"{tuple(w.shape)}")
+    if x.dtype != w.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise errors.DTypeError(
+            f"gemm_all_to_all: X and W must share one of float32/bfloat16/float16, got "
+            f"{x.dtype} and {w.dtype}")
+    m, k = x.shape
+    n = w.shape[1]
+    cfg = dict(config or gemm_config(x.device))
+    if plan is None:
+        plan = plan_gemm(arena, m, n, send_counts, cfg)
+    if int(plan.counts[arena.rank].sum()) != m or (plan.counts < 0).any():
+        raise errors.InvalidArgumentError(
+            f"gemm_all_to_all: send_counts {list(plan.counts[arena.rank])} must be >= 0 and "
+            f"sum to M={m} on rank {arena.rank}")
+    dev = x.device
+    ws = arena.workspace(f"gemm_a2a")
+    ws.ensure_recv(plan.recv_capacity_rows * n * x.element_size())
+    epoch = ws.next_epoch()
+    recv, recv_offset = ws.buffer(epoch)
+    world = arena.world
+    ws.status.zero_()
+    if signal and epoch > 2:
+        _launch_wait(ws.acks, ws.status[:world], epoch - 2, arena.timeout_s)
+
+    def i64(v):
+        return torch.tensor(v, dtype=torch.int64, device=dev)
+
+    def i32(v):
+        return torch.tensor(v, dtype=torch.int32, device=dev)
+
+    total = plan.prefix[-1]
+    nprog = _num_programs(dev, total)
+    launch = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg and dev.type != "cpu"}
+    tk.get("gemm_a2a_kernel")[(nprog,)](
+        x, w, arena.peer_bases, i64(plan.row_start), i64(list(plan.counts[arena.rank])),
+        i64(plan.dest_rows), i32(plan.order), i32(plan.prefix), ws.counters,
+        recv_offset, ws.signal_offset, epoch, arena.rank, world, total, nprog, n, k,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        WORLD_P2=max(2, 1 << (world - 1).bit_length()), BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], SIGNAL=signal,
+        **launch)
+    if signal:
+        _launch_wait(ws.signals, ws.status[world:], epoch, arena.timeout_s)
+    nbytes = plan.recv_rows * n * x.element_size()
+    out = recv[:nbytes].view(x.dtype).view(plan.recv_rows, n).clone()
+    if signal:
+        _launch_ack(arena, ws, epoch)
+    if check and signal:
+        check_status(ws, epoch, "gemm_all_to_all")
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# HIP kernels (librocmoe): Embedding + All-to-All, GEMV + AllReduce
+# ---------------------------------------------------------------------------------------
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _native():
+    from .._native import ffi, lib
+    if not hasattr(lib, "rocmoe_gpu_embedding_a2a"):
+        raise errors.BackendUnavailableError(
+            "this librocmoe has no GPU fused ops; rebuild with -DROCMOE_GPU=cuda or hip")
+    return ffi, lib
+
+
+def _stream_ptr(ffi, device):
+    return ffi.cast("void *", torch.cuda.current_stream(device).cuda_stream)
+
+
+def _fill_team(ffi, arena: Arena):
+    team = ffi.new("rocmoe_gpu_team *")
+    team.peer_bases = ffi.cast("const void *", arena.peer_bases.data_ptr())
+    team.rank, team.world, team.ranks_per_node = arena.rank, arena.world, arena.ranks_per_node
+    return team
+
+
+def _fill_fused(ffi, arena: Arena, ws: Workspace, epoch: int, signal: bool, device):
+    common = ffi.new("rocmoe_gpu_fused *")
+    recv, _ = ws.buffer(epoch)
+    common.epoch = epoch
+    common.signals = ffi.cast("void *", ws.signals.data_ptr())
+    common.acks = ffi.cast("void *", ws.acks.data_ptr())
+    common.recv = ffi.cast("void *", recv.data_ptr())
+    common.counters = ffi.cast("void *", ws.counters.data_ptr())
+    common.status = ffi.cast("int *", ws.status.data_ptr())
+    common.workgroups = int(os.environ.get("ROCMOE_GPU_WORKGROUPS", "0"))
+    common.signal_enabled = 1 if signal else 0
+    common.timeout_s = arena.timeout_s
+    common.stream = _stream_ptr(ffi, device)
+    return common
+
+
+def embedding_all_to_all(arena: Arena, weights: Sequence[torch.Tensor],
+                         indices: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor],
+                         mode: str = "sum",
+                         per_sample_weights: Optional[Sequence[torch.Tensor]] = None, *,
+                         batch: Optional[int] = None, signal: bool = True, check: bool = True,
+                         layout: Optional[tuple] = None) -> torch.Tensor:
+    """This rank's tables' bags over the global batch -> [B / world, T_total, D] here.
+
+    `layout` = (table counts of every rank, D, B) when the caller already agreed on it (the
+    public op does); otherwise it is all-gathered here."""
+    from .._native import check as native_check
+    ffi, lib = _native()
+    world, rank = arena.world, arena.rank
+    t_local = len(weights)
+    if mode not in ("sum", "mean"):
+        raise errors.InvalidArgumentError(f"embedding_all_to_all: mode must be 'sum' or 'mean', got {mode!r}")
+    if per_sample_weights is not None and mode != "sum":
+        raise errors.InvalidArgumentError("embedding_all_to_all: per_sample_weights needs mode='sum'")
+    if len(indices) != t_local or len(offsets) != t_local:
+        raise errors.InvalidArgumentError(
+            f"embedding_all_to_all: {t_local} tables but {len(indices)} index and "
+            f"{len(offsets)} offset tensors")
+    dim = int(weights[0].shape[1]) if t_local else None
+    dtype = weights[0].dtype if t_local else None
+    b_local = int(offsets[0].numel()) if t_local else batch
+    if layout is None:
+        layout = arena.allgather((t_local, dim, b_local, str(dtype)))
+        dims = {d for _, d, _, _ in layout if d is not None}
+        batches = {b for _, _, b, _ in layout if b is not None}
+        dtypes = {t for _, _, _, t in layout if t != "None"}
+        if len(dims) != 1 or len(batches) != 1 or len(dtypes) != 1:
+            raise errors.InvalidArgumentError(
+                f"embedding_all_to_all: ranks disagree on D / batch / dtype: {layout}")
+        counts = [c for c, _, _, _ in layout]
+        dim, b_global = dims.pop(), batches.pop()
+        dtype = getattr(torch, dtypes.pop().replace("torch.", ""))
+    else:
+        counts, dim, b_global = layout
+    if b_global % world:
+        raise errors.InvalidArgumentError(
+            f"embedding_all_to_all: global batch {b_global} is not a multiple of the world "
+            f"size {world}")
+    t_total = sum(counts)
+    table_base = sum(counts[:rank])
+    b_loc = b_global // world
+    elt = torch.empty((), dtype=dtype).element_size()
+    ws = arena.workspace("embedding_a2a")
+    ws.ensure_recv(b_loc * t_total * dim * elt)
+    epoch = ws.next_epoch()
+    ws.status.zero_()
+    dev = arena.device
+    for tname, group in (("weights", weights), ("indices", indices), ("offsets", offsets)):
+        for i, t in enumerate(group):
+            if t.device != dev:
+                raise errors.DeviceMismatchError(
+                    f"embedding_all_to_all: {tname}[{i}] is on {t.device}, expected {dev}")
+    wts = [t.contiguous() for t in weights]
+    idx = [t.contiguous().to(torch.int64) for t in indices]
+    offs = [t.contiguous().to(torch.int64) for t in offsets]
+    psw = ([t.contiguous().to(torch.float32) for t in per_sample_weights]
+           if per_sample_weights is not None else None)
+    # per-table pointer arrays live on the device: the kernel indexes them by table
+    ptr_table = torch.tensor(
+        [t.data_ptr() for t in wts] + [t.data_ptr() for t in idx] + [t.data_ptr() for t in offs]
+        + ([t.data_ptr() for t in psw] if psw else [0] * t_local)
+        + [int(t.shape[0]) for t in wts] + [int(t.numel()) for t in idx],
+        dtype=torch.int64, device=dev) if t_local else torch.zeros(1, dtype=torch.int64, device=dev)
+    args = ffi.new("rocmoe_gpu_embedding_args *")
+    args.team = _fill_team(ffi, arena)[0]
+    args.fused = _fill_fused(ffi, arena, ws, epoch, signal, dev)[0]
+    args.dtype = _DTYPES[dtype]
+    args.mode = 0 if mode == "sum" else 1
+    args.num_tables = t_local
+    args.total_tables = t_total
+    args.table_base = table_base
+    args.batch = b_global
+    args.dim = dim
+    args.tables = ffi.cast("const int64_t *", ptr_table.data_ptr())
+    args.has_per_sample_weights = 1 if psw else 0
+    native_check(lib.rocmoe_gpu_embedding_a2a(args), "embedding_all_to_all (GPU)")
+    recv, _ = ws.buffer(epoch)
+    # receive layout: source s's block [B/world, T_s, D] at table offset sum(T_<s)
+    flat = recv[:b_loc * t_total * dim * elt].view(dtype)
+    parts = []
+    start = 0
+    for c in counts:
+        parts.append(flat[start:start + b_loc * c * dim].view(b_loc, c, dim))
+        start += b_loc * c * dim
+    out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
+    if signal:
+        _launch_ack(arena, ws, epoch)
+    del ptr_table, wts, idx, offs, psw  # the stream keeps them alive until the kernel ran
+    if check and signal:
+        check_status(ws, epoch, "embedding_all_to_all")
+    return out
+
+
+def gemv_all_reduce(arena: Arena, w_local: torch.Tensor, x_local: torch.Tensor, *,
+                    signal: bool = True, check: bool = True) -> torch.Tensor:
+    """y = sum over ranks of W_r @ x_r ([N], identical on every rank)."""
+    from .._native import check as native_check
+    ffi, lib = _native()
+    if w_local.dim() != 2 or x_local.dim() != 1 or w_local.shape[1] != x_local.shape[0]:
+        raise errors.InvalidArgumentError(
+            f"gemv_all_reduce: expected W [N, K_r] and x [K_r], got {tuple(w_local.shape)} and "
+            f"{tuple(x_local.shape)}")
+    if w_local.dtype != x_local.dtype or w_local.dtype not in _DTYPES:
+        raise errors.DTypeError(
+            f"gemv_all_reduce: W and x must share one of float32/bfloat16/float16, got "
+            f"{w_local.dtype} and {x_local.dtype}")
+    n, k = w_local.shape
+    world = arena.world
+    elt = w_local.element_size()
+    ws = arena.workspace("gemv_allreduce")
+    # receive space: fp32 partials from every source for this rank's chunk, then the
+    # all-gathered result [N] in the op's dtype
+    chunk_max = -(-n // world)
+    rs_bytes = (world * chunk_max * 4 + ALIGN - 1) // ALIGN * ALIGN
+    ws.ensure_recv(rs_bytes + n * elt)
+    epoch = ws.next_epoch()
+    ws.status.zero_()
+    args = ffi.new("rocmoe_gpu_gemv_args *")
+    args.team = _fill_team(ffi, arena)[0]
+    args.fused = _fill_fused(ffi, arena, ws, epoch, signal, w_local.device)[0]
+    args.dtype = _DTYPES[w_local.dtype]
+    args.n, args.k = n, k
+    wc, xc = w_local.contiguous(), x_local.contiguous()
+    args.w = ffi.cast("const void *", wc.data_ptr())
+    args.x = ffi.cast("const void *", xc.data_ptr())
+    args.gather_offset = rs_bytes
+    native_check(lib.rocmoe_gpu_gemv_allreduce(args), "gemv_all_reduce (GPU)")
+    recv, _ = ws.buffer(epoch)
+    out = recv[rs_bytes:rs_bytes + n * elt].view(w_local.dtype).clone()
+    if signal:
+        _launch_ack(arena, ws, epoch)
+    if check and signal:
+        check_status(ws, epoch, "gemv_all_reduce")
+    return out

@@ -1,0 +1,183 @@
+"""Triton persistent kernel of the fused GEMM + All-to-All (AMD and NVIDIA).
+
+The kernel runs the schedule of ``hip/include/rocmoe/schedule.h``:
+
+* slices: one per destination rank (this rank's rows of ``Y = X @ W`` bound for it,
+  ``send_counts[d]`` rows starting at ``row_start[d]``); an empty slice still has one task,
+  so its signal is still raised;
+* tasks: the ``BLOCK_M x BLOCK_N`` output tiles of a slice; task numbers follow the
+  remote-first slice order given by ``order`` / ``task_prefix`` (computed on the host from
+  the same closed form as ``sched::slice_at``), and a program takes the next number from an
+  atomic counter until none are left;
+* every tile is stored straight into the destination's receive buffer (scale-up: the
+  destination's heap base comes from the ``peer_bases`` int64 tensor and is cast to a
+  pointer), then the program bumps the slice's done counter; the program whose bump
+  completes the slice re-zeroes it and stores the epoch into the destination's signal slot
+  for this rank with release semantics at system scope.
+
+Counters (``next_task``, ``exited``, ``slice_done[world]``) are self-resetting exactly as in
+schedule.h, so they live in device memory across launches without a memset.
+
+``wait_kernel`` is the consumer side: one program per source rank polls this rank's signal
+slot for that source with acquire atomics until it holds ``>= epoch`` or an iteration
+budget runs out, and records the outcome in ``status[source]`` (0 ready, 1 timed out), so a
+missing signal becomes an error on the host instead of a hung stream.
+
+As in ``rocmoe.moe.kernels``, the bodies are plain functions wrapped by ``triton.jit`` on
+first use, so ``TRITON_INTERPRET=1`` set by a test before the first call runs this very
+code on CPU tensors (with the host backend's shared-memory heap as the "peers").
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+_RAW = {}
+_JITTED = {}
+
+
+def _kernel(fn):
+    _RAW[fn.__name__] = fn
+    return fn
+
+
+def get(name: str):
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    key = (name, interpret)
+    if key not in _JITTED:
+        _JITTED[key] = triton.jit(_RAW[name])
+    return _JITTED[key]
+
+
+def names() -> list[str]:
+    return sorted(_RAW)
+
+
+@_kernel
+def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
+                    row_start_ptr, send_counts_ptr, dest_row_ptr,
+                    order_ptr, task_prefix_ptr, counters_ptr,
+                    recv_offset, signal_offset, epoch, rank, world, total_tasks, num_programs,
+                    N, K,
+                    stride_xm, stride_xk, stride_wk, stride_wn,
+                    WORLD_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SIGNAL: tl.constexpr):
+    out_ty = x_ptr.dtype.element_ty
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    positions = tl.arange(0, WORLD_P2)
+    # prefix[p + 1] for every order position; past-the-end lanes never count
+    next_prefix = tl.load(task_prefix_ptr + 1 + positions, mask=positions < world,
+                          other=2147483647)
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+
+    task = tl.atomic_add(counters_ptr, 1)
+    while task < total_tasks:
+        # locate(): the slice is the number of slices that end at or before this task
+        pos = tl.sum((next_prefix <= task).to(tl.int32), axis=0)
+        dest = tl.load(order_ptr + pos)
+        first = tl.load(task_prefix_ptr + pos)
+        tiles = tl.load(task_prefix_ptr + pos + 1) - first
+        tile = task - first
+        rows = tl.load(send_counts_ptr + dest)
+        row0 = tl.load(row_start_ptr + dest)
+        if rows > 0:
+            # grouped tile order inside the slice: GROUP_M row tiles share W's columns in L2
+            m_tiles = tl.cdiv(rows, BLOCK_M)
+            in_group = GROUP_M * n_tiles_n
+            group_first = (tile // in_group) * GROUP_M
+            group_rows = tl.minimum(m_tiles - group_first, GROUP_M)
+            m_tile = group_first + (tile % in_group) % group_rows
+            n_tile = (tile % in_group) // group_rows
+
+            local_rows = m_tile * BLOCK_M + rm
+            cols = n_tile * BLOCK_N + rn
+            row_ok = local_rows < rows
+            col_ok = cols < N
+            x_rows = (row0 + tl.where(row_ok, local_rows, 0)).to(tl.int64)
+            w_cols = tl.where(col_ok, cols, 0).to(tl.int64)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + rk
+                k_ok = ks < K
+                a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                            mask=k_ok[None, :], other=0.0)
+                b = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk
+                            + w_cols[None, :] * stride_wn,
+                            mask=k_ok[:, None], other=0.0)
+                acc = tl.dot(a, b, acc)
+
+            # scale-up: the tile goes straight into the destination's receive buffer
+            dest_base = tl.load(peer_bases_ptr + dest) + recv_offset
+            out_ptr = dest_base.to(tl.pointer_type(out_ty))
+            out_rows = (tl.load(dest_row_ptr + dest) + local_rows).to(tl.int64)
+            tl.store(out_ptr + out_rows[:, None] * N + cols[None, :].to(tl.int64),
+                     acc.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if SIGNAL:
+            # every thread's stores are issued before the one lane that bumps the counter
+            tl.debug_barrier()
+            done = tl.atomic_add(counters_ptr + 2 + dest, 1, sem="acq_rel", scope="gpu")
+            if done + 1 == tiles:
+                tl.atomic_xchg(counters_ptr + 2 + dest, 0, sem="relaxed", scope="gpu")
+                sig_addr = tl.load(peer_bases_ptr + dest) + signal_offset + rank * 8
+                tl.atomic_xchg(sig_addr.to(tl.pointer_type(tl.int64)), epoch,
+                               sem="release", scope="sys")
+        task = tl.atomic_add(counters_ptr, 1)
+
+    # exit_worker(): the last program out re-zeroes the task and exit counters
+    exited = tl.atomic_add(counters_ptr + 1, 1)
+    if exited + 1 == num_programs:
+        tl.atomic_xchg(counters_ptr, 0)
+        tl.atomic_xchg(counters_ptr + 1, 0)
+
+
+@_kernel
+def wait_kernel(signals_ptr, status_ptr, epoch, budget):
+    # one program per source rank: acquire-poll its slot until it reaches this call's epoch
+    source = tl.program_id(0)
+    slot = signals_ptr + source
+    seen = tl.atomic_add(slot, 0, sem="acquire", scope="sys")
+    spins = 0
+    while (seen < epoch) & (spins < budget):
+        seen = tl.atomic_add(slot, 0, sem="acquire", scope="sys")
+        spins += 1
+    tl.store(status_ptr + source, tl.where(seen >= epoch, 0, 1).to(tl.int32))
+
+
+@_kernel
+def signal_peers_kernel(peer_bases_ptr, slot_offset, rank, value):
+    # one program per peer: store `value` into the peer's slot for this rank (release, system)
+    peer = tl.program_id(0)
+    addr = tl.load(peer_bases_ptr + peer) + slot_offset + rank * 8
+    tl.atomic_xchg(addr.to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys")
+
+
+def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
+    """Argument types of every kernel for ahead-of-time ``triton.compile``."""
+    p = "*" + dtype
+    i64 = "*i64"
+    i32 = "*i32"
+    return {
+        "gemm_a2a_kernel": dict(
+            x_ptr=p, w_ptr=p, peer_bases_ptr=i64, row_start_ptr=i64, send_counts_ptr=i64,
+            dest_row_ptr=i64, order_ptr=i32, task_prefix_ptr=i32, counters_ptr=i32,
+            recv_offset="i64", signal_offset="i64", epoch="i64", rank="i32", world="i32",
+            total_tasks="i32", num_programs="i32", N="i32", K="i32",
+            stride_xm="i32", stride_xk="i32", stride_wk="i32", stride_wn="i32",
+            WORLD_P2="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
+            BLOCK_K="constexpr", GROUP_M="constexpr", SIGNAL="constexpr"),
+        "wait_kernel": dict(signals_ptr=i64, status_ptr=i32, epoch="i64", budget="i32"),
+        "signal_peers_kernel": dict(peer_bases_ptr=i64, slot_offset="i64", rank="i32",
+                                    value="i64"),
+    }
+
+
+def default_config(platform: str) -> dict:
+    """Tile shape and launch options per platform (Hopper wgmma / CDNA MFMA)."""
+    if platform == "hip":
+        return dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
