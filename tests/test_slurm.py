@@ -79,6 +79,18 @@ def test_local_template_runs_a_two_rank_ring_under_slurm(slurm_env, tmp_path):
 
 
 @pytest.mark.slurm
+def test_local_template_starts_ranks_with_srun_pmix(slurm_env, tmp_path):
+    env = dict(slurm_env, ROCMOE_LAUNCHER="srun")
+    rc, job, text = submit_and_wait(env, tmp_path)
+    if rc != 0 and "can not load PMIx library" in text:
+        _unavailable("Slurm's mpi/pmix plugin cannot load libpmix (apt-get install libpmix2; ln -s "
+                     "libpmix.so.2 /usr/lib/x86_64-linux-gnu/pmix2/lib/libpmix.so; then restart "
+                     "slurmd: slurm/local-cluster.sh stop && slurm/local-cluster.sh start)")
+    assert rc == 0, text
+    assert f"RING OK world=2 backend=host elements=65536 slurm_job={job}" in text, text
+
+
+@pytest.mark.slurm
 def test_local_template_passes_program_and_arguments_and_fails_with_the_program(slurm_env, tmp_path):
     rc, job, text = submit_and_wait(
         slurm_env, tmp_path, "python3", "-c",
