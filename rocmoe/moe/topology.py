@@ -72,10 +72,11 @@ def build_topology(plan: RoutingPlan, ffn_size: int) -> Topology:
     num_cols = plan.num_experts * nb
     device = plan.block_expert.device
     rows = torch.arange(num_rb, device=device, dtype=torch.int32)
-    row_indices = rows.repeat_interleave(nb)
+    # expand + reshape, not repeat_interleave: the output size is static, no device read
+    row_indices = rows.view(-1, 1).expand(num_rb, nb).reshape(-1)
     row_offsets = torch.arange(num_rb + 1, device=device, dtype=torch.int32) * nb
     within = torch.arange(nb, device=device, dtype=torch.int32).repeat(num_rb)
-    expert_of_block = plan.block_expert.repeat_interleave(nb)
+    expert_of_block = plan.block_expert.view(-1, 1).expand(num_rb, nb).reshape(-1)
     valid = expert_of_block >= 0
     column_indices = torch.where(valid, expert_of_block * nb + within,
                                  torch.full_like(within, -1))

@@ -23,7 +23,9 @@ def _mpiexec():
 
 def _run(ranks, *args):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1")
+               OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1",
+               # one thread per rank: CI has 2 cores for up to 4 ranks
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cmd = [_mpiexec(), "-n", str(ranks), "--oversubscribe", sys.executable, str(SCRIPT), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

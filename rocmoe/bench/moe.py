@@ -1,0 +1,392 @@
+"""Dropless MoE benchmark: block-sparse expert FFN and layer against named baselines.
+
+    rocmoe bench moe [--shapes T,H,F,E;...] [--routing uniform,zipf] [--top-k 2] [--output F]
+
+Every JSON line names its baseline and the ratio to it (baseline time / our time, so > 1
+means rocmoe is faster), both measured in the same run on the same routing:
+
+* ``ffn_fwd_vs_dense_matmul`` / ``ffn_fwdbwd_vs_dense_matmul``: the expert FFN (SDD, act,
+  DSD; and the backward) against plain ``torch.matmul`` doing the same useful FLOPs
+  (``4*T*k*H*F`` forward) on [T*k, H] rows: the ratio is our useful FLOP/s over dense FLOP/s.
+* ``ffn_fwd_vs_grouped_mm`` / ``ffn_fwdbwd_vs_grouped_mm``: against ``torch._grouped_mm``
+  on the same expert-sorted rows (no padding) with a separate GELU.
+* ``layer_fwdbwd_vs_capacity_padded``: whole layer (permute, FFN, combine; the router is the
+  same for all and left out) against a capacity-factor-1.0 padded-bmm layer; the record
+  says how many (token, slot) pairs that layer drops.
+* ``layer_fwdbwd_vs_max_padded``: against padding every expert to the largest load (no drops).
+* ``permute_topology_share``: time of sort + histogram + pad + topology + permute over the
+  layer's fwd+bwd time.
+* ``peak_memory_vs_capacity_padded``: peak allocated bytes of one fwd+bwd, ours over theirs.
+
+Times are medians of CUDA-event timings after warm-up. Needs a CUDA/ROCm device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F_
+
+DEFAULT_SHAPES = [(65536, 512, 2048, 64), (32768, 768, 3072, 64), (8192, 1024, 4096, 64),
+                  (8192, 4096, 16384, 4), (65536, 1024, 4096, 64), (8192, 4096, 1408, 64)]
+
+
+def _gelu(t):
+    return F_.gelu(t, approximate="tanh")
+
+
+# ------------------------------------------------------------------------------ timing
+def time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():  # --device cpu: a dry run of the code paths
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2]
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    if not torch.cuda.is_available():
+        fn()
+        return 1
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+# ----------------------------------------------------------------------------- routing
+def make_routing(tokens: int, experts: int, top_k: int, kind: str, device, dtype,
+                 generator: torch.Generator):
+    """k distinct experts per token: uniform, or Zipf(1.0) over the experts (p_e ~ 1/(e+1))."""
+    if kind == "uniform":
+        probs = torch.ones(experts, device=device)
+    elif kind == "zipf":
+        probs = 1.0 / torch.arange(1, experts + 1, device=device, dtype=torch.float32)
+    else:
+        raise ValueError(f"routing must be uniform or zipf, got {kind!r}")
+    ids = torch.multinomial(probs.expand(tokens, experts).contiguous(), top_k, replacement=False,
+                            generator=generator).to(torch.int32)
+    weights = torch.softmax(torch.randn(tokens, top_k, device=device, generator=generator), -1)
+    return ids, weights.to(dtype)
+
+
+# --------------------------------------------------------------------------- baselines
+def capacity_padded_layer(x, ids, weights, w1, w2, capacity: int):
+    """Token-dropping MoE: each expert takes its first ``capacity`` pairs into an [E, C, H]
+    buffer (bmm), later pairs are dropped (contribute zero). Device-side, like GShard."""
+    tokens, top_k = ids.shape
+    experts, hidden = w1.shape[0], x.shape[1]
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(experts, dtype=torch.long, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(flat)
+    rank[order] = torch.arange(flat.numel(), device=x.device) - starts[flat[order]]
+    keep = rank < capacity
+    slot = torch.where(keep, flat * capacity + rank, torch.full_like(rank, experts * capacity))
+    buf = x.new_zeros(experts * capacity + 1, hidden)  # last row: sink for dropped pairs
+    src = x.repeat_interleave(top_k, dim=0)
+    buf = buf.index_copy(0, slot, src)
+    h = torch.bmm(buf[:-1].view(experts, capacity, hidden), w1)
+    y = torch.bmm(_gelu(h), w2).reshape(experts * capacity, hidden)
+    y = torch.cat([y, y.new_zeros(1, hidden)])
+    out = y.index_select(0, slot).view(tokens, top_k, hidden)
+    return (out * weights.unsqueeze(-1)).sum(1), int(flat.numel()) - keep.sum()
+
+
+def grouped_mm_ffn(x_sorted, offs, w1, w2):
+    h = torch._grouped_mm(x_sorted, w1, offs=offs)
+    return torch._grouped_mm(_gelu(h), w2, offs=offs)
+
+
+# ------------------------------------------------------------------------------ runner
+def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, device,
+             emit: Callable[[dict], None], skip_max_padded_above_gib: float = 100.0) -> None:
+    from rocmoe.moe import blocksparse as bs
+    from rocmoe.moe import build_topology, permute_pad, plan_routing, unpermute_combine
+
+    tokens, hidden, ffn, experts = shape
+    k = min(top_k, experts)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+    w1 = (torch.randn(experts, hidden, ffn, device=device, dtype=dtype, generator=gen)
+          / math.sqrt(hidden)).requires_grad_(True)
+    w2 = (torch.randn(experts, ffn, hidden, device=device, dtype=dtype, generator=gen)
+          / math.sqrt(ffn)).requires_grad_(True)
+    ids, weights = make_routing(tokens, experts, k, routing, device, dtype, gen)
+    pairs = tokens * k
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=experts)
+    max_load = int(counts.max())
+    common = dict(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=k,
+                  routing=routing, block_size=block, dtype=str(dtype).replace("torch.", ""),
+                  max_load=max_load, mean_load=pairs / experts,
+                  device=torch.cuda.get_device_name() if x.is_cuda else "cpu")
+
+    def record(name, baseline, ours_ms, base_ms, **extra):
+        emit(dict(common, metric=name, baseline=baseline, ours_ms=round(ours_ms, 4),
+                  baseline_ms=round(base_ms, 4), ratio=round(base_ms / ours_ms, 4), **extra))
+
+    # --- ours: routing plan, topology, permuted rows (built once for the FFN timings)
+    plan = plan_routing(ids, experts, block)
+    topo = build_topology(plan, ffn)
+    x_perm = permute_pad(x, plan)
+    useful_fwd = 4.0 * pairs * hidden * ffn
+
+    def ours_ffn_fwd():
+        with torch.no_grad():
+            return bs.fused_expert_ffn(x_perm, w1, w2, topo, "gelu")
+
+    x_perm_g = x_perm.detach().requires_grad_(True)
+    grad_ffn = torch.randn(topo.num_rows, hidden, device=device, dtype=dtype, generator=gen)
+
+    def ours_ffn_fwdbwd():
+        y = bs.fused_expert_ffn(x_perm_g, w1, w2, topo, "gelu")
+        torch.autograd.grad(y, [x_perm_g, w1, w2], grad_ffn)
+
+    t_ffn_fwd = time_ms(ours_ffn_fwd, reps)
+    t_ffn_fb = time_ms(ours_ffn_fwdbwd, reps)
+
+    # --- dense torch.matmul at the same useful FLOPs
+    xd = torch.randn(pairs, hidden, device=device, dtype=dtype, generator=gen)
+    a1 = w1[0].detach().clone()
+    a2 = w2[0].detach().clone()
+    xd_g = xd.clone().requires_grad_(True)
+    a1_g, a2_g = a1.clone().requires_grad_(True), a2.clone().requires_grad_(True)
+    gd = torch.randn(pairs, hidden, device=device, dtype=dtype, generator=gen)
+
+    def dense_fwd():
+        return torch.matmul(torch.matmul(xd, a1), a2)
+
+    def dense_fwdbwd():
+        y = torch.matmul(torch.matmul(xd_g, a1_g), a2_g)
+        torch.autograd.grad(y, [xd_g, a1_g, a2_g], gd)
+
+    t_dense_fwd = time_ms(dense_fwd, reps)
+    t_dense_fb = time_ms(dense_fwdbwd, reps)
+    record("ffn_fwd_vs_dense_matmul", "torch.matmul (same useful FLOPs)", t_ffn_fwd, t_dense_fwd,
+           ours_tflops=round(useful_fwd / t_ffn_fwd / 1e9, 1),
+           baseline_tflops=round(useful_fwd / t_dense_fwd / 1e9, 1))
+    record("ffn_fwdbwd_vs_dense_matmul", "torch.matmul (same useful FLOPs)", t_ffn_fb, t_dense_fb,
+           ours_tflops=round(3 * useful_fwd / t_ffn_fb / 1e9, 1),
+           baseline_tflops=round(3 * useful_fwd / t_dense_fb / 1e9, 1))
+    del xd, xd_g, gd
+
+    # --- torch._grouped_mm on the same routing (sorted rows, no padding)
+    if hasattr(torch, "_grouped_mm"):
+        try:
+            order = torch.sort(ids.reshape(-1).long(), stable=True).indices
+            xs = x.index_select(0, order // k)
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            xs_g = xs.clone().requires_grad_(True)
+            gs = torch.randn_like(xs)
+
+            def gmm_fwd():
+                with torch.no_grad():
+                    return grouped_mm_ffn(xs, offs, w1, w2)
+
+            def gmm_fwdbwd():
+                y = grouped_mm_ffn(xs_g, offs, w1, w2)
+                torch.autograd.grad(y, [xs_g, w1, w2], gs)
+
+            t_g_fwd = time_ms(gmm_fwd, reps)
+            record("ffn_fwd_vs_grouped_mm", "torch._grouped_mm + gelu", t_ffn_fwd, t_g_fwd)
+            try:
+                t_g_fb = time_ms(gmm_fwdbwd, reps)
+                record("ffn_fwdbwd_vs_grouped_mm", "torch._grouped_mm + gelu", t_ffn_fb, t_g_fb)
+            except Exception as exc:  # noqa: BLE001 - reported, not hidden
+                emit(dict(common, metric="ffn_fwdbwd_vs_grouped_mm", error=repr(exc)[:300]))
+            del xs, xs_g, gs
+        except Exception as exc:  # noqa: BLE001
+            emit(dict(common, metric="ffn_fwd_vs_grouped_mm", error=repr(exc)[:300]))
+    else:
+        emit(dict(common, metric="ffn_fwd_vs_grouped_mm", error="torch._grouped_mm missing"))
+
+    # --- whole layer fwd+bwd (router excluded: identical for every layer)
+    x_g = x.clone().requires_grad_(True)
+    gy = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+
+    def ours_layer():
+        p = plan_routing(ids, experts, block)
+        t = build_topology(p, ffn)
+        y_perm = bs.fused_expert_ffn(permute_pad(x_g, p), w1, w2, t, "gelu")
+        y = unpermute_combine(y_perm, weights, p)
+        torch.autograd.grad(y, [x_g, w1, w2], gy)
+
+    def ours_prepare():
+        p = plan_routing(ids, experts, block)
+        build_topology(p, ffn)
+        return permute_pad(x, p)
+
+    t_layer = time_ms(ours_layer, reps)
+    t_prep = time_ms(ours_prepare, reps)
+    emit(dict(common, metric="permute_topology_share", baseline="layer fwd+bwd",
+              ours_ms=round(t_prep, 4), baseline_ms=round(t_layer, 4),
+              ratio=round(t_prep / t_layer, 4)))
+
+    capacity = math.ceil(pairs / experts * 1.0)
+    dropped = {}
+
+    def cf_layer():
+        y, d = capacity_padded_layer(x_g, ids, weights, w1, w2, capacity)
+        dropped["n"] = d
+        torch.autograd.grad(y, [x_g, w1, w2], gy)
+
+    t_cf = time_ms(cf_layer, reps)
+    n_drop = int(dropped["n"])
+    record("layer_fwdbwd_vs_capacity_padded", "padded bmm, capacity factor 1.0", t_layer, t_cf,
+           baseline_dropped_pairs=n_drop, baseline_dropped_fraction=round(n_drop / pairs, 4))
+
+    mem_ours = peak_bytes(ours_layer)
+    mem_cf = peak_bytes(cf_layer)
+    emit(dict(common, metric="peak_memory_vs_capacity_padded",
+              baseline="padded bmm, capacity factor 1.0", ours_bytes=mem_ours,
+              baseline_bytes=mem_cf, ratio=round(mem_ours / mem_cf, 4)))
+
+    est_gib = experts * max_load * (4 * ffn + 4 * hidden) * 2 / 2**30
+    if est_gib > skip_max_padded_above_gib:
+        emit(dict(common, metric="layer_fwdbwd_vs_max_padded", skipped=True,
+                  reason=f"baseline would need about {est_gib:.0f} GiB"))
+    else:
+        def max_layer():
+            y, _ = capacity_padded_layer(x_g, ids, weights, w1, w2, max_load)
+            torch.autograd.grad(y, [x_g, w1, w2], gy)
+
+        t_max = time_ms(max_layer, max(3, reps // 3), warmup=1)
+        record("layer_fwdbwd_vs_max_padded", "padded bmm, every expert padded to the max load",
+               t_layer, t_max)
+
+
+def tune(shape, block, dtype, device, emit, candidates) -> dict:
+    """Time the FFN fwd+bwd under each kernel config; keep the fastest."""
+    from rocmoe.moe import blocksparse as bs
+    from rocmoe.moe import build_topology, permute_pad, plan_routing
+    tokens, hidden, ffn, experts = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+    w1 = (torch.randn(experts, hidden, ffn, device=device, dtype=dtype, generator=gen)
+          / math.sqrt(hidden)).requires_grad_(True)
+    w2 = (torch.randn(experts, ffn, hidden, device=device, dtype=dtype, generator=gen)
+          / math.sqrt(ffn)).requires_grad_(True)
+    ids, _ = make_routing(tokens, experts, 2, "uniform", device, dtype, gen)
+    plan = plan_routing(ids, experts, block)
+    topo = build_topology(plan, ffn)
+    xp = permute_pad(x, plan).requires_grad_(True)
+    g = torch.randn(topo.num_rows, hidden, device=device, dtype=dtype, generator=gen)
+    best, best_ms = None, float("inf")
+    for cand in candidates:
+        bs.set_kernel_config(**cand)
+        try:
+            def step():
+                y = bs.fused_expert_ffn(xp, w1, w2, topo, "gelu")
+                torch.autograd.grad(y, [xp, w1, w2], g)
+            ms = time_ms(step, 5)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report, skip
+            emit(dict(metric="tune", config=cand, error=repr(exc)[:200]))
+            continue
+        emit(dict(metric="tune", shape=list(shape), config=cand, ffn_fwdbwd_ms=round(ms, 4)))
+        if ms < best_ms:
+            best, best_ms = cand, ms
+    if best is not None:
+        bs.set_kernel_config(**best)
+    return best or {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rocmoe bench moe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", help="T,H,F,E;T,H,F,E;... (default: the six of issue 4)")
+    p.add_argument("--routing", default="uniform,zipf")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--tune", action="store_true", help="pick kernel tiles on one shape first")
+    p.add_argument("--output", help="also append the JSON lines to this file")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the code")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print(json.dumps({"metric": "moe", "error": "no CUDA/ROCm device: the MoE benchmark "
+                          "measures GPU kernels"}), flush=True)
+        return 2
+    shapes = DEFAULT_SHAPES if not args.shapes else [
+        tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s.strip()]
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    out = open(args.output, "a") if args.output else None
+
+    def emit(rec):
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if out is not None:
+            out.write(line + "\n")
+            out.flush()
+
+    try:
+        from rocmoe.moe import blocksparse as bs
+        if args.tune:
+            best = tune((65536, 1024, 4096, 64), args.block_size, dtype, device, emit, [
+                dict(block_n=128, block_k=64, num_warps=8, num_stages=3),
+                dict(block_n=128, block_k=64, num_warps=8, num_stages=4),
+                dict(block_n=256, block_k=64, num_warps=8, num_stages=3),
+                dict(block_n=128, block_k=32, num_warps=4, num_stages=4),
+            ])
+            emit(dict(metric="tune_choice", config=best))
+        emit(dict(metric="kernel_config", config=dict(bs.KERNEL_CONFIG),
+                  torch=torch.__version__, triton=_triton_version()))
+        for shape in shapes:
+            for routing in args.routing.split(","):
+                t0 = time.time()
+                try:
+                    run_case(shape, routing, args.top_k, args.block_size, dtype, args.reps,
+                             device, emit)
+                except torch.OutOfMemoryError as exc:
+                    emit(dict(metric="case", shape=list(shape), routing=routing,
+                              error=repr(exc)[:300]))
+                torch.cuda.empty_cache()
+                print(f"# {shape} {routing}: {time.time() - t0:.1f} s", file=sys.stderr,
+                      flush=True)
+    finally:
+        if out is not None:
+            out.close()
+    return 0
+
+
+def _triton_version():
+    try:
+        import triton
+        return triton.__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
