@@ -156,7 +156,7 @@ def cmd_info(args) -> int:
 def cmd_doctor(args) -> int:
     from . import doctor
     findings = doctor.run_checks(clean=args.clean, mpi=not args.no_mpi,
-                                 mpi_timeout_s=args.mpi_timeout)
+                                 mpi_timeout_s=args.mpi_timeout, min_age_s=args.min_age)
     for finding in findings:
         print(finding.line(), flush=True)
     counts = {s: sum(f.status == s for f in findings) for s in (doctor.OK, doctor.WARN, doctor.FAIL)}
@@ -206,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check this machine for a rocmoe job")
     p.add_argument("--clean", action="store_true",
                    help="remove /dev/shm segments of crashed rocmoe jobs (never a live job's)")
+    p.add_argument("--min-age", type=float, default=60.0, metavar="S",
+                   help="a segment whose owner is gone counts as stale once this old (default 60: "
+                        "running jobs unlink theirs within seconds)")
     p.add_argument("--no-mpi", action="store_true", help="skip the mpiexec launch check")
     p.add_argument("--mpi-timeout", type=float, default=60.0, metavar="S",
                    help="seconds allowed for the mpiexec launch check (default 60)")

@@ -24,6 +24,11 @@ SEGMENT_PREFIX = "rocmoe."
 # A segment whose header was never completed names no owner; it is only considered stale once
 # it is this old, so that a job still creating its heap is never touched.
 HEADERLESS_GRACE_S = 600.0
+# A job unlinks its segments within seconds of starting (rocmoe_seal), so a named segment older
+# than this belongs to a job that died during bootstrap. The grace keeps `--clean` away from a
+# job whose owner pid only looks dead because it runs in another PID namespace (a container
+# sharing /dev/shm) and is still bootstrapping.
+DEAD_OWNER_GRACE_S = 60.0
 # Env variables set by the launchers rocmoe supports: their presence means "inside a job".
 MPI_JOB_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
@@ -48,11 +53,10 @@ class Segment:
     size: int
     age_s: float
 
-    @property
-    def stale(self) -> bool:
+    def stale(self, min_age_s: float = DEAD_OWNER_GRACE_S) -> bool:
         if self.pid > 0:
-            return not self.alive
-        return self.age_s > HEADERLESS_GRACE_S
+            return not self.alive and self.age_s >= min_age_s
+        return self.age_s > max(HEADERLESS_GRACE_S, min_age_s)
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -225,7 +229,8 @@ def list_segments(shm_dir: str = SHM_DIR) -> list[Segment]:
     return segments
 
 
-def check_segments(clean: bool = False, shm_dir: str = SHM_DIR) -> list[Finding]:
+def check_segments(clean: bool = False, shm_dir: str = SHM_DIR,
+                   min_age_s: float = DEAD_OWNER_GRACE_S) -> list[Finding]:
     try:
         segments = list_segments(shm_dir)
     except Exception as exc:
@@ -238,9 +243,14 @@ def check_segments(clean: bool = False, shm_dir: str = SHM_DIR) -> list[Finding]
         if seg.pid < 0:
             out.append(Finding(WARN, "segments", f"{where}: cannot read its header (another user's?); "
                                                  "left alone"))
-        elif not seg.stale:
-            owner = f"owner pid {seg.pid} is alive" if seg.pid else "header still being written"
-            out.append(Finding(OK, "segments", f"{where}: {owner}; kept (a live job's heap)"))
+        elif seg.pid > 0 and seg.alive:
+            out.append(Finding(OK, "segments", f"{where}: owner pid {seg.pid} is alive; kept (a live "
+                                               "job's heap)"))
+        elif not seg.stale(min_age_s):
+            owner = f"owner pid {seg.pid} not found" if seg.pid else "no owner in its header yet"
+            out.append(Finding(OK, "segments", f"{where}: {owner} but only {seg.age_s:.0f} s old; kept "
+                                               "(a job may still be starting, e.g. in another PID "
+                                               "namespace); check again later"))
         elif not clean:
             owner = f"owner pid {seg.pid} is dead" if seg.pid else \
                 f"no owner recorded and {seg.age_s:.0f} s old"
@@ -261,12 +271,13 @@ def check_segments(clean: bool = False, shm_dir: str = SHM_DIR) -> list[Finding]
 
 
 def run_checks(clean: bool = False, mpi: bool = True, mpi_timeout_s: float = 60.0,
-               heap_size: Optional[int] = None) -> list[Finding]:
+               heap_size: Optional[int] = None,
+               min_age_s: float = DEAD_OWNER_GRACE_S) -> list[Finding]:
     checks: list[Callable[[], Iterable[Finding]]] = [check_native]
     if mpi:
         checks.append(lambda: check_mpi(mpi_timeout_s))
     checks += [lambda: check_shm(heap_size), check_gpu_visibility, check_ipc_mode,
-               lambda: check_segments(clean)]
+               lambda: check_segments(clean, min_age_s=min_age_s)]
     findings: list[Finding] = []
     for check in checks:
         try:

@@ -59,7 +59,7 @@ def segments():
     """Start segment holders; yields a factory tag_mode -> segment file name; cleans up."""
     live, names = [], []
 
-    def make(mode: str) -> str:
+    def make(mode: str, age_s: float = 0) -> str:
         tag = f"clitest-{mode}-{os.getpid()}-{secrets.token_hex(3)}"
         name = f"rocmoe.{tag}.0"
         names.append(name)
@@ -72,7 +72,11 @@ def segments():
         else:
             live.append(proc)
         assert line.strip() == "ready", f"segment holder failed to start ({mode})"
-        assert os.path.exists(os.path.join(SHM, name))
+        path = os.path.join(SHM, name)
+        assert os.path.exists(path)
+        if age_s:
+            # a crash long ago: doctor leaves dead owners' segments alone for a grace period
+            os.utime(path, (time.time() - age_s, time.time() - age_s))
         return name
 
     yield make
@@ -121,7 +125,7 @@ def test_info_flags_unknown_rocmoe_variables():
 
 # -- doctor ----------------------------------------------------------------------------------
 def test_doctor_reports_stale_segment_and_keeps_it_without_clean(segments):
-    stale = segments("crash")
+    stale = segments("crash", age_s=3600)
     proc = run_cli("doctor", "--no-mpi", env=holder_env())
     about = lines_about(proc.stdout, stale)
     assert len(about) == 1 and about[0].startswith("[WARN") and "stale" in about[0], proc.stdout
@@ -131,7 +135,7 @@ def test_doctor_reports_stale_segment_and_keeps_it_without_clean(segments):
 
 
 def test_doctor_clean_removes_stale_segment_and_keeps_live_one(segments):
-    stale, live = segments("crash"), segments("live")
+    stale, live = segments("crash", age_s=3600), segments("live", age_s=3600)
     proc = run_cli("doctor", "--no-mpi", "--clean", env=holder_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     removed = lines_about(proc.stdout, stale)
@@ -140,6 +144,17 @@ def test_doctor_clean_removes_stale_segment_and_keeps_live_one(segments):
     kept = lines_about(proc.stdout, live)
     assert len(kept) == 1 and "alive" in kept[0] and "kept" in kept[0], proc.stdout
     assert os.path.exists(os.path.join(SHM, live))
+
+
+def test_doctor_clean_keeps_a_dead_owners_segment_within_the_grace_period(segments):
+    young = segments("crash")
+    proc = run_cli("doctor", "--no-mpi", "--clean", env=holder_env())
+    about = lines_about(proc.stdout, young)
+    assert len(about) == 1 and "kept" in about[0] and "not found" in about[0], proc.stdout
+    assert os.path.exists(os.path.join(SHM, young))
+    proc = run_cli("doctor", "--no-mpi", "--clean", "--min-age", "0", env=holder_env())
+    assert "removed stale" in lines_about(proc.stdout, young)[0]
+    assert not os.path.exists(os.path.join(SHM, young))
 
 
 def test_doctor_exits_nonzero_when_heap_cannot_fit_in_shm():
