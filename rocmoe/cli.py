@@ -230,6 +230,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except errors.RocmoeError as exc:
         print(f"rocmoe {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `rocmoe info --json | head`: the reader left; that is not an error of ours.
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
