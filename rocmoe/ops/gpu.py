@@ -281,7 +281,7 @@ class Workspace:
 
     @property
     def acks(self) -> torch.Tensor:
-        return self.slots[self.arena.world:]
+        return self.slots[self.arena.world:2 * self.arena.world]
 
 
 def _interpreting() -> bool:
@@ -290,8 +290,8 @@ def _interpreting() -> bool:
 
 def _wait_budget(timeout_s: float) -> int:
     # Iterations of an acquire-polling loop (no device clock in Triton): a system-scope
-    # atomic takes about a microsecond on a GPU; the interpreter is ~50x slower per poll.
-    per_s = 2e4 if _interpreting() else 1e6
+    # atomic takes about a microsecond on a GPU; the interpreter needs milliseconds per poll.
+    per_s = 300 if _interpreting() else 1e6
     return int(min(2**31 - 1, max(1, timeout_s * per_s)))
 
 

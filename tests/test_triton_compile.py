@@ -1,0 +1,72 @@
+"""The fused GEMM + All-to-All Triton kernels build ahead of time for CDNA3, CDNA2 and Hopper.
+
+No GPU needed: ``triton.compile`` with an explicit ``GPUTarget`` runs the whole compiler.
+The GEMM must use the matrix units (``v_mfma`` on AMD, ``wgmma`` on sm_90), and the
+signalling must be there: a system-scope release store (or exchange) in the assembly.
+"""
+
+import os
+import re
+
+import pytest
+
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - depends on the machine
+    if os.environ.get("ROCMOE_REQUIRE_ALL") == "1":
+        raise
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from rocmoe.ops import triton_gemm_a2a as kernels  # noqa: E402
+
+TARGETS = {
+    "gfx942": (GPUTarget("hip", "gfx942", 64), "amdgcn", "v_mfma", "hip"),
+    "gfx90a": (GPUTarget("hip", "gfx90a", 64), "amdgcn", "v_mfma", "hip"),
+    "sm90": (GPUTarget("cuda", 90, 32), "ptx", "wgmma", "cuda"),
+}
+
+
+@pytest.fixture(autouse=True)
+def compiled_not_interpreted(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def _compile(name, target_key, dtype="bf16", signal=True):
+    target, _, _, platform = TARGETS[target_key]
+    signature = kernels.aot_signatures(dtype)[name]
+    options = {}
+    constexprs = {}
+    if name == "gemm_a2a_kernel":
+        cfg = kernels.default_config(platform)
+        options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+        constexprs = dict(cfg, WORLD_P2=8, SIGNAL=signal)
+    src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=target, options=options)
+
+
+@pytest.mark.parametrize("target_key", sorted(TARGETS))
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gemm_a2a_uses_matrix_instructions(target_key, dtype):
+    _, asm_key, instruction, _ = TARGETS[target_key]
+    compiled = _compile("gemm_a2a_kernel", target_key, dtype)
+    assert instruction in compiled.asm[asm_key], f"no {instruction} for {target_key}"
+
+
+def test_gemm_a2a_signal_is_system_scope_release_on_sm90():
+    ptx = _compile("gemm_a2a_kernel", "sm90").asm["ptx"]
+    assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"
+
+
+def test_gemm_a2a_without_signal_has_no_system_scope_atomic_on_sm90():
+    ptx = _compile("gemm_a2a_kernel", "sm90", signal=False).asm["ptx"]
+    assert ".sys" not in ptx
+
+
+@pytest.mark.parametrize("target_key", sorted(TARGETS))
+@pytest.mark.parametrize("name", ["wait_kernel", "signal_peers_kernel"])
+def test_protocol_kernel_compiles(name, target_key):
+    compiled = _compile(name, target_key)
+    _, asm_key, _, _ = TARGETS[target_key]
+    assert compiled.asm[asm_key]
