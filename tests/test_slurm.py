@@ -94,8 +94,10 @@ def test_local_template_starts_ranks_with_srun_pmix(slurm_env, tmp_path):
 def test_local_template_passes_program_and_arguments_and_fails_with_the_program(slurm_env, tmp_path):
     rc, job, text = submit_and_wait(
         slurm_env, tmp_path, "python3", "-c",
-        "import os, sys; print('rank', os.environ['OMPI_COMM_WORLD_RANK'], 'arg', sys.argv[1]); "
-        "sys.exit(3)", "two words")
+        # the barrier: no rank exits (and gets its peer killed) before every rank printed
+        "import os, sys; from mpi4py import MPI; "
+        "print('rank', MPI.COMM_WORLD.Get_rank(), 'arg', sys.argv[1], flush=True); "
+        "MPI.COMM_WORLD.Barrier(); sys.exit(3)", "two words")
     assert rc != 0, text  # a failing rank fails the job, so CI notices
     assert sorted(line for line in text.splitlines() if line.startswith("rank ")) == [
         "rank 0 arg two words", "rank 1 arg two words"]
