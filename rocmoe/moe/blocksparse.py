@@ -124,7 +124,11 @@ def _dstd_torch(s, b, topo):
 # --------------------------------------------------------------------------- triton path
 # Tile configuration of the Triton kernels. BLOCK_M is the topology's block size; these are
 # the rest. Override with ROCMOE_MOE_KERNEL_CONFIG='{"block_n": 256, ...}' or set_kernel_config.
-KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=8, num_stages=3)
+KERNEL_CONFIG = dict(block_n=256, block_k=64, num_warps=8, num_stages=3)
+if torch.version.hip:
+    # CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
+    # (Untested on MI-series hardware so far: a starting point, not a tuned choice.)
+    KERNEL_CONFIG.update(block_n=128, num_stages=2)
 
 
 def set_kernel_config(**kw) -> None:
@@ -162,6 +166,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _sdd_split(b: int, nb: int) -> int:
+    """Consecutive blocks of a row per SDD program: a B x SPLIT*B tile up to block_n wide."""
+    split = max(1, KERNEL_CONFIG["block_n"] // b)
+    return max(1, min(split, 1 << (max(nb, 1) - 1).bit_length()))
+
+
 def _sdd_triton(a, w, topo, act_grad_of=None, act="none"):
     from . import kernels
     b = topo.block_size
@@ -169,13 +179,18 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none"):
     if topo.nnz == 0:
         return out
     k = a.shape[1]
+    f = w.shape[2]
     bk = _block_k(b)
+    nb = topo.blocks_per_expert
+    split = _sdd_split(b, nb)
+    num_n = -(-nb // split)
     h = out if act_grad_of is None else act_grad_of
-    kernels.get("sdd_kernel")[(topo.nnz,)](
-        a, w, out, h, topo.row_indices, topo.column_indices,
-        k, w.shape[2], topo.blocks_per_expert,
+    kernels.get("sdd_kernel")[(topo.num_row_blocks * num_n,)](
+        a, w, out, h, topo.row_offsets, topo.column_indices,
+        k, f, nb, num_n,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        BLOCK=b, BLOCK_K=bk, EVEN_K=k % bk == 0, EVEN_F=w.shape[2] % b == 0,
+        BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=k % bk == 0,
+        EVEN_F=f % (b * split) == 0 and nb % split == 0,
         EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0, **_launch(b))
     return out
 
@@ -188,10 +203,10 @@ def _dsd_triton(s, w, topo, act="none"):
     if topo.num_row_blocks == 0 or n == 0:
         return out
     bn = _tile_n(n)
-    grid = (topo.num_row_blocks, -(-n // bn))
-    kernels.get("dsd_kernel")[grid](
+    num_n = -(-n // bn)
+    kernels.get("dsd_kernel")[(topo.num_row_blocks * num_n,)](
         s, w, out, topo.row_offsets, topo.column_indices,
-        n, w.shape[1], topo.blocks_per_expert,
+        n, w.shape[1], topo.blocks_per_expert, num_n,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), EVEN_F=w.shape[1] % b == 0,
         EVEN_N=n % bn == 0, ACT=ACT_CODES[act], **_launch(b))
@@ -207,10 +222,10 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
     if topo.num_column_blocks == 0 or n == 0:
         return out
     bn = _tile_n(n)
-    grid = (topo.num_column_blocks, -(-n // bn))
-    kernels.get("dstd_kernel")[grid](
+    num_n = -(-n // bn)
+    kernels.get("dstd_kernel")[(topo.num_column_blocks * num_n,)](
         s, b_dense, out, topo.column_offsets, topo.transpose_blocks, topo.row_indices,
-        n, topo.ffn_size, topo.blocks_per_expert,
+        n, topo.ffn_size, topo.blocks_per_expert, num_n,
         b_dense.stride(0), b_dense.stride(1), out.stride(0), out.stride(1), out.stride(2),
         BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
         **_launch(b))

@@ -78,31 +78,34 @@ def _activate_grad(x, ACT: tl.constexpr):
 
 
 @_kernel
-def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, row_idx_ptr, col_idx_ptr,
-               K, F, nb,
+def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, row_off_ptr, col_idx_ptr,
+               K, F, nb, num_n,
                stride_am, stride_ak,
                stride_we, stride_wk, stride_wf,
-               BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               EVEN_F: tl.constexpr, EPILOGUE_ACT_GRAD: tl.constexpr):
-    # out[n] = a[rows of block n] @ w[e, :, cols of block n]   (one B x B block per program)
-    # with EPILOGUE_ACT_GRAD: out[n] *= act'(h[n])
-    n = tl.program_id(0)
-    row_block = tl.load(row_idx_ptr + n)
-    col = tl.load(col_idx_ptr + n)
+               BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, EVEN_F: tl.constexpr, EPILOGUE_ACT_GRAD: tl.constexpr):
+    # out[blk] = a[rows of row block r] @ w[e, :, cols of blk] for SPLIT consecutive blocks blk
+    # of row r (a B x SPLIT*B tile per program: wider tiles feed the matrix units better).
+    # With EPILOGUE_ACT_GRAD: out[blk] *= act'(h[blk]).
+    pid = tl.program_id(0)
+    row_block = pid // num_n
+    first = tl.load(row_off_ptr + row_block) + (pid % num_n) * SPLIT
+    end = tl.load(row_off_ptr + row_block + 1)
+    col = tl.load(col_idx_ptr + first)
     valid = col >= 0
     col = tl.where(valid, col, 0)
     expert = col // nb
     f0 = (col % nb) * BLOCK
     k_end = tl.where(valid, K, 0)
     rm = tl.arange(0, BLOCK)
-    rn = tl.arange(0, BLOCK)
+    rn = tl.arange(0, SPLIT * BLOCK)
     rk = tl.arange(0, BLOCK_K)
     a_rows = (row_block * BLOCK + rm).to(tl.int64)
     f_cols = f0 + rn
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + rk[None, :] * stride_ak
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + rk[:, None] * stride_wk
               + f_cols[None, :] * stride_wf)
-    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
     for k in range(0, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -117,23 +120,29 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, row_idx_ptr, col_idx_ptr,
         acc += tl.dot(a, w)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
-    offs = n.to(tl.int64) * BLOCK * BLOCK + rm[:, None] * BLOCK + rn[None, :]
+    # tile column c lives in block first + c // B at column c % B
+    offs = ((first + rn // BLOCK).to(tl.int64) * (BLOCK * BLOCK))[None, :] \
+        + rm[:, None] * BLOCK + (rn % BLOCK)[None, :]
+    in_row = (first + rn // BLOCK) < end  # a row whose block count is not a multiple of SPLIT
     if EPILOGUE_ACT_GRAD != 0:
-        h = tl.load(h_ptr + offs).to(tl.float32)
+        h = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0).to(tl.float32)
         acc = acc * _activate_grad(h, EPILOGUE_ACT_GRAD)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
 
 
 @_kernel
 def dsd_kernel(s_ptr, w_ptr, out_ptr, row_off_ptr, col_idx_ptr,
-               N, F, nb,
+               N, F, nb, num_n,
                stride_we, stride_wf, stride_wn,
                stride_om, stride_on,
                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_F: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr):
     # out[rows of row block r, tile] = sum over blocks of r: act(s[blk]) @ w[e, cols of blk, tile]
-    row_block = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # Output tiles of one row block are neighbours in launch order, so the row block's
+    # sparse values are read from HBM once and hit L2 for the other N tiles.
+    pid = tl.program_id(0)
+    row_block = pid // num_n
+    pid_n = pid % num_n
     start = tl.load(row_off_ptr + row_block)
     end = tl.load(row_off_ptr + row_block + 1)
     first_col = tl.load(col_idx_ptr + start, mask=start < end, other=-1)
@@ -175,14 +184,15 @@ def dsd_kernel(s_ptr, w_ptr, out_ptr, row_off_ptr, col_idx_ptr,
 
 @_kernel
 def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, t_blocks_ptr, row_idx_ptr,
-                N, F, nb,
+                N, F, nb, num_n,
                 stride_bm, stride_bn,
                 stride_oe, stride_of, stride_on,
                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_N: tl.constexpr, ACT: tl.constexpr):
     # out[e, cols of column block c, tile] = sum over blocks of c: act(s[blk])^T @ b[rows of blk]
-    c = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid = tl.program_id(0)
+    c = pid // num_n      # N tiles of one column block run side by side (L2 reuse of s)
+    pid_n = pid % num_n
     start = tl.load(col_off_ptr + c)
     end = tl.load(col_off_ptr + c + 1)
     first = tl.load(t_blocks_ptr + start, mask=start < end, other=0)
@@ -219,7 +229,7 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, t_blocks_ptr, row_idx_ptr,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(f[:, None] < F) & n_ok[None, :])
 
 
-_CONSTEXPR_DEFAULTS = dict(BLOCK=128, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, EVEN_F=True,
+_CONSTEXPR_DEFAULTS = dict(BLOCK=128, SPLIT=2, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, EVEN_F=True,
                            EVEN_N=True, EPILOGUE_ACT_GRAD=ACT_NONE, ACT=ACT_NONE)
 
 
@@ -229,16 +239,18 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
     i = "*i32"
     c = "constexpr"
     return {
-        "sdd_kernel": dict(a_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, row_idx_ptr=i, col_idx_ptr=i,
-                           K="i32", F="i32", nb="i32", stride_am="i32", stride_ak="i32",
-                           stride_we="i32", stride_wk="i32", stride_wf="i32",
-                           BLOCK=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c),
+        "sdd_kernel": dict(a_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, row_off_ptr=i, col_idx_ptr=i,
+                           K="i32", F="i32", nb="i32", num_n="i32", stride_am="i32",
+                           stride_ak="i32", stride_we="i32", stride_wk="i32", stride_wf="i32",
+                           BLOCK=c, SPLIT=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c),
         "dsd_kernel": dict(s_ptr=p, w_ptr=p, out_ptr=p, row_off_ptr=i, col_idx_ptr=i,
-                           N="i32", F="i32", nb="i32", stride_we="i32", stride_wf="i32",
+                           N="i32", F="i32", nb="i32", num_n="i32", stride_we="i32",
+                           stride_wf="i32",
                            stride_wn="i32", stride_om="i32", stride_on="i32",
                            BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_F=c, EVEN_N=c, ACT=c),
         "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, t_blocks_ptr=i,
-                            row_idx_ptr=i, N="i32", F="i32", nb="i32", stride_bm="i32",
+                            row_idx_ptr=i, N="i32", F="i32", nb="i32", num_n="i32",
+                            stride_bm="i32",
                             stride_bn="i32", stride_oe="i32", stride_of="i32",
                             stride_on="i32", BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c),
     }
