@@ -11,7 +11,14 @@ import time
 
 import pytest
 
-from conftest import REPO, mpi_env, require_tool
+# tests/moe/conftest.py is also imported as module "conftest" when the whole suite is
+# collected, so `from conftest import ...` can get the wrong one: load tests/conftest.py by path.
+import importlib.util as _ilu
+from pathlib import Path as _Path
+_spec = _ilu.spec_from_file_location("_rocmoe_tests_conftest", _Path(__file__).with_name("conftest.py"))
+_helpers = _ilu.module_from_spec(_spec)
+_spec.loader.exec_module(_helpers)
+REPO, mpi_env, require_tool = _helpers.REPO, _helpers.mpi_env, _helpers.require_tool
 from rocmoe import cli, doctor, errors
 
 SHM = "/dev/shm"
