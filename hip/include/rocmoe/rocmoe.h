@@ -233,6 +233,67 @@ int rocmoe_host_gemm_a2a(rocmoe_ctx *ctx, const rocmoe_gemm_a2a_args *args);
 /* worker threads a fused op uses when common.workers <= 0 */
 int rocmoe_host_default_workers(void);
 
+/* ---- fused ops (GPU): persistent kernels, hip/src/gpu/fused_*.hip ----
+ * Called by rocmoe/ops/gpu.py. Each call enqueues on `fused.stream` (hipStream_t /
+ * cudaStream_t; NULL = the default stream) and returns: the producer kernel (schedule.h:
+ * remote-first slices, atomic task counter, per-slice done counters; tiles stored straight
+ * into the destinations' heaps; the completer of a slice stores the epoch into the
+ * destination's slot with release semantics at system scope), then the consumer's bounded
+ * wait. Timeouts are recorded in `status` (read it after the stream ran), never hang.
+ * Addresses are this rank's view of symmetric objects; peers are reached through
+ * team.peer_bases. `slots` holds 3 * world int64: data signals by source, acks by
+ * destination (receive buffer free again), second-phase signals by owner. */
+typedef struct rocmoe_gpu_team {
+    const void *peer_bases;  /* device array [world] of heap bases as seen by this process */
+    int rank;
+    int world;
+    int ranks_per_node;      /* remote-first order; <= 0: one node */
+} rocmoe_gpu_team;
+
+typedef struct rocmoe_gpu_fused {
+    uint64_t epoch;          /* 1, 2, 3, ... per op; receive buffer = epoch parity's */
+    void *slots;             /* heap: int64 [3 * world] */
+    void *recv;              /* heap: this call's receive buffer */
+    void *stage;             /* device scratch for scale-out puts (rows this rank sends, by
+                                destination); NULL when every peer is load/store reachable */
+    void *counters;          /* device uint32 [2 + world], zero before the first call */
+    int *status;             /* device int32 [3 * world]: 0 ok, 1 wait timed out */
+    int workgroups;          /* <= 0: per compute unit count */
+    int signal_enabled;      /* 0: no acks, done counters, signals or waits (benchmarks) */
+    double timeout_s;        /* bound of every wait */
+    void *stream;
+} rocmoe_gpu_fused;
+
+typedef struct rocmoe_gpu_embedding_args {
+    rocmoe_gpu_team team;
+    rocmoe_gpu_fused fused;
+    int dtype;               /* ROCMOE_DTYPE_* of the tables and the output */
+    int mode;                /* ROCMOE_BAG_* */
+    int num_tables;          /* this rank's tables (0 allowed: signals only) */
+    int total_tables;
+    int table_base;          /* global index of this rank's first table */
+    int has_per_sample_weights;
+    int64_t batch;           /* global batch, a multiple of world */
+    int64_t dim;
+    /* device int64 [6 * num_tables]: weight, index, offset, per-sample-weight (fp32) base
+     * addresses, then rows and number of indices of each table */
+    const int64_t *tables;
+} rocmoe_gpu_embedding_args;
+
+typedef struct rocmoe_gpu_gemv_args {
+    rocmoe_gpu_team team;
+    rocmoe_gpu_fused fused;
+    int dtype;
+    int64_t n, k;            /* W [n, k] row-major, x [k] */
+    const void *w;
+    const void *x;
+    uint64_t gather_offset;  /* bytes into recv where the all-gathered y [n] lands; recv
+                                starts with fp32 partials [world][ceil(n / world)] */
+} rocmoe_gpu_gemv_args;
+
+int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *args);
+int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args);
+
 /* ROCMOE_CDEF_END */
 
 #ifdef __cplusplus
