@@ -1,0 +1,282 @@
+// Fused GEMV + AllReduce: y = sum_r W_r x_r, two-phase direct all-reduce.
+//
+// Phase 1 (reduce-scatter by stores), persistent kernel on the schedule:
+//   slice  owner o: rows [split_begin(N, world, o), split_begin(N, world, o + 1)) of the
+//          partial product W_r x_r; they are stored as fp32 straight into o's receive
+//          buffer at partials[r][row - chunk begin]
+//   task   kRowsPerTile rows; one wave computes one row's dot product at a time
+// Phase 2 (all-gather by stores), persistent kernel on the same schedule:
+//   each workgroup first waits (bounded) for every rank's phase-1 signal of this rank's
+//   chunk, then for each destination d and tile of kReduceTile rows sums the partials in
+//   rank order (so every rank gets bit-identical y) and stores the tile, converted to the
+//   op's dtype, into d's receive buffer at gather_offset; the slice completer signals d.
+// Phase 3: the consumer waits for every owner's phase-2 signal.
+//
+// Bandwidth: phase 1 reads W once with 16-byte loads, four in flight per lane; x (K_r
+// elements) stays in the caches. Phase 2 moves N * world floats, negligible next to W.
+#include "fused_common.hpp"
+
+#include "../internal.hpp"
+
+namespace rocmoe {
+namespace fused {
+namespace {
+
+constexpr int kRowsPerTile = 32;
+constexpr int kReduceTile = 2048;
+
+struct GemvParams {
+    const void *w;
+    const void *x;
+    char *recv;
+    int64_t n, k;
+    int64_t chunk_stride;     // ceil(n / world): floats per source in the partials area
+    uint64_t gather_offset;   // bytes
+};
+
+__device__ __forceinline__ int64_t chunk_begin(const GemvParams &p, int world, int o) {
+    return sched::split_begin(p.n, world, o);
+}
+
+template <class T, bool kVec>
+__device__ __forceinline__ float row_dot(const typename T::storage *row,
+                                         const typename T::storage *x, int64_t K, int lane) {
+    float acc = 0.f;
+    if constexpr (kVec) {
+        constexpr int V = vec_elems<T>();
+        const uint4 *rv = reinterpret_cast<const uint4 *>(row);
+        const uint4 *xv = reinterpret_cast<const uint4 *>(x);
+        const int64_t nvec = K / V;
+        int64_t i = lane;
+        for (; i + 3 * ROCMOE_WAVE_SIZE < nvec; i += 4 * ROCMOE_WAVE_SIZE) {
+            uint4 a[4], b[4];
+            for (int u = 0; u < 4; ++u) a[u] = rv[i + u * ROCMOE_WAVE_SIZE];
+            for (int u = 0; u < 4; ++u) b[u] = xv[i + u * ROCMOE_WAVE_SIZE];
+            for (int u = 0; u < 4; ++u) {
+                float fa[V], fb[V];
+                unpack<T>(a[u], fa);
+                unpack<T>(b[u], fb);
+                for (int e = 0; e < V; ++e) acc += fa[e] * fb[e];
+            }
+        }
+        for (; i < nvec; i += ROCMOE_WAVE_SIZE) {
+            float fa[V], fb[V];
+            unpack<T>(rv[i], fa);
+            unpack<T>(xv[i], fb);
+            for (int e = 0; e < V; ++e) acc += fa[e] * fb[e];
+        }
+    } else {
+        for (int64_t i = lane; i < K; i += ROCMOE_WAVE_SIZE) acc += T::load(row[i]) * T::load(x[i]);
+    }
+    return wave_sum(acc);
+}
+
+// builds tasks_per_dest / prefix in shared memory from per-destination row counts
+template <class RowsOf>
+__device__ __forceinline__ sched::Plan shared_plan(const Common &c, uint32_t *smem,
+                                                   uint64_t tile_rows, RowsOf rows_of) {
+    const int world = c.topo.world;
+    if (threadIdx.x == 0) {
+        for (int d = 0; d < world; ++d) smem[d] = sched::tasks_for_rows(rows_of(d), tile_rows);
+        sched::build_task_prefix(c.topo, smem, smem + world);
+    }
+    __syncthreads();
+    return sched::Plan{c.topo, smem[2 * world], smem + world};
+}
+
+template <class T, bool kVec>
+__global__ void __launch_bounds__(kThreads) gemv_reduce_scatter_kernel(Common c, GemvParams p,
+                                                                      uint32_t workers) {
+    using S = typename T::storage;
+    extern __shared__ uint32_t plan_smem[];
+    __shared__ sched::Task s_task;
+    __shared__ int s_valid, s_free;
+    const int world = c.topo.world;
+    const sched::Plan plan = shared_plan(c, plan_smem, kRowsPerTile, [&](int o) {
+        return uint64_t(chunk_begin(p, world, o + 1) - chunk_begin(p, world, o));
+    });
+    const sched::Counters counters = c.sched_counters();
+    AckCache cache{0};
+    const int tid = threadIdx.x;
+    const int wave = tid / ROCMOE_WAVE_SIZE;
+    const int lane = tid % ROCMOE_WAVE_SIZE;
+    const S *W = static_cast<const S *>(p.w);
+    const S *x = static_cast<const S *>(p.x);
+
+    for (;;) {
+        if (tid == 0) {
+            sched::Task task;
+            s_valid = sched::locate(plan, sched::claim(counters), &task) ? 1 : 0;
+            s_free = s_valid ? (wait_dest_free(c, cache, task.dest) ? 1 : 0) : 0;
+            s_task = task;
+        }
+        __syncthreads();
+        const sched::Task task = s_task;
+        const int valid = s_valid, free_to_write = s_free;
+        __syncthreads();
+        if (!valid) break;
+
+        const int64_t cb = chunk_begin(p, world, task.dest);
+        const int64_t rows = chunk_begin(p, world, task.dest + 1) - cb;
+        const uint64_t first = sched::tile_begin(task.tile, kRowsPerTile, rows);
+        const uint64_t last = sched::tile_end(task.tile, kRowsPerTile, rows);
+        float *partials = static_cast<float *>(shmem::peer_ptr(c.team, p.recv, task.dest));
+        if (free_to_write && partials != nullptr) {
+            float *mine = partials + int64_t(c.topo.rank) * p.chunk_stride;
+            for (uint64_t r = first + wave; r < last; r += kWaves) {
+                const float v = row_dot<T, kVec>(W + (cb + int64_t(r)) * p.k, x, p.k, lane);
+                if (lane == 0) mine[r] = v;
+            }
+        } else if (free_to_write && tid == 0) {
+            // the partials are 4-byte scattered stores: this kernel needs load/store reach
+            atomicExch(c.status + world + task.dest, int(kTimedOut));
+        }
+        if (c.signal_enabled && free_to_write && partials != nullptr) {
+            __threadfence_system();
+            __syncthreads();
+            if (tid == 0 && sched::complete(counters, task))
+                shmem::signal_set(c.team, c.data_signal(c.topo.rank), c.epoch, task.dest);
+        }
+    }
+    if (tid == 0) sched::exit_worker(counters, workers);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) gemv_all_gather_kernel(Common c, GemvParams p,
+                                                                  uint32_t workers) {
+    using S = typename T::storage;
+    extern __shared__ uint32_t plan_smem[];
+    __shared__ sched::Task s_task;
+    __shared__ int s_valid, s_free;
+    const int world = c.topo.world;
+    const int me = c.topo.rank;
+    const int64_t cb = chunk_begin(p, world, me);
+    const int64_t mine = chunk_begin(p, world, me + 1) - cb;
+    const sched::Plan plan =
+        shared_plan(c, plan_smem, kReduceTile, [&](int) { return uint64_t(mine); });
+    const sched::Counters counters = c.sched_counters();
+    AckCache cache{0};
+    bool partials_ready = !c.signal_enabled;  // thread 0's view
+    const int tid = threadIdx.x;
+    const float *partials = reinterpret_cast<const float *>(p.recv);
+
+    for (;;) {
+        if (tid == 0) {
+            sched::Task task;
+            s_valid = sched::locate(plan, sched::claim(counters), &task) ? 1 : 0;
+            int ok = s_valid;
+            if (ok && !partials_ready) {
+                // every rank's partials of this rank's chunk (phase-1 signals, by source)
+                for (int s = 0; s < world && ok; ++s) {
+                    uint64_t seen = 0;
+                    if (shmem::wait_until(c.team, c.data_signal(s), shmem::kCmpGe, c.epoch,
+                                          c.timeout_ns, &seen) != shmem::kWaitOk) {
+                        atomicExch(c.status + world + s, int(kTimedOut));
+                        ok = 0;
+                    }
+                }
+                partials_ready = ok;
+            }
+            s_free = ok ? (wait_dest_free(c, cache, task.dest) ? 1 : 0) : 0;
+            s_task = task;
+        }
+        __syncthreads();
+        const sched::Task task = s_task;
+        const int valid = s_valid, free_to_write = s_free;
+        __syncthreads();
+        if (!valid) break;
+
+        const uint64_t first = sched::tile_begin(task.tile, kReduceTile, uint64_t(mine));
+        const uint64_t last = sched::tile_end(task.tile, kReduceTile, uint64_t(mine));
+        S *y = static_cast<S *>(shmem::peer_ptr(c.team, p.recv + p.gather_offset, task.dest));
+        if (free_to_write && y != nullptr) {
+            for (uint64_t i = first + tid; i < last; i += kThreads) {
+                float sum = 0.f;
+                for (int s = 0; s < world; ++s) sum += partials[int64_t(s) * p.chunk_stride + i];
+                y[cb + int64_t(i)] = T::store(sum);
+            }
+        } else if (free_to_write && tid == 0) {
+            atomicExch(c.status + 2 * world + task.dest, int(kTimedOut));
+        }
+        if (c.signal_enabled && free_to_write && y != nullptr) {
+            __threadfence_system();
+            __syncthreads();
+            if (tid == 0 && sched::complete(counters, task))
+                shmem::signal_set(c.team, c.phase2_signal(me), c.epoch, task.dest);
+        }
+    }
+    if (tid == 0) sched::exit_worker(counters, workers);
+}
+
+template <class T>
+int launch(const Common &c, const GemvParams &p, int requested, hipStream_t stream) {
+    const int world = c.topo.world;
+    const size_t smem = sizeof(uint32_t) * (2 * size_t(world) + 1);
+    uint32_t total1 = 0, total2 = 0;
+    for (int o = 0; o < world; ++o) {
+        const int64_t rows = sched::split_begin(p.n, world, o + 1) - sched::split_begin(p.n, world, o);
+        total1 += sched::tasks_for_rows(uint64_t(rows), kRowsPerTile);
+    }
+    const int64_t mine = sched::split_begin(p.n, world, c.topo.rank + 1) -
+                         sched::split_begin(p.n, world, c.topo.rank);
+    total2 = uint32_t(world) * sched::tasks_for_rows(uint64_t(mine), kReduceTile);
+    const int workers1 = persistent_workgroups(requested, total1, 4);
+    const int workers2 = persistent_workgroups(requested, total2, 2);
+    const bool vec = p.k % vec_elems<T>() == 0 &&
+                     ((reinterpret_cast<uintptr_t>(p.w) | reinterpret_cast<uintptr_t>(p.x)) & 15u) == 0;
+    if (vec)
+        hipLaunchKernelGGL((gemv_reduce_scatter_kernel<T, true>), dim3(workers1), dim3(kThreads),
+                           smem, stream, c, p, uint32_t(workers1));
+    else
+        hipLaunchKernelGGL((gemv_reduce_scatter_kernel<T, false>), dim3(workers1), dim3(kThreads),
+                           smem, stream, c, p, uint32_t(workers1));
+    hipError_t e = hipGetLastError();
+    if (e == hipSuccess) {
+        hipLaunchKernelGGL(gemv_all_gather_kernel<T>, dim3(workers2), dim3(kThreads), smem, stream,
+                           c, p, uint32_t(workers2));
+        e = hipGetLastError();
+    }
+    if (e != hipSuccess)
+        return fail(ROCMOE_ERR_SYSTEM, "gemv_all_reduce: kernel launch failed: %s",
+                    hipGetErrorString(e));
+    return ROCMOE_OK;
+}
+
+}  // namespace
+}  // namespace fused
+}  // namespace rocmoe
+
+extern "C" int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args) {
+    using namespace rocmoe::fused;
+    if (args == nullptr) return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: args is NULL");
+    Common c;
+    int rc = make_common(args->team, args->fused, "gemv_all_reduce", &c);
+    if (rc != ROCMOE_OK) return rc;
+    const int world = args->team.world;
+    if (args->n <= 0 || args->k < 0 || (args->k > 0 && (args->w == nullptr || args->x == nullptr)))
+        return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: W [%lld, %lld] / x not valid",
+                            (long long)args->n, (long long)args->k);
+    GemvParams p;
+    p.w = args->w;
+    p.x = args->x;
+    p.recv = static_cast<char *>(args->fused.recv);
+    p.n = args->n;
+    p.k = args->k;
+    p.chunk_stride = (args->n + world - 1) / world;
+    p.gather_offset = args->gather_offset;
+    if (p.gather_offset < uint64_t(world) * p.chunk_stride * sizeof(float) || p.gather_offset % 16)
+        return rocmoe::fail(ROCMOE_ERR_INVALID,
+                            "gemv_all_reduce: gather offset %llu overlaps the partials "
+                            "(%d x %lld floats) or is not 16-byte aligned",
+                            (unsigned long long)p.gather_offset, world, (long long)p.chunk_stride);
+    hipStream_t stream = static_cast<hipStream_t>(args->fused.stream);
+    switch (args->dtype) {
+        case ROCMOE_DTYPE_F32: rc = launch<F32>(c, p, args->fused.workgroups, stream); break;
+        case ROCMOE_DTYPE_BF16: rc = launch<BF16>(c, p, args->fused.workgroups, stream); break;
+        case ROCMOE_DTYPE_F16: rc = launch<F16>(c, p, args->fused.workgroups, stream); break;
+        default:
+            return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: dtype %d unknown", args->dtype);
+    }
+    if (rc != ROCMOE_OK || !c.signal_enabled) return rc;
+    return launch_wait(c, c.phase2_signal(0), world, c.status + 2 * world, stream);
+}
