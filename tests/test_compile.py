@@ -26,9 +26,16 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import importlib.util
 import pytest
 
-from conftest import REPO, REQUIRE_ALL, require_tool
+# Load tests/conftest.py by path: tests/moe/conftest.py also claims the module name
+# "conftest" when the whole suite is collected.
+_spec = importlib.util.spec_from_file_location("_rocmoe_tests_conftest",
+                                               Path(__file__).with_name("conftest.py"))
+_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_helpers)
+REPO, REQUIRE_ALL, require_tool = _helpers.REPO, _helpers.REQUIRE_ALL, _helpers.require_tool
 
 pytestmark = pytest.mark.compile
 
