@@ -24,8 +24,11 @@ cmake -S . -B "build/gpu-$gpu" -G Ninja -DROCMOE_GPU="$gpu" -DROCMOE_INPLACE=ON 
     -DPython_EXECUTABLE="$(command -v python3)" "${extra[@]}" >/dev/null
 cmake --build "build/gpu-$gpu"
 
+# A failing test does not stop the benchmark (its own checks still apply); it sets the
+# script's exit status.
+tests_rc=0
 if [[ -z ${SKIP_TESTS:-} ]]; then
-    python3 -m pytest -q -p no:cacheprovider tests/gpu
+    python3 -m pytest -q -rs -p no:cacheprovider tests/gpu || tests_rc=$?
 fi
 
 launcher=(mpirun)
@@ -37,3 +40,4 @@ mkdir -p "$(dirname "$out")"
 for n in $ranks; do
     "${launcher[@]}" -n "$n" python3 -m rocmoe.bench.ipc --sizes "$sizes" --output "$out"
 done
+exit "$tests_rc"
