@@ -127,9 +127,10 @@ def grouped_mm_ffn(x_sorted, offs, w1, w2):
 
 # ------------------------------------------------------------------------------ runner
 def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, device,
-             emit: Callable[[dict], None], skip_max_padded_above_gib: float = 100.0) -> None:
+             emit: Callable[[dict], None], skip_max_padded_above_gib: float = 100.0,
+             breakdown: bool = False) -> None:
     from rocmoe.moe import blocksparse as bs
-    from rocmoe.moe import build_topology, permute_pad, plan_routing, unpermute_combine
+    from rocmoe.moe import route_and_permute, unpermute_combine
 
     tokens, hidden, ffn, experts = shape
     k = min(top_k, experts)
@@ -153,9 +154,7 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
                   baseline_ms=round(base_ms, 4), ratio=round(base_ms / ours_ms, 4), **extra))
 
     # --- ours: routing plan, topology, permuted rows (built once for the FFN timings)
-    plan = plan_routing(ids, experts, block)
-    topo = build_topology(plan, ffn)
-    x_perm = permute_pad(x, plan)
+    plan, topo, x_perm = route_and_permute(x, ids, experts, block, ffn)
     useful_fwd = 4.0 * pairs * hidden * ffn
 
     def ours_ffn_fwd():
@@ -171,6 +170,25 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
 
     t_ffn_fwd = time_ms(ours_ffn_fwd, reps)
     t_ffn_fb = time_ms(ours_ffn_fwdbwd, reps)
+    if breakdown:
+        # each kernel of the fused FFN alone, with its useful FLOPs (2*pairs*H*F each)
+        with torch.no_grad():
+            h = bs._sdd(x_perm, w1, topo)
+            gw1 = torch.empty_like(w1)
+            parts = {
+                "sdd_fwd": lambda: bs._sdd(x_perm, w1, topo),
+                "dsd_fwd_gelu": lambda: bs._dsd(h, w2, topo, "gelu"),
+                "sdd_bwd_act_grad": lambda: bs._sdd(grad_ffn, w2.transpose(1, 2), topo,
+                                                    act_grad_of=h, act="gelu"),
+                "dstd_dw2_gelu": lambda: bs._dstd(h, grad_ffn, topo, "gelu"),
+                "dsd_dx": lambda: bs._dsd(h, w1.transpose(1, 2), topo),
+                "dstd_dw1": lambda: bs._dstd(h, x_perm, topo, out=gw1.transpose(1, 2)),
+            }
+            for name, fn in parts.items():
+                ms = time_ms(fn, reps)
+                emit(dict(common, metric="kernel", kernel=name, ms=round(ms, 4),
+                          useful_tflops=round(useful_fwd / 2 / ms / 1e9, 1)))
+            del h, gw1
 
     # --- dense torch.matmul at the same useful FLOPs
     xd = torch.randn(pairs, hidden, device=device, dtype=dtype, generator=gen)
@@ -232,16 +250,14 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
     gy = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
 
     def ours_layer():
-        p = plan_routing(ids, experts, block)
-        t = build_topology(p, ffn)
-        y_perm = bs.fused_expert_ffn(permute_pad(x_g, p), w1, w2, t, "gelu")
+        p, t, xp = route_and_permute(x_g, ids, experts, block, ffn)
+        y_perm = bs.fused_expert_ffn(xp, w1, w2, t, "gelu")
         y = unpermute_combine(y_perm, weights, p)
         torch.autograd.grad(y, [x_g, w1, w2], gy)
 
     def ours_prepare():
-        p = plan_routing(ids, experts, block)
-        build_topology(p, ffn)
-        return permute_pad(x, p)
+        with torch.no_grad():
+            return route_and_permute(x, ids, experts, block, ffn)
 
     t_layer = time_ms(ours_layer, reps)
     t_prep = time_ms(ours_prepare, reps)
@@ -285,7 +301,7 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
 def tune(shape, block, dtype, device, emit, candidates) -> dict:
     """Time the FFN fwd+bwd under each kernel config; keep the fastest."""
     from rocmoe.moe import blocksparse as bs
-    from rocmoe.moe import build_topology, permute_pad, plan_routing
+    from rocmoe.moe import route_and_permute
     tokens, hidden, ffn, experts = shape
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
@@ -294,9 +310,8 @@ def tune(shape, block, dtype, device, emit, candidates) -> dict:
     w2 = (torch.randn(experts, ffn, hidden, device=device, dtype=dtype, generator=gen)
           / math.sqrt(ffn)).requires_grad_(True)
     ids, _ = make_routing(tokens, experts, 2, "uniform", device, dtype, gen)
-    plan = plan_routing(ids, experts, block)
-    topo = build_topology(plan, ffn)
-    xp = permute_pad(x, plan).requires_grad_(True)
+    _, topo, xp = route_and_permute(x, ids, experts, block, ffn)
+    xp = xp.detach().requires_grad_(True)
     g = torch.randn(topo.num_rows, hidden, device=device, dtype=dtype, generator=gen)
     best, best_ms = None, float("inf")
     for cand in candidates:
@@ -354,10 +369,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         from rocmoe.moe import blocksparse as bs
         if args.tune:
             best = tune((65536, 1024, 4096, 64), args.block_size, dtype, device, emit, [
-                dict(block_n=128, block_k=64, num_warps=8, num_stages=3),
-                dict(block_n=128, block_k=64, num_warps=8, num_stages=4),
                 dict(block_n=256, block_k=64, num_warps=8, num_stages=3),
-                dict(block_n=128, block_k=32, num_warps=4, num_stages=4),
+                dict(block_n=256, block_k=64, num_warps=8, num_stages=4),
+                dict(block_n=128, block_k=64, num_warps=8, num_stages=4),
             ])
             emit(dict(metric="tune_choice", config=best))
         emit(dict(metric="kernel_config", config=dict(bs.KERNEL_CONFIG),
@@ -367,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 t0 = time.time()
                 try:
                     run_case(shape, routing, args.top_k, args.block_size, dtype, args.reps,
-                             device, emit)
+                             device, emit, breakdown=routing == "uniform")
                 except torch.OutOfMemoryError as exc:
                     emit(dict(metric="case", shape=list(shape), routing=routing,
                               error=repr(exc)[:300]))

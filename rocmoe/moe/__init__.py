@@ -9,6 +9,7 @@ from .blocksparse import (ddst, dsd, dstd, fused_expert_ffn, get_backend, sdd, s
 from .layer import DroplessMoE, expert_ffn
 from .permute import (RoutingPlan, padded_rows_bound, permute_pad, plan_routing,
                       unpermute_combine)
+from .routing import route_and_permute
 from .router import Router, expert_histogram, load_balancing_loss, z_loss
 from .topology import Topology, build_topology
 
@@ -16,5 +17,5 @@ __all__ = [
     "DroplessMoE", "Router", "Topology", "RoutingPlan", "build_topology", "plan_routing",
     "permute_pad", "unpermute_combine", "padded_rows_bound", "sdd", "dsd", "dstd", "ddst",
     "to_dense", "expert_ffn", "fused_expert_ffn", "set_kernel_config", "expert_histogram", "load_balancing_loss", "z_loss",
-    "set_backend", "get_backend",
+    "set_backend", "get_backend", "route_and_permute",
 ]

@@ -256,7 +256,152 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
     }
 
 
+def aot_routing_signatures() -> dict[str, dict[str, str]]:
+    """Argument types of the routing kernels (int32 ids/indices, bf16 rows)."""
+    i, c = "*i32", "constexpr"
+    return {
+        "chunk_histogram_kernel": dict(ids_ptr=i, hist_ptr=i, N="i32", E="i32",
+                                       CHUNK=c, E_POW2=c),
+        "routing_scan_kernel": dict(hist_ptr=i, chunk_base_ptr=i, counts_ptr=i,
+                                    row_start_ptr=i, scratch_ptr=i, block_expert_ptr=i,
+                                    num_valid_ptr=i, row_off_ptr=i, col_idx_ptr=i,
+                                    row_idx_ptr=i, col_off_ptr=i, t_blocks_ptr=i,
+                                    num_chunks="i32", E="i32", R="i32", nb="i32",
+                                    BLOCK=c, E_POW2=c, CHUNK_TILE=c, TILE=c),
+        "scatter_rows_kernel": dict(ids_ptr=i, chunk_base_ptr=i, row_start_ptr=i,
+                                    dest_ptr="*i64", x_ptr="*bf16", out_ptr="*bf16", N="i32",
+                                    E="i32", H="i32", top_k="i32", stride_x="i32",
+                                    stride_o="i32", CHUNK=c, E_POW2=c, BLOCK_H=c, COPY=c),
+    }
+
+
+ROUTING_AOT_CONSTEXPRS = {
+    "chunk_histogram_kernel": dict(CHUNK=256, E_POW2=64),
+    "routing_scan_kernel": dict(BLOCK=128, E_POW2=64, CHUNK_TILE=64, TILE=1024),
+    "scatter_rows_kernel": dict(CHUNK=256, E_POW2=64, BLOCK_H=64, COPY=True),
+}
+
+
 def aot_constexprs(name: str, **overrides) -> dict:
     sig = aot_signatures()[name]
     values = dict(_CONSTEXPR_DEFAULTS, **overrides)
     return {k: v for k, v in values.items() if sig.get(k) == "constexpr"}
+
+
+# ------------------------------------------------------------------ routing (permutation)
+# Three launches replace ~50 small torch ops (which cost ~1 ms of launch overhead per
+# layer): a per-chunk histogram, one program that scans it and writes the whole topology,
+# and a per-chunk stable counting-sort scatter that also copies the token rows (fused
+# permute + pad). Nothing is read back to the host.
+
+@_kernel
+def chunk_histogram_kernel(ids_ptr, hist_ptr, N, E,
+                           CHUNK: tl.constexpr, E_POW2: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
+    experts = tl.arange(0, E_POW2)
+    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+    tl.store(hist_ptr + pid * E + experts, tl.sum(onehot, axis=0), mask=experts < E)
+
+
+@_kernel
+def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scratch_ptr,
+                        block_expert_ptr, num_valid_ptr, row_off_ptr, col_idx_ptr,
+                        row_idx_ptr, col_off_ptr, t_blocks_ptr,
+                        num_chunks, E, R, nb,
+                        BLOCK: tl.constexpr, E_POW2: tl.constexpr, CHUNK_TILE: tl.constexpr,
+                        TILE: tl.constexpr):
+    # One program: everything here is O(chunks * E + R * nb) small vector work.
+    experts = tl.arange(0, E_POW2)
+    e_ok = experts < E
+    # 1. exclusive prefix of the chunk histograms over chunks: where each chunk's pairs of
+    #    expert e start inside e's rows (a stable counting sort).
+    running = tl.zeros((E_POW2,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, CHUNK_TILE):
+        chunks = c0 + tl.arange(0, CHUNK_TILE)
+        mask = (chunks < num_chunks)[:, None] & e_ok[None, :]
+        h = tl.load(hist_ptr + chunks[:, None] * E + experts[None, :], mask=mask, other=0)
+        excl = tl.cumsum(h, axis=0) - h + running[None, :]
+        tl.store(chunk_base_ptr + chunks[:, None] * E + experts[None, :], excl, mask=mask)
+        running += tl.sum(h, axis=0)
+    # 2. per expert: count, padded blocks, first row of its padded range
+    blocks = (running + BLOCK - 1) // BLOCK
+    block_start = tl.cumsum(blocks, axis=0) - blocks
+    num_valid = tl.sum(blocks, axis=0)
+    tl.store(counts_ptr + experts, running, mask=e_ok)
+    tl.store(row_start_ptr + experts, block_start * BLOCK, mask=e_ok)
+    tl.store(scratch_ptr + experts, block_start, mask=e_ok)
+    tl.store(scratch_ptr + E + experts, blocks, mask=e_ok)
+    tl.store(num_valid_ptr, num_valid)
+    tl.debug_barrier()  # scratch is read back below by other threads of this program
+    # 3. row blocks: owning expert (-1 past the real count) and BCSR row offsets
+    for r0 in range(0, R + 1, TILE):
+        rb = r0 + tl.arange(0, TILE)
+        tl.store(block_expert_ptr + rb, tl.full((TILE,), -1, tl.int32),
+                 mask=(rb < R) & (rb >= num_valid))
+        tl.store(row_off_ptr + rb, rb * nb, mask=rb <= R)
+    for e in range(0, E):
+        start_e = tl.load(scratch_ptr + e)
+        nblk = tl.load(scratch_ptr + E + e)
+        for l0 in range(0, nblk, TILE):
+            local = l0 + tl.arange(0, TILE)
+            tl.store(block_expert_ptr + start_e + local, tl.full((TILE,), 0, tl.int32) + e,
+                     mask=local < nblk)
+    tl.debug_barrier()  # block_expert is gathered below
+    # 4. blocks in BCSR order: row and global column (-1 in empty row blocks)
+    nnz = R * nb
+    valid_nnz = num_valid * nb
+    for t0 in range(0, nnz, TILE):
+        t = t0 + tl.arange(0, TILE)
+        t_ok = t < nnz
+        row = t // nb
+        owner = tl.load(block_expert_ptr + row, mask=t_ok, other=-1)
+        tl.store(row_idx_ptr + t, row, mask=t_ok)
+        tl.store(col_idx_ptr + t, tl.where(owner >= 0, owner * nb + t % nb, -1), mask=t_ok)
+        # empty blocks are parked after every column, in block order
+        tl.store(t_blocks_ptr + t, t, mask=t_ok & (t >= valid_nnz))
+    # 5. CSC view: expert e's blocks occupy positions [nb*start_e, nb*end_e), column-major
+    for e in range(0, E):
+        start_e = tl.load(scratch_ptr + e)
+        nblk = tl.load(scratch_ptr + E + e)
+        for l0 in range(0, nblk * nb, TILE):
+            local = l0 + tl.arange(0, TILE)
+            nblk_safe = tl.maximum(nblk, 1)
+            blk = (start_e + local % nblk_safe) * nb + local // nblk_safe
+            tl.store(t_blocks_ptr + start_e * nb + local, blk, mask=local < nblk * nb)
+    num_cols = E * nb
+    for c0 in range(0, num_cols + 1, TILE):
+        c = c0 + tl.arange(0, TILE)
+        e_c = tl.minimum(c // nb, E - 1)
+        start_e = tl.load(scratch_ptr + e_c, mask=c < num_cols, other=0)
+        nblk_e = tl.load(scratch_ptr + E + e_c, mask=c < num_cols, other=0)
+        off = tl.where(c < num_cols, start_e * nb + (c % nb) * nblk_e, valid_nnz)
+        tl.store(col_off_ptr + c, off, mask=c <= num_cols)
+
+
+@_kernel
+def scatter_rows_kernel(ids_ptr, chunk_base_ptr, row_start_ptr, dest_ptr, x_ptr, out_ptr,
+                        N, E, H, top_k, stride_x, stride_o,
+                        CHUNK: tl.constexpr, E_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
+                        COPY: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < N
+    ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
+    experts = tl.arange(0, E_POW2)
+    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+    # rank among this chunk's pairs of the same expert, in pair order (stable)
+    rank = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1)
+    e_safe = tl.maximum(ids, 0)
+    base = tl.load(chunk_base_ptr + pid * E + e_safe, mask=ok, other=0) \
+        + tl.load(row_start_ptr + e_safe, mask=ok, other=0)
+    dest = (base + rank).to(tl.int64)
+    tl.store(dest_ptr + offs, dest, mask=ok)
+    if COPY:
+        token = (offs // top_k).to(tl.int64)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            m = ok[:, None] & (cols < H)[None, :]
+            v = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=m)
+            tl.store(out_ptr + dest[:, None] * stride_o + cols[None, :], v, mask=m)

@@ -10,9 +10,9 @@ from torch import nn
 
 from ..errors import ConfigurationError
 from . import blocksparse as bs
-from .permute import check_block_size, permute_pad, plan_routing, unpermute_combine
+from .permute import check_block_size, unpermute_combine
 from .router import Router, _check_config, check_tokens
-from .topology import build_topology
+from .routing import route_and_permute
 
 _ACTIVATIONS = {
     "gelu": lambda t: F_.gelu(t, approximate="tanh"),
@@ -110,17 +110,15 @@ class DroplessMoE(nn.Module):
         self.aux_loss = self.router.aux_loss
         self.tokens_per_expert = self.router.tokens_per_expert
         if self.world_size == 1:
-            y = self._local_experts(x, expert_ids, weights, self.router.tokens_per_expert)
+            y = self._local_experts(x, expert_ids, weights)
         else:
             from .parallel import expert_parallel_forward
             y = expert_parallel_forward(self, x, expert_ids, weights)
         return y.reshape(shape)
 
-    def _local_experts(self, x, expert_ids, weights, tokens_per_expert=None):
-        plan = plan_routing(expert_ids, self.num_local_experts, self.block_size,
-                            tokens_per_expert)
-        topo = build_topology(plan, self.ffn_hidden_size)
-        x_perm = permute_pad(x, plan)
+    def _local_experts(self, x, expert_ids, weights):
+        plan, topo, x_perm = route_and_permute(x, expert_ids, self.num_local_experts,
+                                               self.block_size, self.ffn_hidden_size)
         y_perm = expert_ffn(x_perm, self.w1, self.w2, self.w3, topo, self.activation)
         return unpermute_combine(y_perm, weights, plan)
 

@@ -133,8 +133,7 @@ def expert_parallel_forward(layer, x, expert_ids, weights):
     rows = torch.arange(received.shape[0], device=x.device)
     local_ids = (torch.searchsorted(seg_ends, rows, right=True) % e_local).to(torch.int32)
     ones = torch.ones(received.shape[0], 1, dtype=x.dtype, device=x.device)
-    y_recv = layer._local_experts(received, local_ids.view(-1, 1), ones,
-                                  recv_counts.sum(dim=0).to(torch.int32))
+    y_recv = layer._local_experts(received, local_ids.view(-1, 1), ones)
     # 5. combine: back to the source rank, unsort, weight and sum the k slots
     y_sorted = all_to_all(y_recv, transport, recv_splits, send_splits)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),

@@ -28,7 +28,6 @@ def compiled_not_interpreted(monkeypatch):
                                         ("dsd_kernel", False), ("dsd_kernel", True),
                                         ("dstd_kernel", True)])
 def test_kernel_compiles_with_matrix_instructions(name, fused, target, asm_key, instruction):
-    assert set(kernels.names()) == {"sdd_kernel", "dsd_kernel", "dstd_kernel"}
     signature = kernels.aot_signatures("bf16")[name]
     # fused: the GELU prologue (DSD, DSᵀD) or the act' epilogue (SDD) must not cost the MMAs
     act = dict(ACT=kernels.ACT_GELU_TANH, EPILOGUE_ACT_GRAD=kernels.ACT_GELU_TANH) if fused else {}
@@ -36,3 +35,17 @@ def test_kernel_compiles_with_matrix_instructions(name, fused, target, asm_key, 
     src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
     compiled = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
     assert instruction in compiled.asm[asm_key], f"{name} for {target} has no {instruction}"
+
+
+@pytest.mark.parametrize("target", [t for t, _, _ in TARGETS], ids=["gfx942", "gfx90a", "sm90"])
+@pytest.mark.parametrize("name", sorted(kernels.aot_routing_signatures()))
+def test_routing_kernel_compiles(name, target):
+    src = ASTSource(fn=kernels.get(name), signature=kernels.aot_routing_signatures()[name],
+                    constexprs=kernels.ROUTING_AOT_CONSTEXPRS[name])
+    compiled = triton.compile(src, target=target, options={"num_warps": 4})
+    assert compiled.asm.get("amdgcn") or compiled.asm.get("ptx")
+
+
+def test_every_kernel_is_covered_by_an_aot_test():
+    covered = set(kernels.aot_signatures()) | set(kernels.aot_routing_signatures())
+    assert set(kernels.names()) == covered

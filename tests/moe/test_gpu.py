@@ -76,6 +76,24 @@ def test_gpu_extreme_routing_single_expert_and_single_token():
     assert _rel(gpu(x[:1].to("cuda", torch.float32)), cpu(x[:1])) < 5e-3
 
 
+@pytest.mark.parametrize("experts,top_k,block", [(64, 2, 128), (6, 3, 16), (4, 1, 64)])
+def test_gpu_routing_kernels_equal_torch_ops(experts, top_k, block):
+    from rocmoe.moe import route_and_permute
+    x = torch.randn(5000, 64, device="cuda", dtype=torch.bfloat16)
+    probs = 1.0 / torch.arange(1, experts + 1, device="cuda", dtype=torch.float32)  # skewed
+    ids = torch.multinomial(probs.expand(5000, experts).contiguous(), top_k).to(torch.int32)
+    bs.set_backend("torch")
+    ref = route_and_permute(x, ids, experts, block, 200)
+    bs.set_backend("auto")
+    got = route_and_permute(x, ids, experts, block, 200)
+    for name in ("tokens_per_expert", "dest_row", "block_expert", "num_valid_blocks"):
+        assert torch.equal(getattr(ref[0], name).long(), getattr(got[0], name).long()), name
+    for name in ("row_offsets", "column_indices", "row_indices", "column_offsets",
+                 "transpose_blocks"):
+        assert torch.equal(getattr(ref[1], name), getattr(got[1], name)), name
+    assert torch.equal(ref[2], got[2])
+
+
 def test_gpu_forward_and_backward_make_no_host_sync():
     _, gpu = _pair(torch.bfloat16, 128)
     x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)

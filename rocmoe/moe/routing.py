@@ -1,0 +1,110 @@
+"""Routing plan + topology + permuted rows in one step, on the device.
+
+On GPU tensors three Triton launches do what ``plan_routing``, ``build_topology`` and
+``permute_pad`` do with ~50 small torch ops (which cost about a millisecond of launch
+overhead per layer, more than the work itself): a per-chunk expert histogram, a single
+program that scans it and writes the whole topology, and a per-chunk stable counting-sort
+scatter that writes each pair's padded row and copies its token there (fused permute + pad).
+Elsewhere the torch ops run; both give identical plans, topologies and rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import blocksparse as bs
+from .permute import (RoutingPlan, check_block_size, padded_rows_bound, permute_pad,
+                      plan_routing)
+from .topology import Topology, build_topology
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Forward: the counting-sort scatter kernel (writes dest rows and the permuted copy).
+    Backward: each token's gradient is the sum of its k rows' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, launch, dest, num_rows, top_k):
+        out = x.new_zeros(num_rows, x.shape[1])
+        launch(x, out)
+        ctx.save_for_backward(dest)
+        ctx.top_k = top_k
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (dest,) = ctx.saved_tensors
+        dest = dest.view(-1, ctx.top_k)
+        grad_x = grad_out.index_select(0, dest[:, 0])
+        for slot in range(1, ctx.top_k):
+            grad_x = grad_x + grad_out.index_select(0, dest[:, slot])
+        return grad_x, None, None, None, None
+
+
+def _route_triton(x, expert_ids, num_experts, block, ffn_size):
+    from . import kernels
+    device = expert_ids.device
+    num_tokens, top_k = expert_ids.shape
+    flat = expert_ids.reshape(-1).to(torch.int32).contiguous()
+    n = flat.numel()
+    e, e_pow2 = num_experts, _pow2(num_experts)
+    # a chunk's one-hot [chunk, E] matrix stays at 16K elements (registers of one program)
+    chunk = min(1024, max(16, 16384 // e_pow2))
+    num_chunks = max(1, -(-n // chunk))
+    num_rows = padded_rows_bound(n, e, block)
+    num_rb = num_rows // block
+    nb = -(-ffn_size // block)
+    nnz, num_cols = num_rb * nb, e * nb
+
+    def i32(*shape):
+        return torch.empty(*shape, dtype=torch.int32, device=device)
+
+    hist = i32(num_chunks, e)
+    chunk_base, counts, row_start, scratch = i32(num_chunks, e), i32(e), i32(e), i32(2 * e)
+    block_expert, num_valid, row_offsets = i32(num_rb), i32(1), i32(num_rb + 1)
+    column_indices, row_indices, transpose_blocks = i32(nnz), i32(nnz), i32(nnz)
+    column_offsets = i32(num_cols + 1)
+    kernels.get("chunk_histogram_kernel")[(num_chunks,)](
+        flat, hist, n, e, CHUNK=chunk, E_POW2=e_pow2)
+    kernels.get("routing_scan_kernel")[(1,)](
+        hist, chunk_base, counts, row_start, scratch, block_expert, num_valid, row_offsets,
+        column_indices, row_indices, column_offsets, transpose_blocks,
+        num_chunks, e, num_rb, nb,
+        BLOCK=block, E_POW2=e_pow2, CHUNK_TILE=max(1, min(64, 4096 // e_pow2)), TILE=1024)
+    dest = torch.empty(n, dtype=torch.int64, device=device)
+    hidden = x.shape[1]
+    block_h = min(256, _pow2(hidden), max(16, 16384 // chunk))
+
+    def launch(src, out):
+        kernels.get("scatter_rows_kernel")[(num_chunks,)](
+            flat, chunk_base, row_start, dest, src, out, n, e, hidden, top_k,
+            src.stride(0), out.stride(0),
+            CHUNK=chunk, E_POW2=e_pow2, BLOCK_H=block_h, COPY=True)
+
+    x = x if x.stride(1) == 1 else x.contiguous()
+    x_perm = _ScatterRows.apply(x, launch, dest, num_rows, top_k)
+    plan = RoutingPlan(num_tokens=num_tokens, top_k=top_k, num_experts=e, block_size=block,
+                       num_rows=num_rows, tokens_per_expert=counts,
+                       dest_row=dest.view(num_tokens, top_k), block_expert=block_expert,
+                       num_valid_blocks=num_valid)
+    topo = Topology(block_size=block, num_experts=e, ffn_size=ffn_size, blocks_per_expert=nb,
+                    num_row_blocks=num_rb, row_offsets=row_offsets,
+                    column_indices=column_indices, row_indices=row_indices,
+                    column_offsets=column_offsets, transpose_blocks=transpose_blocks,
+                    block_expert=block_expert, num_valid_blocks=num_valid)
+    return plan, topo, x_perm
+
+
+def route_and_permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+                      block_size: int, ffn_size: int
+                      ) -> tuple[RoutingPlan, Topology, torch.Tensor]:
+    """(plan, topology, padded expert-sorted rows) for tokens x [T, H] routed by expert_ids."""
+    check_block_size(block_size)
+    if bs._use_triton(x) and expert_ids.numel() > 0:
+        return _route_triton(x, expert_ids, num_experts, block_size, ffn_size)
+    plan = plan_routing(expert_ids, num_experts, block_size)
+    topo = build_topology(plan, ffn_size)
+    return plan, topo, permute_pad(x, plan)
