@@ -44,6 +44,7 @@ def check_records(records: list[dict], sizes: list[int], round_trips: int) -> No
     assert pp["round_trips"] == round_trips
     assert 0 < pp["min_us"] <= pp["median_us"] <= pp["p99_us"]
     assert "mpi4py" in pp["baseline"] and pp["baseline_median_us"] > 0 and pp["raw_median_us"] > 0
+    assert 0 < pp["poll_median_us"] <= pp["poll_p99_us"]
     assert pp["ratio"] == pytest.approx(pp["baseline_median_us"] / pp["median_us"], rel=0.02)
     summary = records[-1]
     judged = [r for r in puts if r["meets_goal"] is not None]

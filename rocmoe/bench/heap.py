@@ -16,7 +16,9 @@ shell). Rank 0 prints JSON lines:
 * `signal_pingpong`: round trips rank 0 -> rank 1 -> rank 0 with `ctx.signal_set` and
   `ctx.wait_until` on epoch values; median and p99 over `--round-trips` trips, against the
   same ping-pong with mpi4py `Send`/`Recv` of one int64 (baseline). `raw_*` columns: the same
-  protocol through the C ABI directly (the Python cost per round trip is the difference).
+  protocol through the C ABI directly (the Python cost per round trip is the difference);
+  `poll_*`: C ABI signal_set, but waiting by polling `rocmoe_signal_read` without back-off
+  (the cost of wait_until's yield/sleep back-off is the difference to `raw_*`).
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ def _pingpong(ctx, args, out) -> Optional[dict]:
     from .._native import ffi, lib
     rank, trips = ctx.rank, args.round_trips
     warmup = max(10, trips // 20)
-    flags = ctx.zeros((2,), torch.int64)  # slot 0: ctx API loop, slot 1: raw C ABI loop
+    flags = ctx.zeros((3,), torch.int64)  # one slot per variant: ctx API, raw C ABI, polling
     peer = 1 - rank if rank in (0, 1) else -1
 
     def api_round(epoch):
@@ -237,8 +239,35 @@ def _pingpong(ctx, args, out) -> Optional[dict]:
                 ctx.wait_until(flags, 1, epoch, ">=", peer=peer)
             lib.rocmoe_signal_set(handle, peer, slot, epoch)
 
+    # Diagnostic: the same protocol, waiting by polling rocmoe_signal_read with no back-off.
+    # If this is much faster than `raw`, the time goes into wait_until's yield/sleep back-off,
+    # not into the signal itself.
+    poll_slot = ctx.heap.offset_of(flags) + 16
+    value = ffi.new("uint64_t *")
+
+    def poll_wait(epoch):
+        deadline = time.monotonic() + ctx.timeout_s
+        spins = 0
+        while True:
+            lib.rocmoe_signal_read(handle, poll_slot, value)
+            if value[0] >= epoch:
+                return
+            spins += 1
+            if spins % 4096 == 0 and time.monotonic() > deadline:
+                from ..errors import CommTimeoutError
+                raise CommTimeoutError(f"bench heap: rank {rank} polled {ctx.timeout_s} s for "
+                                       f"epoch {epoch} from rank {peer}")
+
+    def poll_round(epoch):
+        if rank == 0:
+            lib.rocmoe_signal_set(handle, peer, poll_slot, epoch)
+            poll_wait(epoch)
+        else:
+            poll_wait(epoch)
+            lib.rocmoe_signal_set(handle, peer, poll_slot, epoch)
+
     results = {}
-    for name, one_round in (("api", api_round), ("raw", raw_round)):
+    for name, one_round in (("api", api_round), ("raw", raw_round), ("poll", poll_round)):
         times_ns = np.zeros(trips, dtype=np.int64)
         # rare updates: a rank 0 that pauses pushes rank 1's wait into its sleeping back-off
         report_every = max(1, trips // 4)
@@ -267,6 +296,8 @@ def _pingpong(ctx, args, out) -> Optional[dict]:
         "mean_us": round(float(us.mean()), 3), "min_us": round(float(us.min()), 3),
         "raw_median_us": round(float(np.median(raw_us)), 3),
         "raw_p99_us": round(float(np.percentile(raw_us, 99)), 3),
+        "poll_median_us": round(float(np.median(results["poll"])), 3),
+        "poll_p99_us": round(float(np.percentile(results["poll"], 99)), 3),
         "baseline": PINGPONG_BASELINE, "baseline_median_us": round(base_median, 3),
         "baseline_p99_us": round(float(np.percentile(mpi_us, 99)), 3),
         "ratio": round(base_median / median, 3),
