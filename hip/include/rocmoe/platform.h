@@ -135,11 +135,23 @@ static inline hipError_t hipIpcOpenMemHandle(void **ptr, hipIpcMemHandle_t handl
     return cudaIpcOpenMemHandle(ptr, handle, flags);
 }
 static inline hipError_t hipIpcCloseMemHandle(void *ptr) { return cudaIpcCloseMemHandle(ptr); }
+static inline hipError_t hipOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void *kernel,
+                                                                      int block_size,
+                                                                      size_t dynamic_smem) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, block_size, dynamic_smem);
+}
 
 #if defined(__CUDACC__)
 template <typename T>
 static inline hipError_t hipMalloc(T **ptr, size_t n) {
     return cudaMalloc(reinterpret_cast<void **>(ptr), n);
+}
+template <typename K>
+static inline hipError_t hipOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, K kernel,
+                                                                      int block_size,
+                                                                      size_t dynamic_smem) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        blocks, reinterpret_cast<const void *>(kernel), block_size, dynamic_smem);
 }
 /* HIP's launch macro; rocmoe code may also use <<<>>> directly (both compilers accept it). */
 #define hipLaunchKernelGGL(kernel, grid, block, shmem, stream, ...) \

@@ -169,6 +169,12 @@ public:
         ROCMOE_GPU_TRY(hipSetDevice(args.device));
         ROCMOE_GPU_TRY(hipDeviceGetAttribute(&sm_count_, hipDeviceAttributeMultiprocessorCount,
                                              args.device));
+        // Grids of exactly one resident wave: a second, partial wave of copy workgroups
+        // would leave most multiprocessors idle while it runs.
+        ROCMOE_GPU_TRY(hipOccupancyMaxActiveBlocksPerMultiprocessor(&store_per_sm_, store_signal_kernel,
+                                                                    kStoreThreads, 0));
+        ROCMOE_GPU_TRY(hipOccupancyMaxActiveBlocksPerMultiprocessor(&verify_per_sm_, wait_verify_kernel,
+                                                                    kVerifyThreads, 0));
 
         unsigned flags = hipDeviceMallocFinegrained;
         if (const char *env = std::getenv("ROCMOE_HIP_FINEGRAINED"); env && env[0] == '0')
@@ -353,7 +359,7 @@ public:
         int rc = scratch_for(s, &arrivals);
         if (rc != ROCMOE_OK) return rc;
         uint64_t chunk = 0;
-        const unsigned blocks = grid_for(n, kStoreThreads * 16ull * 4, &chunk);
+        const unsigned blocks = grid_for(n, kStoreThreads * 16ull * 4, store_per_sm_, &chunk);
         hipLaunchKernelGGL(store_signal_kernel, dim3(blocks), dim3(kStoreThreads), 0, s, team(),
                            heap_ + dst, static_cast<const char *>(src), n, chunk,
                            reinterpret_cast<uint64_t *>(heap_ + sig), value, peer,
@@ -374,7 +380,7 @@ public:
         auto *result = reinterpret_cast<VerifyResult *>(static_cast<char *>(scratch) + 64);
         ROCMOE_GPU_TRY(hipMemsetAsync(result, 0, sizeof(VerifyResult), s));
         uint64_t chunk = 0;
-        const unsigned blocks = grid_for(n, kVerifyThreads * 64ull, &chunk);
+        const unsigned blocks = grid_for(n, kVerifyThreads * 64ull, verify_per_sm_, &chunk);
         const uint64_t timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
         hipLaunchKernelGGL(wait_verify_kernel, dim3(blocks), dim3(kVerifyThreads), 0, s, team(),
                            reinterpret_cast<uint64_t *>(heap_ + sig), value, timeout_ns,
@@ -398,10 +404,11 @@ private:
     sh::Team team() const { return sh::Team{table_, args_.rank, args_.world_size}; }
 
     // One chunk per workgroup, a multiple of 16 bytes (vector copies), at least `min_chunk`
-    // bytes, and no more than four workgroups per multiprocessor. An empty slice still
+    // bytes, and no more workgroups than fit on the GPU at once. An empty slice still
     // launches one workgroup: its signal must be raised (DESIGN.md, signal protocol).
-    unsigned grid_for(uint64_t n, uint64_t min_chunk, uint64_t *chunk) const {
-        const uint64_t max_blocks = static_cast<uint64_t>(sm_count_ > 0 ? sm_count_ : 1) * 4;
+    unsigned grid_for(uint64_t n, uint64_t min_chunk, int per_sm, uint64_t *chunk) const {
+        const uint64_t max_blocks = static_cast<uint64_t>(sm_count_ > 0 ? sm_count_ : 1) *
+                                    static_cast<uint64_t>(per_sm > 0 ? per_sm : 1);
         uint64_t blocks = (n + min_chunk - 1) / min_chunk;
         if (blocks < 1) blocks = 1;
         if (blocks > max_blocks) blocks = max_blocks;
@@ -431,6 +438,8 @@ private:
 
     rocmoe_init_args args_{};
     int sm_count_ = 0;
+    int store_per_sm_ = 1;   // resident workgroups per multiprocessor, per kernel
+    int verify_per_sm_ = 1;
     char *heap_ = nullptr;
     void **table_ = nullptr;
     hipStream_t stream_ = nullptr;
