@@ -28,6 +28,7 @@
 // This backend's kernels store through IPC mappings whatever facade the build selected.
 #define ROCMOE_SHMEM_IPC 1
 
+#include "gpu/gpu_kernels.hpp"
 #include "internal.hpp"
 #include "rocmoe/platform.h"
 #include "rocmoe/shmem.h"
@@ -35,13 +36,8 @@
 namespace rocmoe {
 namespace {
 
-namespace sh = rocmoe::shmem;
-
 constexpr char kMagic[8] = {'R', 'O', 'C', 'M', 'O', 'E', 'I', 'P'};
 constexpr uint32_t kBlobVersion = 1;
-constexpr int kStoreThreads = 512;
-constexpr int kVerifyThreads = 256;
-
 struct IpcBlob {
     char magic[8];
     uint32_t version;
@@ -55,18 +51,6 @@ struct IpcBlob {
 };
 static_assert(sizeof(IpcBlob) <= kBlobSize, "the ipc bootstrap blob must fit kBlobSize");
 
-#define ROCMOE_GPU_TRY(call, ...)                                                          \
-    do {                                                                                   \
-        hipError_t rocmoe_err_ = (call);                                                   \
-        if (rocmoe_err_ != hipSuccess) return gpu_fail(rocmoe_err_, #call, ##__VA_ARGS__); \
-    } while (0)
-
-int gpu_fail(hipError_t err, const char *call, const char *context = nullptr) {
-    return fail(err == hipErrorOutOfMemory ? ROCMOE_ERR_NOMEM : ROCMOE_ERR_SYSTEM,
-                "%s failed: %s (%s)%s%s", call, hipGetErrorName(err), hipGetErrorString(err),
-                context ? "; " : "", context ? context : "");
-}
-
 bool pid_alive(int pid) {
     if (pid <= 0) return false;
     return kill(pid, 0) == 0 || errno == EPERM;
@@ -76,72 +60,6 @@ std::string host_name() {
     char name[64] = {};
     if (gethostname(name, sizeof name - 1) != 0) return "?";
     return name;
-}
-
-// ---------------------------------------------------------------------------------------
-// kernels
-// ---------------------------------------------------------------------------------------
-
-// Host-initiated signal: one thread; the fence orders the puts that this stream already
-// completed (and any the caller made visible) before the flag.
-__global__ void signal_store_kernel(uint64_t *slot, uint64_t value, int add) {
-    __threadfence_system();
-    if (add) platform::fetch_add_release_system(slot, value);
-    else platform::store_release_system(slot, value);
-}
-
-// A slice of `n` bytes into rank `pe`'s heap, then one signal for the whole slice.
-// Each workgroup copies its chunk; the last workgroup to finish (counted in `arrivals`,
-// which it resets for the next launch on the same stream) raises the signal. Every thread
-// fences its own stores before its workgroup is counted, so the signal publishes them all.
-__global__ void store_signal_kernel(sh::Team team, char *dst, const char *src, uint64_t n,
-                                    uint64_t chunk, uint64_t *sig, uint64_t value, int pe,
-                                    unsigned int *arrivals) {
-    const uint64_t begin = static_cast<uint64_t>(blockIdx.x) * chunk;
-    if (begin < n) {
-        const uint64_t len = (n - begin < chunk) ? n - begin : chunk;
-        sh::put_nbi_wg(team, dst + begin, src + begin, len, pe);
-    }
-    __threadfence_system();
-    __syncthreads();
-    if (sh::wg_thread_id() == 0) {
-        const unsigned int done = atomicAdd(arrivals, 1u);
-        if (done == gridDim.x - 1) {
-            atomicExch(arrivals, 0u);
-            sh::signal_set(team, sig, value, pe);
-        }
-    }
-}
-
-struct VerifyResult {
-    unsigned long long status;      // sh::WaitStatus, max over workgroups
-    unsigned long long observed;    // the slot's value when the wait ended
-    unsigned long long mismatches;  // bytes that differ from `expected`
-};
-
-// Wait (bounded, on the device) until this rank's slot reaches `value`, then compare
-// `nbytes` of the local heap at `got` with `expected`. Every workgroup waits for itself,
-// so no workgroup reads its chunk before the signal was seen.
-__global__ void wait_verify_kernel(sh::Team team, uint64_t *sig, uint64_t value,
-                                   uint64_t timeout_ns, const unsigned char *got,
-                                   const unsigned char *expected, uint64_t n, uint64_t chunk,
-                                   VerifyResult *result) {
-    __shared__ int status;
-    if (sh::wg_thread_id() == 0) {
-        uint64_t observed = 0;
-        status = sh::wait_until(team, sig, sh::kCmpGe, value, timeout_ns, &observed);
-        if (blockIdx.x == 0) result->observed = observed;
-        if (status != sh::kWaitOk) atomicMax(&result->status, static_cast<unsigned long long>(status));
-    }
-    __syncthreads();
-    if (status != sh::kWaitOk) return;
-    const uint64_t begin = static_cast<uint64_t>(blockIdx.x) * chunk;
-    if (begin >= n) return;
-    const uint64_t len = (n - begin < chunk) ? n - begin : chunk;
-    unsigned long long bad = 0;
-    for (uint64_t i = sh::wg_thread_id(); i < len; i += blockDim.x * blockDim.y * blockDim.z)
-        bad += got[begin + i] != expected[begin + i];
-    if (bad) atomicAdd(&result->mismatches, bad);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -167,14 +85,8 @@ public:
                         "CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES)",
                         args.device, count);
         ROCMOE_GPU_TRY(hipSetDevice(args.device));
-        ROCMOE_GPU_TRY(hipDeviceGetAttribute(&sm_count_, hipDeviceAttributeMultiprocessorCount,
-                                             args.device));
-        // Grids of exactly one resident wave: a second, partial wave of copy workgroups
-        // would leave most multiprocessors idle while it runs.
-        ROCMOE_GPU_TRY(hipOccupancyMaxActiveBlocksPerMultiprocessor(&store_per_sm_, store_signal_kernel,
-                                                                    kStoreThreads, 0));
-        ROCMOE_GPU_TRY(hipOccupancyMaxActiveBlocksPerMultiprocessor(&verify_per_sm_, wait_verify_kernel,
-                                                                    kVerifyThreads, 0));
+        int rc = launcher_.init(args.device);
+        if (rc != ROCMOE_OK) return rc;
 
         unsigned flags = hipDeviceMallocFinegrained;
         if (const char *env = std::getenv("ROCMOE_HIP_FINEGRAINED"); env && env[0] == '0')
@@ -279,8 +191,8 @@ public:
         if (stream_) keep_first(hipStreamSynchronize(stream_), "hipStreamSynchronize");
         for (int peer = 0; peer < static_cast<int>(bases_.size()); ++peer)
             if (opened_[peer]) keep_first(hipIpcCloseMemHandle(bases_[peer]), "hipIpcCloseMemHandle");
-        for (auto &entry : scratch_) keep_first(hipFree(entry.second), "hipFree(scratch)");
-        scratch_.clear();
+        if (int released = launcher_.release(); released != ROCMOE_OK && rc == ROCMOE_OK)
+            rc = released;
         if (table_) keep_first(hipFree(table_), "hipFree(peer table)");
         if (heap_) keep_first(hipFree(heap_), "hipFree(heap)");
         if (stream_) keep_first(hipStreamDestroy(stream_), "hipStreamDestroy");
@@ -326,12 +238,8 @@ public:
 
     int signal_store(int peer, uint64_t offset, uint64_t value, bool add) override {
         ROCMOE_GPU_TRY(hipSetDevice(args_.device));
-        auto *slot = reinterpret_cast<uint64_t *>(static_cast<char *>(bases_[peer]) + offset);
-        hipLaunchKernelGGL(signal_store_kernel, dim3(1), dim3(1), 0, stream_, slot, value,
-                           add ? 1 : 0);
-        ROCMOE_GPU_TRY(hipGetLastError(), "launching the signal kernel");
-        ROCMOE_GPU_TRY(hipStreamSynchronize(stream_));
-        return ROCMOE_OK;
+        return launcher_.signal(team(), reinterpret_cast<uint64_t *>(heap_ + offset), value, peer,
+                                add, stream_);
     }
 
     int signal_load(uint64_t offset, uint64_t *value) override {
@@ -354,92 +262,25 @@ public:
     int device_store_signal(int peer, uint64_t dst, const void *src, uint64_t n, uint64_t sig,
                             uint64_t value, void *stream) override {
         ROCMOE_GPU_TRY(hipSetDevice(args_.device));
-        auto s = static_cast<hipStream_t>(stream);
-        void *arrivals = nullptr;
-        int rc = scratch_for(s, &arrivals);
-        if (rc != ROCMOE_OK) return rc;
-        uint64_t chunk = 0;
-        const unsigned blocks = grid_for(n, kStoreThreads * 16ull * 4, store_per_sm_, &chunk);
-        hipLaunchKernelGGL(store_signal_kernel, dim3(blocks), dim3(kStoreThreads), 0, s, team(),
-                           heap_ + dst, static_cast<const char *>(src), n, chunk,
-                           reinterpret_cast<uint64_t *>(heap_ + sig), value, peer,
-                           static_cast<unsigned int *>(arrivals));
-        ROCMOE_GPU_TRY(hipGetLastError(), "launching the store+signal kernel");
-        return ROCMOE_OK;
+        return launcher_.store_signal(team(), heap_ + dst, src, n,
+                                      reinterpret_cast<uint64_t *>(heap_ + sig), value, peer,
+                                      static_cast<hipStream_t>(stream));
     }
 
     int device_wait_verify(uint64_t sig, uint64_t value, double timeout_s, uint64_t offset,
                            const void *expected, uint64_t n, void *stream,
                            uint64_t *mismatches) override {
         ROCMOE_GPU_TRY(hipSetDevice(args_.device));
-        auto s = static_cast<hipStream_t>(stream);
-        void *scratch = nullptr;
-        int rc = scratch_for(s, &scratch);
-        if (rc != ROCMOE_OK) return rc;
-        // The result lives after the arrivals counter in the same per-stream scratch block.
-        auto *result = reinterpret_cast<VerifyResult *>(static_cast<char *>(scratch) + 64);
-        ROCMOE_GPU_TRY(hipMemsetAsync(result, 0, sizeof(VerifyResult), s));
-        uint64_t chunk = 0;
-        const unsigned blocks = grid_for(n, kVerifyThreads * 64ull, verify_per_sm_, &chunk);
-        const uint64_t timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
-        hipLaunchKernelGGL(wait_verify_kernel, dim3(blocks), dim3(kVerifyThreads), 0, s, team(),
-                           reinterpret_cast<uint64_t *>(heap_ + sig), value, timeout_ns,
-                           reinterpret_cast<const unsigned char *>(heap_ + offset),
-                           static_cast<const unsigned char *>(expected), n, chunk, result);
-        ROCMOE_GPU_TRY(hipGetLastError(), "launching the wait+verify kernel");
-        VerifyResult host{};
-        ROCMOE_GPU_TRY(hipMemcpyAsync(&host, result, sizeof host, hipMemcpyDeviceToHost, s));
-        ROCMOE_GPU_TRY(hipStreamSynchronize(s));
-        if (host.status != sh::kWaitOk)
-            return fail(ROCMOE_ERR_TIMEOUT,
-                        "rank %d timed out after %.3g s waiting on the GPU for signal slot at "
-                        "offset %" PRIu64 " to reach >= %" PRIu64 " (it holds %llu); is the "
-                        "peer alive and making the same calls?",
-                        args_.rank, timeout_s, sig, value, host.observed);
-        *mismatches = host.mismatches;
-        return ROCMOE_OK;
+        return launcher_.wait_verify(team(), reinterpret_cast<uint64_t *>(heap_ + sig), value,
+                                     timeout_s, heap_ + offset, expected, n,
+                                     static_cast<hipStream_t>(stream), mismatches);
     }
 
 private:
     sh::Team team() const { return sh::Team{table_, args_.rank, args_.world_size}; }
 
-    // One chunk per workgroup, a multiple of 16 bytes (vector copies), at least `min_chunk`
-    // bytes, and no more workgroups than fit on the GPU at once. An empty slice still
-    // launches one workgroup: its signal must be raised (DESIGN.md, signal protocol).
-    unsigned grid_for(uint64_t n, uint64_t min_chunk, int per_sm, uint64_t *chunk) const {
-        const uint64_t max_blocks = static_cast<uint64_t>(sm_count_ > 0 ? sm_count_ : 1) *
-                                    static_cast<uint64_t>(per_sm > 0 ? per_sm : 1);
-        uint64_t blocks = (n + min_chunk - 1) / min_chunk;
-        if (blocks < 1) blocks = 1;
-        if (blocks > max_blocks) blocks = max_blocks;
-        uint64_t c = (n + blocks - 1) / blocks;
-        c = (c + 15) & ~uint64_t(15);
-        if (c == 0) c = 16;
-        *chunk = c;
-        return static_cast<unsigned>((n + c - 1) / c > 0 ? (n + c - 1) / c : 1);
-    }
-
-    // Per-stream device scratch (the arrivals counter, then a VerifyResult): launches on
-    // one stream are ordered, so they can share it; launches on two streams cannot.
-    int scratch_for(hipStream_t s, void **out) {
-        std::lock_guard<std::mutex> lock(scratch_mutex_);
-        auto it = scratch_.find(s);
-        if (it != scratch_.end()) {
-            *out = it->second;
-            return ROCMOE_OK;
-        }
-        void *p = nullptr;
-        ROCMOE_GPU_TRY(hipMalloc(&p, 256));
-        ROCMOE_GPU_TRY(hipMemset(p, 0, 256));
-        scratch_[s] = p;
-        *out = p;
-        return ROCMOE_OK;
-    }
-
     rocmoe_init_args args_{};
-    int sm_count_ = 0;
-    int store_per_sm_ = 1;   // resident workgroups per multiprocessor, per kernel
-    int verify_per_sm_ = 1;
+    KernelLauncher launcher_;
     char *heap_ = nullptr;
     void **table_ = nullptr;
     hipStream_t stream_ = nullptr;
@@ -447,8 +288,6 @@ private:
     std::vector<void *> bases_;
     std::vector<int> pids_;
     std::vector<bool> opened_;
-    std::mutex scratch_mutex_;
-    std::map<hipStream_t, void *> scratch_;
 };
 
 }  // namespace
