@@ -18,32 +18,29 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import _ops  # noqa: F401  (registers torch.ops.rocmoe.*)
+from .. import errors
+from . import _kernels, _ops  # noqa: F401  (registers torch.ops.rocmoe.*)
 from . import reference  # noqa: F401  (mpi4py is imported only when a reference runs)
 from ._common import context_id, release_workspaces, resolve_context
-from ._kernels import BAD_COUNTS, embedding_query_layout
+from ._kernels import BAD_COUNTS
 
 __all__ = ["embedding_all_to_all", "gemv_all_reduce", "gemm_all_to_all", "release_workspaces",
            "reference"]
 
-# (context id, this rank's table signature) -> agreed layout; a rank whose tables change asks
-# again, and the op itself re-checks the layout on every call
-_layouts: dict = {}
+# Empty leaves passed to the ops with a collective backward (the embedding and GEMM ones): one that requires grad makes every rank record the
+# op's backward (a collective), also a rank without tables. A module-level leaf (not one made
+# per call) is what torch.compile traces as a graph input that requires grad.
+_GRAD_ANCHOR = torch.empty(0, requires_grad=True)
+_NO_GRAD_ANCHOR = torch.empty(0)
 
 
-def _table_signature(weights, offsets, mode, psw):
-    return (len(weights), tuple((tuple(w.shape), w.dtype) for w in weights),
-            tuple(o.shape[0] if o.dim() == 1 else -1 for o in offsets), mode, psw is None)
-
-
-@torch.compiler.disable
-def _embedding_layout(ctx, weights, indices, offsets, mode, psw) -> list[int]:
-    key = (context_id(ctx), _table_signature(weights, offsets, mode, psw))
-    layout = _layouts.get(key)
-    if layout is None:
-        layout = embedding_query_layout(ctx, weights, indices, offsets, mode, psw)
-        _layouts[key] = layout
-    return layout
+def _off_device(ctx, tensors) -> bool:
+    """A real (not traced) call with a tensor off the context's device. Such a call must not
+    go through the dispatcher: a meta tensor would select the fake kernel and the other ranks
+    would wait in vain; the eager path validates it and raises on every rank instead."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(isinstance(t, torch.Tensor) and t.device != ctx.device for t in tensors)
 
 
 def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
@@ -59,9 +56,23 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
     ctx = resolve_context(ctx)
     weights, indices, offsets = list(weights), list(indices), list(offsets)
     psw = None if per_sample_weights is None else list(per_sample_weights)
-    layout = _embedding_layout(ctx, weights, indices, offsets, mode, psw)
-    return torch.ops.rocmoe.embedding_all_to_all(weights, indices, offsets, psw or [],
-                                                 psw is not None, mode, layout, context_id(ctx))
+    if _off_device(ctx, weights + indices + offsets + (psw or [])):
+        return _kernels.embedding_forward(ctx, weights, indices, offsets, mode, psw)[0]
+    layout = ""
+    if torch.compiler.is_compiling():
+        # the fake kernel needs the global shape: use the layout agreed in an eager call with
+        # the same local shapes; the op re-checks it against all ranks at run time
+        key = (context_id(ctx), _kernels.table_signature(weights, offsets, mode, psw))
+        layout = _ops.format_layout(_kernels.recorded_layouts.get(key, []))
+        if not layout:
+            raise errors.ConfigurationError(
+                "embedding_all_to_all under torch.compile needs one eager call with the same "
+                "table shapes first (the output's global shape comes from the other ranks)")
+    anchor = _GRAD_ANCHOR if torch.is_grad_enabled() else _NO_GRAD_ANCHOR
+    out, _ = torch.ops.rocmoe.embedding_all_to_all(weights, indices, offsets, psw or [],
+                                                   psw is not None, mode, layout,
+                                                   context_id(ctx), anchor)
+    return out
 
 
 def gemv_all_reduce(W_local: torch.Tensor, x_local: torch.Tensor, ctx=None) -> torch.Tensor:  # noqa: N803
@@ -69,6 +80,8 @@ def gemv_all_reduce(W_local: torch.Tensor, x_local: torch.Tensor, ctx=None) -> t
     x_local [K_r]. Two-phase direct all-reduce: reduce-scatter by stores into each chunk's
     owner, then all-gather by stores."""
     ctx = resolve_context(ctx)
+    if _off_device(ctx, (W_local, x_local)):
+        return _kernels.gemv_forward(ctx, W_local, x_local)
     return torch.ops.rocmoe.gemv_all_reduce(W_local, x_local, context_id(ctx))
 
 
@@ -88,5 +101,8 @@ def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> 
             send_counts = [int(c) for c in send_counts]
         except (TypeError, ValueError):
             send_counts = list(BAD_COUNTS)
-    y, _ = torch.ops.rocmoe.gemm_all_to_all(X, W, send_counts, context_id(ctx))
+    if _off_device(ctx, (X, W)):
+        return _kernels.rows_exchange(ctx, "gemm_all_to_all", X, W, send_counts)[0]
+    anchor = _GRAD_ANCHOR if torch.is_grad_enabled() else _NO_GRAD_ANCHOR
+    y, _ = torch.ops.rocmoe.gemm_all_to_all(X, W, send_counts, context_id(ctx), anchor)
     return y

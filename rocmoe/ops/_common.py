@@ -26,6 +26,7 @@ import torch
 
 from .. import errors
 from .._native import check, ffi, lib
+from ..collective import RECORD_WORDS
 
 # dtype codes of the C ABI (ROCMOE_DTYPE_*)
 DTYPE_CODES = {torch.float32: lib.ROCMOE_DTYPE_F32, torch.bfloat16: lib.ROCMOE_DTYPE_BF16,
@@ -34,7 +35,7 @@ CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 _MAGIC = 0x524F434D4F45  # "ROCMOE": tags the agreement records of the fused ops
 OP_CODES = {"embedding_all_to_all": 1, "gemv_all_reduce": 2, "gemm_all_to_all": 3,
-            "all_to_all_rows": 4, "embedding_layout": 5}
+            "all_to_all_rows": 4}
 
 # ---- contexts by id: custom ops take ints, not Python objects ---------------------------
 _contexts: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -89,8 +90,13 @@ def agree(ctx, op: str, epoch: int, problem: Optional[Exception], payload) -> np
     given op and world size). Raises on every rank if any rank had a problem or the ranks are
     in different calls. Returns the [world, len(payload)] payload table."""
     payload = np.asarray(payload, dtype=np.int64).reshape(-1)
-    record = np.concatenate([np.array([_MAGIC, OP_CODES[op], epoch, int(problem is None)],
-                                      dtype=np.int64), payload])
+    # One record length for every fused op of a context (and the runtime's own control
+    # records when the world is small): ranks that diverged into different calls then meet
+    # in an all-gather of equal sizes and get CollectiveMismatchError, not an MPI truncation.
+    length = max(RECORD_WORDS, 4 + 8, 4 + 2 + ctx.world_size)
+    record = np.zeros(length, dtype=np.int64)
+    record[:4] = [_MAGIC, OP_CODES[op], epoch, int(problem is None)]
+    record[4:4 + payload.size] = payload
     table = ctx.channel.allgather(record, f"{op} (agreeing on inputs)")
     heads = table[:, :3]
     if (heads[:, 0] != _MAGIC).any() or (heads[:, 1] != heads[0, 1]).any() or \
@@ -108,7 +114,7 @@ def agree(ctx, op: str, epoch: int, problem: Optional[Exception], payload) -> np
         raise errors.InvalidArgumentError(
             f"{op}: rank(s) {bad} rejected their inputs (see their errors); no rank sent "
             "anything")
-    return table[:, 4:]
+    return table[:, 4:4 + payload.size]
 
 
 # ---- workspaces ----------------------------------------------------------------------
@@ -135,7 +141,7 @@ class Workspace:
                 raise errors.ContextError(f"{self.op}: signal slots cannot grow on a context")
             self.signals = ctx.zeros((max(slots, 1),), torch.int64)
         have = 0 if self.buffer is None else self.buffer.numel()
-        if recv_bytes > have:
+        if self.buffer is None or recv_bytes > have:
             if self.buffer is not None:
                 ctx.free(self.buffer)
                 self.buffer = None

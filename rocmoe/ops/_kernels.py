@@ -150,18 +150,22 @@ def embedding_layout(table: "object", rank: int, world: int, op: str):
     return [sum(nts), sum(nts[:rank]), batch, dim, dtype] + nts
 
 
-def embedding_query_layout(ctx, weights, indices, offsets, mode="sum", psw=None) -> list[int]:
-    """Collective: validate and agree on the layout without running the op: [total tables,
-    this rank's first table, batch, dim, dtype code, tables of rank 0, 1, ...]. The public
-    wrapper caches it so that the custom op (and its fake kernel) can take it as ints."""
-    op = "embedding_all_to_all"
-    problem, info = None, (0, -1, -1, -1)
-    try:
-        info = _check_embedding(ctx, weights, indices, offsets, mode, psw)
-    except errors.RocmoeError as exc:
-        problem = exc
-    table = agree(ctx, "embedding_layout", 0, problem, list(info) + [MODES.get(mode, -1)])
-    return embedding_layout(table, ctx.rank, ctx.world_size, op)
+def layout_hash(layout) -> int:
+    """Deterministic across processes (unlike hash() of some types), never 0 (= none given)."""
+    h = 1469598103934665603
+    for v in layout:
+        h = ((h ^ (int(v) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 61)
+    return h or 1
+
+
+# (context id, this rank's table signature) -> the layout agreed in the last eager call; used
+# to trace the op under torch.compile (the fake kernel needs the global shape)
+recorded_layouts: dict = {}
+
+
+def table_signature(weights, offsets, mode, psw):
+    return (len(weights), tuple((tuple(w.shape), w.dtype) for w in weights),
+            tuple(o.shape[0] if o.dim() == 1 else -1 for o in offsets), mode, psw is None)
 
 
 def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
@@ -173,14 +177,21 @@ def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
         info = _check_embedding(ctx, weights, indices, offsets, mode, psw)
     except errors.RocmoeError as exc:
         problem = exc
-    table = agree(ctx, op, ws.epoch + 1, problem, list(info) + [MODES.get(mode, -1)])
+    expect_hash = layout_hash(expect) if expect else 0
+    table = agree(ctx, op, ws.epoch + 1, problem,
+                  list(info) + [MODES.get(mode, -1), expect_hash])
     layout = embedding_layout(table, ctx.rank, ctx.world_size, op)
     total, base, batch, dim, dcode = layout[:5]
-    if expect is not None and list(expect) != layout:
-        # a stale layout given to the custom op: refuse before anything moves
+    # A rank that was traced with a layout (torch.compile) must get exactly that one; every
+    # rank checks every rank's expectation from the table, so all raise together.
+    stale = [r for r in range(ctx.world_size) if table[r, 5] and table[r, 5] != layout_hash(
+        embedding_layout(table, r, ctx.world_size, op))]
+    if stale:
         raise errors.InvalidArgumentError(
-            f"{op}: the layout the op was called with {list(expect)} differs from the agreed "
-            f"{layout}; the tables changed since it was recorded")
+            f"{op}: rank(s) {stale} run a graph traced for another table layout (batch, dims "
+            "or table counts changed since); call the op eagerly once with the new shapes")
+    if problem is None:
+        recorded_layouts[(id(ctx), table_signature(weights, offsets, mode, psw))] = layout
     ws.epoch += 1
     ws.prepare(*workspace_sizes(lib.rocmoe_embedding_a2a_workspace, ctx.world_size, batch,
                                 total, dim, dcode))
@@ -213,7 +224,7 @@ def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
                                if psw is not None else ffi.NULL)
     args.out = ptr(out)
     _launch(ctx, op, args, op)
-    return out
+    return out, layout
 
 
 # ---- GEMV + all-reduce -------------------------------------------------------------------------

@@ -52,28 +52,47 @@ def _reverse_rows(grad: Tensor, counts: list[int], recv_rows_hint: int, ctx_id: 
 
 
 # ---- embedding_all_to_all ------------------------------------------------------------------
+def format_layout(layout) -> str:
+    return ",".join(str(int(v)) for v in layout)
+
+
+def parse_layout(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")] if text else []
+
+
 @torch.library.custom_op("rocmoe::embedding_all_to_all", mutates_args=())
 def embedding_all_to_all(weights: list[Tensor], indices: list[Tensor], offsets: list[Tensor],
                          per_sample_weights: list[Tensor], use_psw: bool, mode: str,
-                         layout: list[int], ctx_id: int) -> Tensor:
-    # per_sample_weights is a list (empty when unused): the schema has no optional list
+                         layout: str, ctx_id: int, anchor: Tensor) -> tuple[Tensor, Tensor]:
+    """Returns (output, agreed layout as int64). `layout` is "" in eager calls (agreed inside),
+    or the recorded layout when traced, as comma-separated ints (a string is one leaf for
+    autograd's input structure, and the fake kernel can read it); per_sample_weights is [] when unused (the schema has
+    no optional list). `anchor` is an empty tensor that requires grad whenever grad mode is on:
+    the backward is collective (the reverse exchange), so it must run on every rank, also on
+    one without tables or with frozen ones."""
     ctx = context_by_id(ctx_id)
-    return _kernels.embedding_forward(ctx, list(weights), list(indices), list(offsets), mode,
-                                      list(per_sample_weights) if use_psw else None,
-                                      expect=layout)
+    out, agreed = _kernels.embedding_forward(
+        ctx, list(weights), list(indices), list(offsets), mode,
+        list(per_sample_weights) if use_psw else None, expect=parse_layout(layout) or None)
+    return out, torch.tensor(agreed, dtype=torch.int64)
 
 
 @embedding_all_to_all.register_fake
-def _(weights, indices, offsets, per_sample_weights, use_psw, mode, layout, ctx_id):
+def _(weights, indices, offsets, per_sample_weights, use_psw, mode, layout, ctx_id, anchor):
     ctx = context_by_id(ctx_id)
+    layout = parse_layout(layout)
+    if not layout:
+        raise RuntimeError("rocmoe::embedding_all_to_all traced without a layout")
     total, _, batch, dim, dcode = layout[:5]
-    return torch.empty((batch // ctx.world_size, total, dim), dtype=CODE_DTYPES[dcode],
-                       device=ctx.device)
+    return (torch.empty((batch // ctx.world_size, total, dim), dtype=CODE_DTYPES[dcode],
+                        device=ctx.device),
+            torch.empty((len(layout),), dtype=torch.int64))
 
 
 def _embedding_setup(ctx, inputs, output):
-    weights, indices, offsets, psw, use_psw, mode, layout, ctx_id = inputs
-    ctx.meta = (mode, list(layout), ctx_id)
+    weights, indices, offsets, psw, use_psw, mode, layout, ctx_id, _ = inputs
+    # traced: the layout is a constant input; eager: the op returned the agreed one
+    ctx.meta = (mode, parse_layout(layout) if layout else output[1].tolist(), ctx_id)
     ctx.shapes = [(tuple(w.shape), w.dtype) for w in weights]
     ctx.has_psw = bool(use_psw)
     saved = list(indices) + list(offsets) + (list(psw) if use_psw else [])
@@ -82,7 +101,7 @@ def _embedding_setup(ctx, inputs, output):
     ctx.save_for_backward(*saved)
 
 
-def _embedding_backward(ctx, grad):
+def _embedding_backward(ctx, grad, _glayout):
     mode, layout, ctx_id = ctx.meta
     total, _, batch, dim, _ = layout[:5]
     nt = len(ctx.shapes)
@@ -106,8 +125,9 @@ def _embedding_backward(ctx, grad):
         idx = indices[t].to(torch.int64)
         off = offsets[t].to(torch.int64)
         n = idx.numel()
-        lengths = torch.diff(off, append=torch.tensor([n], dtype=torch.int64, device=off.device))
-        bag = torch.repeat_interleave(torch.arange(batch, device=off.device), lengths)
+        lengths = torch.diff(off, append=torch.full((1,), n, dtype=torch.int64, device=off.device))
+        # bag of every index; searchsorted keeps shapes static (traceable by torch.compile)
+        bag = torch.searchsorted(off, torch.arange(n, device=off.device), right=True) - 1
         per_index = g_tables[t].float()[bag]                       # [n, dim]
         if mode == "mean":
             scale = (1.0 / lengths.clamp(min=1).float())[bag]
@@ -121,8 +141,13 @@ def _embedding_backward(ctx, grad):
         w_grads.append(gw.to(dtype))
         if psw is not None:
             psw_grads.append((weights[t].float()[idx] * per_index).sum(-1).to(psw[t].dtype))
-    return (w_grads, None, None, (psw_grads if psw is not None else None), None, None, None,
-            None)
+    # list inputs take lists of gradients (None for the integer ones); psw is [] when unused
+    none = [None] * nt
+    # The anchor's (empty) gradient is made to depend on the exchange so that a graph compiler
+    # never prunes the collective on a rank whose tables need no gradient.
+    anchor_grad = got.float().sum().mul(0).reshape(1)[:0]
+    return (w_grads, none, list(none), psw_grads if psw is not None else [], None, None,
+            None, None, anchor_grad)
 
 
 embedding_all_to_all.register_autograd(_embedding_backward, setup_context=_embedding_setup)
@@ -157,15 +182,16 @@ gemv_all_reduce.register_autograd(_gemv_backward, setup_context=_gemv_setup)
 
 # ---- gemm_all_to_all -----------------------------------------------------------------------
 @torch.library.custom_op("rocmoe::gemm_all_to_all", mutates_args=())
-def gemm_all_to_all(x: Tensor, w: Tensor, send_counts: list[int],
-                    ctx_id: int) -> tuple[Tensor, Tensor]:
+def gemm_all_to_all(x: Tensor, w: Tensor, send_counts: list[int], ctx_id: int,
+                    anchor: Tensor) -> tuple[Tensor, Tensor]:
+    """`anchor`: as for embedding_all_to_all, keeps the collective backward on every rank."""
     ctx = context_by_id(ctx_id)
     y, recv = _kernels.rows_exchange(ctx, "gemm_all_to_all", x, w, send_counts)
     return y, torch.tensor(recv, dtype=torch.int64)
 
 
 @gemm_all_to_all.register_fake
-def _(x, w, send_counts, ctx_id):
+def _(x, w, send_counts, ctx_id, anchor):
     ctx = context_by_id(ctx_id)
     rows = torch.library.get_ctx().new_dynamic_size()
     return (x.new_empty((rows, w.shape[1])),
@@ -173,7 +199,7 @@ def _(x, w, send_counts, ctx_id):
 
 
 def _gemm_setup(ctx, inputs, output):
-    x, w, send_counts, ctx_id = inputs
+    x, w, send_counts, ctx_id, _ = inputs
     _, recv = output
     ctx.ctx_id = ctx_id
     ctx.rows = x.shape[0]
@@ -187,7 +213,7 @@ def _gemm_backward(ctx, gy, _grecv):
     gy_local = _reverse_rows(gy, recv.tolist(), ctx.rows, ctx.ctx_id).float()
     dx = (gy_local @ w.float().t()).to(x.dtype)
     dw = (x.float().t() @ gy_local).to(w.dtype)
-    return dx, dw, None, None
+    return dx, dw, None, None, gy_local.sum().mul(0).reshape(1)[:0]
 
 
 gemm_all_to_all.register_autograd(_gemm_backward, setup_context=_gemm_setup)

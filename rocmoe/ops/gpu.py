@@ -94,10 +94,19 @@ class Arena:
         raise NotImplementedError
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self.allgather([0], "fused ops barrier")
 
-    def allgather(self, values) -> list:
-        return self.comm.allgather(values)
+    def allgather(self, values, what: str = "fused op agreement") -> list:
+        """Timed all-gather of a list of ints (same length on every rank): a rank that
+        never arrives becomes CommTimeoutError, not a hang (rocmoe.collective)."""
+        if self.world == 1:
+            return [list(values)]
+        channel = getattr(self, "_channel", None)
+        if channel is None:
+            from ..collective import ControlChannel
+            channel = self._channel = ControlChannel(self.comm, self.timeout_s)
+        table = channel.allgather(np.asarray(values, dtype=np.int64), what)
+        return [[int(v) for v in row] for row in table]
 
     def base(self) -> int:
         return int(self.peer_bases_host[self.rank])
@@ -251,6 +260,7 @@ class Workspace:
         self.recv = []          # two local views
         self.recv_offsets = []  # their heap offsets
         self.epoch = 0
+        self._ints = {}
         self.counters = torch.zeros(2 + w, dtype=torch.int32, device=arena.device)
         self.status = torch.zeros(3 * w, dtype=torch.int32, device=arena.device)
         arena.barrier()  # nobody signals into slots a peer has not zeroed yet
@@ -267,6 +277,18 @@ class Workspace:
             self.recv_offsets.append(off)
         self.recv_bytes = size
         self.arena.barrier()
+
+    def device_ints(self, values, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor of `values`, cached: a fresh host->device copy of a pageable list
+        would synchronise the stream on every call, exposing the launch latency."""
+        key = (dtype, tuple(int(v) for v in values))
+        t = self._ints.pop(key, None)
+        if t is None:
+            t = torch.tensor(key[1], dtype=dtype, device=self.arena.device)
+        self._ints[key] = t  # most recently used last
+        while len(self._ints) > 32:
+            self._ints.pop(next(iter(self._ints)))
+        return t
 
     def next_epoch(self) -> int:
         self.epoch += 1
@@ -351,12 +373,21 @@ class GemmPlan:
 
 
 def plan_gemm(arena: Arena, m: int, n: int, send_counts: Sequence[int], config: dict) -> GemmPlan:
+    """Agree on every rank's counts (one host all-gather) and lay out this rank's tasks.
+    Bad counts on any rank raise InvalidArgumentError on every rank, before any kernel."""
     w, r = arena.world, arena.rank
-    counts = np.asarray(arena.allgather([int(c) for c in send_counts]), dtype=np.int64)
-    if counts.shape != (w, w):
+    counts_in = [int(c) for c in send_counts]
+    # a wrong number of counts still sends a record of the agreed size (marked bad), so
+    # every rank learns about it and raises instead of deadlocking in the all-gather
+    record = [int(m), int(n)] + (counts_in if len(counts_in) == w else [-1] * w)
+    rows = arena.allgather(record, "gemm_all_to_all (agreeing on send_counts)")
+    bad = [s for s, rec in enumerate(rows) if any(c < 0 for c in rec[2:]) or sum(rec[2:]) != rec[0]]
+    if bad or len({rec[1] for rec in rows}) != 1:
         raise errors.InvalidArgumentError(
-            f"gemm_all_to_all: send_counts must have {w} entries on every rank, got "
-            f"{[len(c) for c in counts] if counts.ndim == 1 else counts.shape}")
+            f"gemm_all_to_all: send_counts must have {w} entries >= 0 that sum to the rows of X, "
+            f"and N must agree on every rank; ranks {bad or 'all'} disagree "
+            f"(M, N, counts per rank: {rows})")
+    counts = np.asarray([rec[2:] for rec in rows], dtype=np.int64)
     row_start = [0] + list(np.cumsum(counts[r])[:-1])
     dest_rows = [int(counts[:r, d].sum()) for d in range(w)]
     recv = counts.sum(axis=0)
@@ -397,12 +428,12 @@ def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts:
     cfg = dict(config or gemm_config(x.device))
     if plan is None:
         plan = plan_gemm(arena, m, n, send_counts, cfg)
-    if int(plan.counts[arena.rank].sum()) != m or (plan.counts < 0).any():
+    if int(plan.counts[arena.rank].sum()) != m:
         raise errors.InvalidArgumentError(
-            f"gemm_all_to_all: send_counts {list(plan.counts[arena.rank])} must be >= 0 and "
-            f"sum to M={m} on rank {arena.rank}")
+            f"gemm_all_to_all: the plan's counts {list(plan.counts[arena.rank])} do not sum to "
+            f"M={m}: a plan is only valid for the shapes it was made for")
     dev = x.device
-    ws = arena.workspace(f"gemm_a2a")
+    ws = arena.workspace("gemm_a2a")
     ws.ensure_recv(plan.recv_capacity_rows * n * x.element_size())
     epoch = ws.next_epoch()
     recv, recv_offset = ws.buffer(epoch)
@@ -412,10 +443,10 @@ def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts:
         _launch_wait(ws.acks, ws.status[:world], epoch - 2, arena.timeout_s)
 
     def i64(v):
-        return torch.tensor(v, dtype=torch.int64, device=dev)
+        return ws.device_ints(v, torch.int64)
 
     def i32(v):
-        return torch.tensor(v, dtype=torch.int32, device=dev)
+        return ws.device_ints(v, torch.int32)
 
     total = plan.prefix[-1]
     nprog = _num_programs(dev, total)
@@ -448,9 +479,6 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def _native():
     from .._native import ffi, lib
-    if not hasattr(lib, "rocmoe_gpu_embedding_a2a"):
-        raise errors.BackendUnavailableError(
-            "this librocmoe has no GPU fused ops; rebuild with -DROCMOE_GPU=cuda or hip")
     return ffi, lib
 
 
@@ -469,9 +497,9 @@ def _fill_fused(ffi, arena: Arena, ws: Workspace, epoch: int, signal: bool, devi
     common = ffi.new("rocmoe_gpu_fused *")
     recv, _ = ws.buffer(epoch)
     common.epoch = epoch
-    common.signals = ffi.cast("void *", ws.signals.data_ptr())
-    common.acks = ffi.cast("void *", ws.acks.data_ptr())
+    common.slots = ffi.cast("void *", ws.slots.data_ptr())
     common.recv = ffi.cast("void *", recv.data_ptr())
+    common.stage = ffi.NULL  # every peer of an ipc / IPC-handle arena is load/store reachable
     common.counters = ffi.cast("void *", ws.counters.data_ptr())
     common.status = ffi.cast("int *", ws.status.data_ptr())
     common.workgroups = int(os.environ.get("ROCMOE_GPU_WORKGROUPS", "0"))
@@ -507,16 +535,20 @@ def embedding_all_to_all(arena: Arena, weights: Sequence[torch.Tensor],
     dtype = weights[0].dtype if t_local else None
     b_local = int(offsets[0].numel()) if t_local else batch
     if layout is None:
-        layout = arena.allgather((t_local, dim, b_local, str(dtype)))
-        dims = {d for _, d, _, _ in layout if d is not None}
-        batches = {b for _, _, b, _ in layout if b is not None}
-        dtypes = {t for _, _, _, t in layout if t != "None"}
-        if len(dims) != 1 or len(batches) != 1 or len(dtypes) != 1:
+        codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+        record = [t_local, -1 if dim is None else dim, -1 if b_local is None else int(b_local),
+                  codes.get(dtype, -2) if dtype is not None else -1]
+        table = arena.allgather(record, "embedding_all_to_all (agreeing on the layout)")
+        dims = {d for _, d, _, _ in table if d >= 0}
+        batches = {b for _, _, b, _ in table if b >= 0}
+        dtypes = {t for _, _, _, t in table if t != -1}
+        if len(dims) != 1 or len(batches) != 1 or len(dtypes) != 1 or -2 in dtypes:
             raise errors.InvalidArgumentError(
-                f"embedding_all_to_all: ranks disagree on D / batch / dtype: {layout}")
-        counts = [c for c, _, _, _ in layout]
+                "embedding_all_to_all: ranks disagree on D / global batch / dtype, or the dtype "
+                f"is not float32/bfloat16/float16 (tables, D, batch, dtype code per rank: {table})")
+        counts = [c for c, _, _, _ in table]
         dim, b_global = dims.pop(), batches.pop()
-        dtype = getattr(torch, dtypes.pop().replace("torch.", ""))
+        dtype = {v: k for k, v in codes.items()}[dtypes.pop()]
     else:
         counts, dim, b_global = layout
     if b_global % world:
@@ -537,17 +569,18 @@ def embedding_all_to_all(arena: Arena, weights: Sequence[torch.Tensor],
             if t.device != dev:
                 raise errors.DeviceMismatchError(
                     f"embedding_all_to_all: {tname}[{i}] is on {t.device}, expected {dev}")
-    wts = [t.contiguous() for t in weights]
+    # 16-byte vector loads need 16-byte aligned rows: realign a table that is an odd view
+    wts = [t.contiguous() if t.contiguous().data_ptr() % 16 == 0 else t.contiguous().clone()
+           for t in weights]
     idx = [t.contiguous().to(torch.int64) for t in indices]
     offs = [t.contiguous().to(torch.int64) for t in offsets]
     psw = ([t.contiguous().to(torch.float32) for t in per_sample_weights]
            if per_sample_weights is not None else None)
     # per-table pointer arrays live on the device: the kernel indexes them by table
-    ptr_table = torch.tensor(
+    ptr_table = ws.device_ints(
         [t.data_ptr() for t in wts] + [t.data_ptr() for t in idx] + [t.data_ptr() for t in offs]
         + ([t.data_ptr() for t in psw] if psw else [0] * t_local)
-        + [int(t.shape[0]) for t in wts] + [int(t.numel()) for t in idx],
-        dtype=torch.int64, device=dev) if t_local else torch.zeros(1, dtype=torch.int64, device=dev)
+        + [int(t.shape[0]) for t in wts] + [int(t.numel()) for t in idx] or [0], torch.int64)
     args = ffi.new("rocmoe_gpu_embedding_args *")
     args.team = _fill_team(ffi, arena)[0]
     args.fused = _fill_fused(ffi, arena, ws, epoch, signal, dev)[0]
@@ -572,7 +605,8 @@ def embedding_all_to_all(arena: Arena, weights: Sequence[torch.Tensor],
     out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
     if signal:
         _launch_ack(arena, ws, epoch)
-    del ptr_table, wts, idx, offs, psw  # the stream keeps them alive until the kernel ran
+    # wts / idx / offs copies made above may be freed now: the caching allocator hands
+    # their memory only to work ordered after the kernel on this stream
     if check and signal:
         check_status(ws, epoch, "embedding_all_to_all")
     return out

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from ._common import resolve_context
 
+_GRAD_ANCHOR = torch.empty(0, requires_grad=True)
+
 
 def _comm(ctx):
     return ctx.comm
@@ -65,7 +67,7 @@ def _bags(weights, indices, offsets, mode, psw):
 
 class _EmbeddingA2A(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, ctx, mode, n_tables, psw_given, *tensors):
+    def forward(fctx, ctx, mode, n_tables, psw_given, anchor, *tensors):
         weights = list(tensors[:n_tables])
         indices = list(tensors[n_tables:2 * n_tables])
         offsets = list(tensors[2 * n_tables:3 * n_tables])
@@ -125,7 +127,7 @@ class _EmbeddingA2A(torch.autograd.Function):
             if psw is not None:
                 for t in range(nt):
                     grads[3 * nt + t] = res[nt + t].to(tensors[3 * nt + t].dtype)
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
 
 
 def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
@@ -136,7 +138,10 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
     ctx = resolve_context(ctx)
     nt = len(weights)
     tensors = list(weights) + list(indices) + list(offsets) + list(per_sample_weights or [])
-    return _EmbeddingA2A.apply(ctx, mode, nt, per_sample_weights is not None, *tensors)
+    # the backward is collective: an anchor that requires grad makes every rank run it, also
+    # one without tables (same convention as rocmoe.ops)
+    anchor = _GRAD_ANCHOR if torch.is_grad_enabled() else torch.empty(0)
+    return _EmbeddingA2A.apply(ctx, mode, nt, per_sample_weights is not None, anchor, *tensors)
 
 
 # ---- gemv ----------------------------------------------------------------------------------------
