@@ -268,6 +268,14 @@ def aot_routing_signatures() -> dict[str, dict[str, str]]:
                                     row_idx_ptr=i, col_off_ptr=i, t_blocks_ptr=i,
                                     num_chunks="i32", E="i32", R="i32", nb="i32",
                                     BLOCK=c, E_POW2=c, CHUNK_TILE=c, TILE=c),
+        "combine_kernel": dict(y_ptr="*bf16", w_ptr="*bf16", dest_ptr="*i64", out_ptr="*bf16",
+                               T="i32", H="i32", top_k="i32", stride_y="i32", stride_o="i32",
+                               BLOCK_T=c, BLOCK_H=c),
+        "combine_backward_kernel": dict(g_ptr="*bf16", y_ptr="*bf16", w_ptr="*bf16",
+                                        dest_ptr="*i64", grad_y_ptr="*bf16",
+                                        grad_w_ptr="*bf16", T="i32", H="i32", top_k="i32",
+                                        stride_g="i32", stride_y="i32", stride_gy="i32",
+                                        BLOCK_T=c, BLOCK_H=c),
         "scatter_rows_kernel": dict(ids_ptr=i, chunk_base_ptr=i, row_start_ptr=i,
                                     dest_ptr="*i64", x_ptr="*bf16", out_ptr="*bf16", N="i32",
                                     E="i32", H="i32", top_k="i32", stride_x="i32",
@@ -276,6 +284,8 @@ def aot_routing_signatures() -> dict[str, dict[str, str]]:
 
 
 ROUTING_AOT_CONSTEXPRS = {
+    "combine_kernel": dict(BLOCK_T=32, BLOCK_H=128),
+    "combine_backward_kernel": dict(BLOCK_T=32, BLOCK_H=128),
     "chunk_histogram_kernel": dict(CHUNK=256, E_POW2=64),
     "routing_scan_kernel": dict(BLOCK=128, E_POW2=64, CHUNK_TILE=64, TILE=1024),
     "scatter_rows_kernel": dict(CHUNK=256, E_POW2=64, BLOCK_H=64, COPY=True),
@@ -405,3 +415,52 @@ def scatter_rows_kernel(ids_ptr, chunk_base_ptr, row_start_ptr, dest_ptr, x_ptr,
             m = ok[:, None] & (cols < H)[None, :]
             v = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=m)
             tl.store(out_ptr + dest[:, None] * stride_o + cols[None, :], v, mask=m)
+
+
+# ------------------------------------------------------------------ combine (un-permute)
+# out[t] = sum_j w[t, j] * y[dest[t, j]]. Its backward scatters w[t, j] * g[t] to row
+# dest[t, j]: every padded row has at most one source, so plain stores do it; torch's
+# index_add (the autograd of index_select) would use atomics, slow for bf16.
+
+@_kernel
+def combine_kernel(y_ptr, w_ptr, dest_ptr, out_ptr, T, H, top_k,
+                   stride_y, stride_o,
+                   BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    t_ok = t < T
+    m = t_ok[:, None] & (h < H)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for j in range(0, top_k):
+        row = tl.load(dest_ptr + t * top_k + j, mask=t_ok, other=0)
+        w = tl.load(w_ptr + t * top_k + j, mask=t_ok, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row[:, None] * stride_y + h[None, :], mask=m, other=0.0)
+        acc += w[:, None] * y.to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_o + h[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@_kernel
+def combine_backward_kernel(g_ptr, y_ptr, w_ptr, dest_ptr, grad_y_ptr, grad_w_ptr,
+                            T, H, top_k, stride_g, stride_y, stride_gy,
+                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid_t = tl.program_id(0)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    g_rows = t.to(tl.int64)[:, None] * stride_g
+    for j in range(0, top_k):
+        row = tl.load(dest_ptr + t * top_k + j, mask=t_ok, other=0)
+        w = tl.load(w_ptr + t * top_k + j, mask=t_ok, other=0.0).to(tl.float32)
+        dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            m = t_ok[:, None] & (h < H)[None, :]
+            g = tl.load(g_ptr + g_rows + h[None, :], mask=m, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + row[:, None] * stride_y + h[None, :], mask=m,
+                        other=0.0).to(tl.float32)
+            dot += tl.sum(g * y, axis=1)
+            tl.store(grad_y_ptr + row[:, None] * stride_gy + h[None, :],
+                     (w[:, None] * g).to(grad_y_ptr.dtype.element_ty), mask=m)
+        tl.store(grad_w_ptr + t * top_k + j, dot.to(grad_w_ptr.dtype.element_ty), mask=t_ok)

@@ -126,8 +126,43 @@ def permute_pad(x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     return _PermutePad.apply(x, plan.dest_row, plan.num_rows)
 
 
+class _CombineTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, weights, dest):
+        from . import kernels
+        t, k = dest.shape
+        h = y.shape[1]
+        out = y.new_empty(t, h)
+        block_h = min(128, 1 << max(0, (h - 1).bit_length()))
+        kernels.get("combine_kernel")[(-(-t // 32), -(-h // block_h))](
+            y, weights, dest, out, t, h, k, y.stride(0), out.stride(0),
+            BLOCK_T=32, BLOCK_H=block_h)
+        ctx.save_for_backward(y, weights, dest)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from . import kernels
+        y, weights, dest = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        t, k = dest.shape
+        h = y.shape[1]
+        # rows no pair maps to (padding) must hold zeros: the FFN backward reads every row
+        grad_y = torch.zeros_like(y)
+        grad_w = torch.empty_like(weights)
+        block_h = min(128, 1 << max(0, (h - 1).bit_length()))
+        kernels.get("combine_backward_kernel")[(-(-t // 32),)](
+            grad_out, y, weights, dest, grad_y, grad_w, t, h, k,
+            grad_out.stride(0), y.stride(0), grad_y.stride(0), BLOCK_T=32, BLOCK_H=block_h)
+        return grad_y, grad_w, None
+
+
 def unpermute_combine(y: torch.Tensor, weights: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """Inverse of permute_pad with the gate weights: out[t] = sum_j w[t, j] * y[dest[t, j]]."""
+    from . import blocksparse as bs
+    if bs._use_triton(y) and plan.num_tokens > 0 and y.stride(1) == 1:
+        return _CombineTriton.apply(y, weights.to(y.dtype).contiguous(),
+                                    plan.dest_row.contiguous())
     out = None
     for slot in range(plan.top_k):
         term = y.index_select(0, plan.dest_row[:, slot]) * weights[:, slot:slot + 1].to(y.dtype)

@@ -73,7 +73,8 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size):
         hist, chunk_base, counts, row_start, scratch, block_expert, num_valid, row_offsets,
         column_indices, row_indices, column_offsets, transpose_blocks,
         num_chunks, e, num_rb, nb,
-        BLOCK=block, E_POW2=e_pow2, CHUNK_TILE=max(1, min(64, 4096 // e_pow2)), TILE=1024)
+        BLOCK=block, E_POW2=e_pow2, CHUNK_TILE=max(1, min(64, 4096 // e_pow2)), TILE=1024,
+        num_warps=8)
     dest = torch.empty(n, dtype=torch.int64, device=device)
     hidden = x.shape[1]
     block_h = min(256, _pow2(hidden), max(16, 16384 // chunk))

@@ -115,6 +115,29 @@ def routing_kernels_equal_torch_ops():
 CHECKS["routing"] = routing_kernels_equal_torch_ops
 
 
+
+def combine_kernels_equal_torch_ops():
+    from rocmoe.moe import plan_routing, unpermute_combine
+    g = torch.Generator().manual_seed(3)
+    for t, k, e, hdim in [(37, 2, 5, 40), (9, 3, 4, 200), (1, 1, 2, 16)]:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+        plan = plan_routing(ids, e, 16)
+        y = torch.randn(plan.num_rows, hdim, generator=g, requires_grad=True)
+        w = torch.rand(t, k, generator=g, requires_grad=True)
+        gout = torch.randn(t, hdim, generator=g)
+        results = []
+        for backend in ("torch", "triton"):
+            bs.set_backend(backend)
+            out = unpermute_combine(y, w, plan)
+            results.append((out,) + torch.autograd.grad(out, [y, w], gout))
+        bs.set_backend("auto")
+        for a, c in zip(*results):
+            torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
+
+
+CHECKS["combine"] = combine_kernels_equal_torch_ops
+
+
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()
     print("INTERPRET_OK", sys.argv[1])
