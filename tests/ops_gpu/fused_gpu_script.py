@@ -1,7 +1,7 @@
 """Multi-rank checks of the GPU path of the fused ops (run by tests/ops_gpu/*.py via mpiexec).
 
-usage: fused_gpu_script.py OP ARENA [--calls N] [--dtype D]
-  OP     gemm | embedding | gemv | gemm_timeout
+usage: fused_gpu_script.py OPS ARENA [--calls N] [--dtype D[,D...]]
+  OPS    comma list of gemm | embedding | gemv | gemm_timeout | bad_counts
   ARENA  context (rocmoe.init(): ipc heap on GPUs, host heap on CPUs, where the Triton kernel
          runs under TRITON_INTERPRET=1) | torchipc (device memory shared by IPC handles)
 Every rank checks its result against a float64 reference computed from inputs that every
@@ -122,16 +122,30 @@ def check_gemm_timeout(arena, device, dtype, calls, rank, world):
     # rank 0 calls once more than the others: its wait for their slices must time out
     x = torch.randn(world * 2, 8).to(device, dtype)
     w = torch.randn(8, 8).to(device, dtype)
-    gpu.gemm_all_to_all(arena, x, w, [2] * world)
+    plan = gpu.plan_gemm(arena, x.shape[0], 8, [2] * world, gpu.gemm_config(device))
+    gpu.gemm_all_to_all(arena, x, w, [2] * world, plan=plan)
     if rank == 0:
-        try:
-            gpu.gemm_all_to_all(arena, x, w, [2] * world, plan=gpu.plan_gemm.__wrapped__(
-                arena, x.shape[0], 8, [2] * world, gpu.gemm_config(device))
-                if hasattr(gpu.plan_gemm, "__wrapped__") else None)
+        try:  # with the plan given, no host collective: the device-side wait must time out
+            gpu.gemm_all_to_all(arena, x, w, [2] * world, plan=plan)
         except errors.CommTimeoutError as exc:
             print(f"RANK {rank} TIMEOUT {exc}", flush=True)
             return
         raise AssertionError("rank 0 did not time out")
+
+
+def check_bad_counts(arena, device, dtype, calls, rank, world):
+    # rank 1's counts do not add up to its rows: every rank must raise, none may hang
+    x = torch.randn(world * 2, 8).to(device, dtype)
+    w = torch.randn(8, 8).to(device, dtype)
+    counts = [2] * world
+    if rank == 1:
+        counts[0] = 3
+    try:
+        gpu.gemm_all_to_all(arena, x, w, counts)
+    except errors.InvalidArgumentError as exc:
+        print(f"RANK {rank} REJECTED {exc}", flush=True)
+        return
+    raise AssertionError("bad counts were accepted")
 
 
 def main():
@@ -144,12 +158,15 @@ def main():
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     arena, device = make_arena(a.arena, comm)
-    dtype = DTYPES[a.dtype]
-    {"gemm": check_gemm, "embedding": check_embedding, "gemv": check_gemv,
-     "gemm_timeout": check_gemm_timeout}[a.op](arena, device, dtype, a.calls, rank, world)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    print(f"RANK {rank} OK {a.op} {a.dtype}", flush=True)
+    checks = {"gemm": check_gemm, "embedding": check_embedding, "gemv": check_gemv,
+              "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts}
+    # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once
+    for op in a.op.split(","):
+        for dname in a.dtype.split(","):
+            checks[op](arena, device, DTYPES[dname], a.calls, rank, world)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            print(f"RANK {rank} OK {op} {dname}", flush=True)
     arena.barrier()
 
 

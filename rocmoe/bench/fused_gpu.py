@@ -1,0 +1,259 @@
+"""GPU fused ops: bandwidth / matrix rate against baselines measured in the same run.
+
+    python -m rocmoe.bench.fused_gpu [--quick] [--ranks N] [--output FILE]
+
+World size 1 (default) measures the compute path and the fusion machinery on one GPU;
+`--ranks N` re-launches under mpiexec with one GPU per rank (ranks > GPUs share GPUs:
+numbers are then only a smoke test). JSON lines on rank 0, one per measurement:
+
+* `copy_bandwidth`: torch device-to-device copy of a 2 GiB buffer, bytes read + written per
+  second: the baseline of the bandwidth-bound ops.
+* `embedding_a2a`: fused Embedding+A2A; bytes = indices + offsets read + gathered rows read
+  + output rows written (the fewest any implementation moves); `ratio` = its bandwidth over
+  copy_bandwidth (goal >= 0.7). `kernel_*`: the producer kernel + signal wait alone (no
+  copy-out of the heap); `overhead` = fused / (same kernel with signalling off) - 1 (goal
+  <= 0.05).
+* `gemv_allreduce`: bytes = W + x read + y written; ratio over copy bandwidth (goal >= 0.8).
+* `gemm_a2a`: Triton persistent GEMM+A2A kernel (stores into the receive heap, done
+  counters, system-scope signals, consumer wait) against torch.matmul of the same bf16
+  shapes (`ratio` = matmul time / fused time, goal >= 0.8 for M, N, K >= 4096); `overhead`
+  against the same kernel with SIGNAL=False.
+Timings are medians of CUDA-event-timed repetitions (triton.testing.do_bench) after warm-up,
+on random data, rotating nothing: every working set is several times the L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from . import emit, inside_mpi_job, relaunch_under_mpiexec
+
+
+def _bench(fn, rep_ms=200, warmup_ms=50):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def _device_name():
+    return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def copy_bandwidth(quick):
+    n = (512 << 20) if quick else (2 << 30)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src))
+    return dict(bench="copy_bandwidth", bytes=2 * n, ms=ms, gbps=2 * n / ms / 1e6,
+                baseline="self (torch.Tensor.copy_ device-to-device, read+write bytes)")
+
+
+def make_arena(ranks_mode):
+    from ..ops import gpu
+    if not ranks_mode:
+        return gpu.SingleRankArena(nbytes=3 << 30)
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
+    return gpu.TorchIpcArena(comm, nbytes=3 << 30)
+
+
+def bench_embedding(arena, copy_gbps, quick, dtype, emit_fn):
+    from ..ops import gpu
+    world = arena.world
+    tables, rows, dim, pool = (4, 200_000, 128, 32) if quick else (8, 1_000_000, 128, 32)
+    batch = 16384 * world
+    g = torch.Generator(device="cuda").manual_seed(arena.rank + 7)
+    weights = [torch.randn(rows, dim, device="cuda", dtype=dtype, generator=g) for _ in range(tables)]
+    indices = [torch.randint(0, rows, (batch * pool,), device="cuda", generator=g)
+               for _ in range(tables)]
+    offsets = [torch.arange(0, batch * pool, pool, device="cuda") for _ in range(tables)]
+    layout = ([tables] * world, dim, batch)
+
+    def fused(signal=True):
+        return gpu.embedding_all_to_all(arena, weights, indices, offsets, "sum", batch=batch,
+                                        signal=signal, check=False, layout=layout)
+    out = fused()
+    torch.cuda.synchronize()
+    ws = arena.workspace("embedding_a2a")
+    gpu.check_status(ws, ws.epoch, "embedding_all_to_all")
+    # correctness of what is timed: one table against torch's EmbeddingBag
+    if world == 1:
+        ref = torch.nn.functional.embedding_bag(indices[0], weights[0].float(), offsets[0],
+                                                mode="sum")
+        err = float((out[:, 0].float() - ref).norm() / ref.norm())
+    else:
+        err = None
+    elt = weights[0].element_size()
+    b_local = batch // world
+    moved = (tables * batch * pool * 8 + tables * batch * 8            # indices, offsets
+             + tables * batch * pool * dim * elt                          # gathered rows
+             + b_local * tables * world * dim * elt)                      # output rows
+    ms = _bench(lambda: fused(True))
+    ms_off = _bench(lambda: fused(False))
+    rec = dict(bench="embedding_a2a", world=world, dtype=str(dtype).replace("torch.", ""),
+               tables_per_rank=tables, rows=rows, dim=dim, pooling=pool, batch=batch,
+               bytes=moved, ms=ms, gbps=moved / ms / 1e6,
+               baseline="copy_bandwidth (torch device-to-device copy, same run)",
+               baseline_gbps=copy_gbps, ratio=moved / ms / 1e6 / copy_gbps, goal_ratio=0.7,
+               signal_off_ms=ms_off, overhead=ms / ms_off - 1.0, goal_overhead=0.05,
+               rel_err_vs_torch=err)
+    emit_fn(rec)
+    return rec
+
+
+def bench_gemv(arena, copy_gbps, quick, dtype, emit_fn):
+    from ..ops import gpu
+    n, k = (8192, 8192) if quick else (16384, 16384)
+    g = torch.Generator(device="cuda").manual_seed(arena.rank + 11)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g)
+    x = torch.randn(k, device="cuda", dtype=dtype, generator=g)
+    y = gpu.gemv_all_reduce(arena, w, x)
+    err = None
+    if arena.world == 1:
+        ref = w.float() @ x.float()
+        err = float((y.float() - ref).norm() / ref.norm())
+    moved = n * k * w.element_size() + k * x.element_size() + n * w.element_size()
+    ms = _bench(lambda: gpu.gemv_all_reduce(arena, w, x, check=False))
+    ms_off = _bench(lambda: gpu.gemv_all_reduce(arena, w, x, signal=False, check=False))
+    ms_torch = _bench(lambda: w @ x)
+    torch.cuda.synchronize()
+    rec = dict(bench="gemv_allreduce", world=arena.world, dtype=str(dtype).replace("torch.", ""),
+               n=n, k_per_rank=k, bytes=moved, ms=ms, gbps=moved / ms / 1e6,
+               baseline="copy_bandwidth (torch device-to-device copy, same run)",
+               baseline_gbps=copy_gbps, ratio=moved / ms / 1e6 / copy_gbps, goal_ratio=0.8,
+               signal_off_ms=ms_off, overhead=ms / ms_off - 1.0, goal_overhead=0.05,
+               torch_matvec_ms=ms_torch, rel_err_vs_torch=err)
+    emit_fn(rec)
+    return rec
+
+
+def bench_gemm(arena, size, quick, emit_fn, configs):
+    from ..ops import gpu, triton_gemm_a2a as tk
+    m = n = k = size
+    dtype = torch.bfloat16
+    world = arena.world
+    g = torch.Generator(device="cuda").manual_seed(arena.rank + 13)
+    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(k, n, device="cuda", dtype=dtype, generator=g)
+    counts = [m // world] * world
+    counts[-1] += m - sum(counts)
+    ms_mm = _bench(lambda: x @ w)
+    best = None
+    for cfg in configs:
+        plan = gpu.plan_gemm(arena, m, n, counts, cfg)
+        try:
+            y = gpu.gemm_all_to_all(arena, x, w, counts, config=cfg, plan=plan)
+        except Exception as exc:  # a config that does not fit this GPU: say so, try the next
+            emit_fn(dict(bench="gemm_a2a_config_failed", config=cfg, error=str(exc)[:300]))
+            continue
+        ms = _bench(lambda: gpu.gemm_all_to_all(arena, x, w, counts, check=False, config=cfg,
+                                                plan=plan))
+        if best is None or ms < best[0]:
+            best = (ms, cfg, plan, y)
+    ms_full, cfg, plan, y = best
+    err = None
+    if world == 1:
+        ref = (x.float() @ w.float())
+        err = float((y.float() - ref).norm() / ref.norm())
+    # the kernel alone (with signals + consumer wait) vs SIGNAL off: the fusion machinery
+    ws = arena.workspace("gemm_a2a")
+    dev = x.device
+
+    def kernel(signal):
+        epoch = ws.next_epoch()
+        _, recv_offset = ws.buffer(epoch)
+        total = plan.prefix[-1]
+        nprog = gpu._num_programs(dev, total)
+        tk.get("gemm_a2a_kernel")[(nprog,)](
+            x, w, arena.peer_bases, ws.device_ints(plan.row_start, torch.int64),
+            ws.device_ints(list(plan.counts[arena.rank]), torch.int64),
+            ws.device_ints(plan.dest_rows, torch.int64), ws.device_ints(plan.order, torch.int32),
+            ws.device_ints(plan.prefix, torch.int32), ws.counters, recv_offset, ws.signal_offset,
+            epoch, arena.rank, world, total, nprog, n, k, x.stride(0), x.stride(1), w.stride(0),
+            w.stride(1), WORLD_P2=max(2, 1 << (world - 1).bit_length()), BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], SIGNAL=signal,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if signal:
+            gpu._launch_wait(ws.signals, ws.status[world:], epoch, arena.timeout_s)
+            gpu._launch_ack(arena, ws, epoch)
+
+    ms_sig = ms_nosig = None
+    if world == 1:  # without signals the peers' buffers are unguarded: one rank only
+        ms_sig = _bench(lambda: kernel(True))
+        ms_nosig = _bench(lambda: kernel(False))
+    flops = 2.0 * m * n * k
+    rec = dict(bench="gemm_a2a", world=world, dtype="bfloat16", m=m, n=n, k=k,
+               config=cfg, kernel_ms=ms_sig, kernel_tflops=flops / ms_sig / 1e9 if ms_sig else None,
+               op_ms=ms_full, op_tflops=flops / ms_full / 1e9,
+               baseline="torch.matmul(X, W) bf16, same run", baseline_ms=ms_mm,
+               baseline_tflops=flops / ms_mm / 1e9,
+               ratio=(ms_mm / ms_sig) if ms_sig else ms_mm / ms_full, goal_ratio=0.8,
+               op_ratio=ms_mm / ms_full,
+               signal_off_ms=ms_nosig,
+               overhead=(ms_sig / ms_nosig - 1.0) if ms_sig else None, goal_overhead=0.05,
+               rel_err_vs_fp32=err)
+    emit_fn(rec)
+    return rec
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ranks", type=int, default=1)
+    ap.add_argument("--output", default=None, help="also write the records (JSON) here")
+    ap.add_argument("--only", default="embedding,gemv,gemm")
+    args = ap.parse_args(argv)
+    if args.ranks > 1 and not inside_mpi_job():
+        return relaunch_under_mpiexec("rocmoe.bench.fused_gpu", list(argv or sys.argv[1:]),
+                                      args.ranks)
+    if not torch.cuda.is_available():
+        print("rocmoe.bench.fused_gpu needs a GPU", file=sys.stderr)
+        return 2
+    arena = make_arena(args.ranks > 1)
+    root = arena.rank == 0
+    records = []
+
+    def out(rec):
+        rec = dict(rec, device=_device_name())
+        records.append(rec)
+        if root:
+            emit(rec)
+
+    copy = copy_bandwidth(args.quick)
+    out(copy)
+    only = set(args.only.split(","))
+    if "embedding" in only:
+        for dt in (torch.float32, torch.bfloat16):
+            bench_embedding(arena, copy["gbps"], args.quick, dt, out)
+    if "gemv" in only:
+        for dt in (torch.bfloat16, torch.float32):
+            bench_gemv(arena, copy["gbps"], args.quick, dt, out)
+    if "gemm" in only:
+        from ..ops import triton_gemm_a2a as tk
+        configs = [tk.default_config("hip" if torch.version.hip else "cuda")]
+        if not torch.version.hip:
+            configs += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4,
+                             num_stages=4),
+                        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8,
+                             num_stages=4),
+                        dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8,
+                             num_stages=3)]
+        for size in ((4096,) if args.quick else (4096, 8192)):
+            bench_gemm(arena, size, args.quick, out, configs)
+    if root and args.output:
+        with open(args.output, "w") as f:
+            json.dump(dict(command="python -m rocmoe.bench.fused_gpu " + " ".join(argv or sys.argv[1:]),
+                           when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           records=records), f, indent=1)
+    arena.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""Helpers of the GPU fused-op tests (the shared ones live in tests/conftest.py)."""
+
+import os
+
+import pytest
+import torch
+
+from tests.conftest import mpi_env, run_mpi  # noqa: F401  (re-exported for the tests)
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "fused_gpu_script.py")
+
+
+def require_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("no GPU: the GPU path of the fused ops runs on the device machine")
+
+
+def librocmoe_has_gpu() -> bool:
+    try:
+        from rocmoe import _native
+    except Exception:  # pragma: no cover - broken install
+        return False
+    return _native.gpu_platform() != "none"

@@ -1,0 +1,35 @@
+"""The Triton GEMM+All-to-All kernel and its signal protocol, run by the Triton interpreter
+on CPU processes whose "peers" are the host backend's shared-memory heap: the same kernel
+source, the same schedule, stores through peer base pointers, epoch signals, acks, and
+bounded waits as on a GPU (no GPU needed, runs in CI)."""
+
+import pytest
+
+pytest.importorskip("triton")
+
+from tests.ops_gpu.conftest import SCRIPT, mpi_env, run_mpi  # noqa: E402
+
+
+def _env(**extra):
+    return mpi_env(TRITON_INTERPRET="1", **extra)
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_gemm_all_to_all_matches_reference_over_repeated_calls(ranks):
+    proc = run_mpi(SCRIPT, ranks, "gemm", "context", "--calls", "3", timeout=240,
+                   env=_env(ROCMOE_TIMEOUT_S="30"))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK gemm") == ranks, proc.stdout
+
+
+def test_missing_peer_signal_times_out_with_comm_timeout_error():
+    proc = run_mpi(SCRIPT, 2, "gemm_timeout", "context", timeout=240,
+                   env=_env(ROCMOE_TIMEOUT_S="2"))
+    assert proc.returncode == 0, proc.stdout
+    assert "RANK 0 TIMEOUT" in proc.stdout and "rank(s) [1]" in proc.stdout, proc.stdout
+
+
+def test_inconsistent_send_counts_rejected_on_every_rank():
+    proc = run_mpi(SCRIPT, 2, "bad_counts", "context", timeout=240, env=_env())
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("REJECTED") == 2, proc.stdout
