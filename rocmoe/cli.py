@@ -65,10 +65,8 @@ def _mpi_info() -> dict:
     info: dict = {"mpiexec": shutil.which("mpiexec")}
     try:
         import mpi4py
-        # Only the library's version is wanted: do not initialise MPI (a singleton init can be
-        # slow and prints warnings on some installs).
-        mpi4py.rc.initialize = False
-        mpi4py.rc.finalize = False
+        # A plain import (MPI_Init as a singleton), as rocmoe.init() does: switching mpi4py's
+        # auto-initialisation off would leave MPI unusable for the rest of the process.
         from mpi4py import MPI
     except ImportError as exc:
         info["error"] = str(exc)

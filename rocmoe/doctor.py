@@ -131,8 +131,8 @@ def check_mpi(timeout_s: float = 60.0, environ=os.environ) -> list[Finding]:
 
 def _mpi_is_open_mpi() -> bool:
     try:
-        import mpi4py
-        mpi4py.rc.initialize = False  # the version string needs no MPI_Init
+        # A plain import (MPI_Init as a singleton), as rocmoe.init() does: switching mpi4py's
+        # auto-initialisation off here would leave MPI unusable for the rest of the process.
         from mpi4py import MPI
     except ImportError:
         return False
