@@ -72,7 +72,8 @@ def _mpi_info() -> dict:
         info["error"] = str(exc)
         return info
     info["mpi4py"] = mpi4py.__version__
-    info["library"] = MPI.Get_library_version().strip().splitlines()[0].strip()
+    # mpi4py may hand back the C string with its terminating NUL
+    info["library"] = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0].strip()
     info["standard"] = "%d.%d" % MPI.Get_version()
     return info
 

@@ -124,6 +124,8 @@ def test_info_json_parses_and_reports_current_settings():
     assert info["env"]["ROCMOE_HEAP_SIZE"]["effective_bytes"] == 64 << 20
     assert info["env"]["ROCMOE_TIMEOUT_S"]["effective"] == 7.0
     assert "torch" in info and "mpi" in info
+    if "library" in info["mpi"]:  # mpi4py installed
+        assert info["mpi"]["library"] and "\x00" not in info["mpi"]["library"]
 
 
 def test_info_flags_unknown_rocmoe_variables():
