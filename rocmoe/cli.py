@@ -164,11 +164,20 @@ def cmd_doctor(args) -> int:
 
 
 # -- bench ---------------------------------------------------------------------------------
+def available_benchmarks() -> list[str]:
+    """The planned benchmarks plus every public module found in rocmoe.bench."""
+    import pkgutil
+    from . import bench
+    found = {m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_")}
+    return list(BENCHMARKS) + sorted(found - set(BENCHMARKS))
+
+
 def load_benchmark(name: str):
     """The `main(argv)` of rocmoe.bench.<name>, or a RocmoeError saying why not."""
-    if name not in BENCHMARKS:
+    names = available_benchmarks()
+    if name not in names:
         raise errors.InvalidArgumentError(
-            f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}")
+            f"unknown benchmark {name!r}; choose one of {', '.join(names)}")
     module_name = f"rocmoe.bench.{name}"
     try:
         module = importlib.import_module(module_name)
