@@ -483,6 +483,8 @@ def _native():
 
 
 def _stream_ptr(ffi, device):
+    if torch.device(device).type != "cuda":
+        return ffi.NULL
     return ffi.cast("void *", torch.cuda.current_stream(device).cuda_stream)
 
 

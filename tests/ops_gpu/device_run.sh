@@ -1,0 +1,54 @@
+#!/bin/bash
+# One device-machine job for the GPU path of the fused ops: build librocmoe for CUDA, check
+# every op at 1 rank, benchmark on one GPU, then the multi-rank checks (ranks share the GPU).
+# Usage (on the device machine, repo root): bash tests/ops_gpu/device_run.sh STAGES
+#   STAGES: comma list of build,check1,bench,multi,pytest (default: all)
+# Logs and JSON go to $OUT (or ./device_out).
+set -o pipefail
+OUT=${OUT:-device_out}; mkdir -p "$OUT"
+STAGES=${1:-build,check1,bench,multi}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ! python3 -c "import cffi" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    $(ls .whl/cffi-2.1.1-*.whl .whl/pycparser-*.whl) || exit 3
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+t0=$(date +%s); stamp() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
+if has build; then
+  stamp build
+  nvidia-smi -L
+  (cmake -S . -B build/cuda -G Ninja -DROCMOE_GPU=cuda -DROCMOE_INPLACE=ON >/dev/null &&
+   cmake --build build/cuda -j 16) > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 4; }
+  python3 -c "import rocmoe._native as n; print('platform', n.gpu_platform(), n.backends_compiled())"
+fi
+if has check1; then
+  stamp "check: 1 rank, every op and dtype"
+  for arena in torchipc context; do
+    ROCMOE_TIMEOUT_S=10 timeout 100 mpirun -n 1 --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
+      gemm,embedding,gemv $arena --calls 4 --dtype fp32,bf16,fp16 2>&1 | tail -25 | tee "$OUT/check1_$arena.log"
+  done
+fi
+if has bench; then
+  stamp bench
+  timeout 200 python3 -m rocmoe.bench.fused_gpu ${BENCH_ARGS:-} --output "$OUT/fused_h200.json" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
+if has multi; then
+  for n in 2 4; do
+    for arena in torchipc context; do
+      stamp "check: $n ranks on one GPU, $arena"
+      ROCMOE_TIMEOUT_S=20 timeout 60 mpirun -n $n --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
+        gemm,embedding,gemv $arena --calls 3 --dtype fp32,bf16 2>&1 | tail -12 | tee "$OUT/multi_${n}_$arena.log"
+    done
+  done
+  stamp "timeout check"
+  ROCMOE_TIMEOUT_S=3 timeout 120 mpirun -n 2 --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
+    gemm_timeout torchipc 2>&1 | tail -5 | tee "$OUT/timeout.log"
+fi
+if has pytest; then
+  stamp pytest
+  timeout 500 python3 -m pytest -q tests/ops_gpu 2>&1 | tail -20 | tee "$OUT/pytest.log"
+fi
+stamp done
