@@ -31,10 +31,7 @@ import pytest
 
 # Load tests/conftest.py by path: tests/moe/conftest.py also claims the module name
 # "conftest" when the whole suite is collected.
-_spec = importlib.util.spec_from_file_location("_rocmoe_tests_conftest",
-                                               Path(__file__).with_name("conftest.py"))
-_helpers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_helpers)
+import rocmoe_testing as _helpers  # noqa: E402  (tests/ is on pytest's pythonpath)
 REPO, REQUIRE_ALL, require_tool = _helpers.REPO, _helpers.REQUIRE_ALL, _helpers.require_tool
 
 pytestmark = pytest.mark.compile
@@ -324,3 +321,21 @@ def test_cmake_cuda_build_links_against_cudart(tmp_path):
         listing = subprocess.run([cuobjdump, "--list-elf", str(lib)], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True).stdout
         assert "sm_90" in listing, f"no sm_90 code in {lib}:\n{listing}"
+
+
+def test_cmake_cuda_nvshmem_build_links_the_device_library(tmp_path):
+    require_tool("nvcc", "CMake CUDA build")
+    include = _nvshmem_include()
+    if include is None:
+        message = "NVSHMEM not found: pip install nvidia-nvshmem-cu13"
+        if REQUIRE_ALL:
+            pytest.fail(message + " (ROCMOE_REQUIRE_ALL=1)")
+        pytest.skip(message)
+    lib = _cmake_build(tmp_path / "nvshmem", "-DROCMOE_GPU=cuda", "-DROCMOE_SHMEM=nvshmem",
+                       f"-DROCMOE_NVSHMEM_HOME={include.parent}")
+    symbols = _dynamic_symbols(lib)
+    assert "rocmoe_ipc_store_signal" in symbols
+    assert "libnvshmem_host" in _needed(lib)
+    # NVSHMEM's init and device state come from libnvshmem_device.a, device-linked in.
+    local = subprocess.run(["nm", "-C", str(lib)], stdout=subprocess.PIPE, text=True).stdout
+    assert "nvshmemi_device_state_d" in local and "nvshmemi_init_thread" in local

@@ -155,6 +155,9 @@ int rocmoe_init(const rocmoe_init_args *args, rocmoe_ctx **out) {
 #if defined(ROCMOE_HAVE_GPU)
     else if (args->backend == ROCMOE_BACKEND_IPC) ctx->backend = rocmoe::make_ipc_backend();
 #endif
+#if defined(ROCMOE_HAVE_NVSHMEM)
+    else if (args->backend == ROCMOE_BACKEND_NVSHMEM) ctx->backend = rocmoe::make_nvshmem_backend();
+#endif
     else return fail(ROCMOE_ERR_BACKEND, "backend %d has no implementation here", args->backend);
 
     int rc = ctx->backend->init(ctx->args);

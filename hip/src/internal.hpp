@@ -77,6 +77,9 @@ std::unique_ptr<Backend> make_host_backend();
 std::unique_ptr<Backend> make_ipc_backend();
 int gpu_device_count(int *count);
 #endif
+#if defined(ROCMOE_HAVE_NVSHMEM)
+std::unique_ptr<Backend> make_nvshmem_backend();
+#endif
 
 }  // namespace rocmoe
 

@@ -1,5 +1,6 @@
-"""Rank program for tests/gpu/test_ipc.py: the ipc backend at 1, 2 or 4 ranks (which may
-share one GPU). Every check raises on failure; the last line of each rank is "RANK r OK"."""
+"""Rank program for tests/gpu/test_ipc.py: a GPU backend (argv[1]: ipc, the default, or
+nvshmem) at 1, 2 or 4 ranks (which may share one GPU with ipc). Every check raises on
+failure; the last line of each rank is "RANK r OK"."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import rocmoe
 from rocmoe import errors
 from rocmoe._native import check, ffi, lib
 
-ctx = rocmoe.init(backend="ipc", heap_size=64 << 20, timeout_s=30)
+BACKEND = sys.argv[1] if len(sys.argv) > 1 else "ipc"
+ctx = rocmoe.init(backend=BACKEND, heap_size=64 << 20, timeout_s=30)
 rank, world, dev = ctx.rank, ctx.world_size, ctx.device
 right, left = (rank + 1) % world, (rank - 1) % world
 handle = ctx._live()
@@ -26,7 +28,7 @@ def expect_error(cls, fn, what):
     raise AssertionError(f"rank {rank}: {what} did not raise {cls.__name__}")
 
 
-assert ctx.backend == "ipc" and dev.type == "cuda", (ctx.backend, dev)
+assert ctx.backend == BACKEND and dev.type == "cuda", (ctx.backend, dev)
 
 # -- host-initiated put + signal into the right neighbour ------------------------------
 data = ctx.zeros((1024,), torch.float32)

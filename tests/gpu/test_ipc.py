@@ -20,12 +20,16 @@ SCRIPT = Path(__file__).resolve().parent / "ipc_script.py"
 
 
 
-def _ipc_compiled() -> bool:
+def _compiled(backend: str) -> bool:
     try:
         from rocmoe import _native
     except Exception:  # the native module is missing: nothing GPU can run
         return False
-    return "ipc" in _native.backends_compiled()
+    return backend in _native.backends_compiled()
+
+
+def _ipc_compiled() -> bool:
+    return _compiled("ipc")
 
 
 needs_gpu = pytest.mark.skipif(
@@ -74,6 +78,17 @@ def test_ipc_backend_puts_signals_kernels_and_errors(ranks):
     assert proc.returncode == 0, proc.stdout
     for r in range(ranks):
         assert f"RANK {r} OK" in proc.stdout, proc.stdout
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not _compiled("nvshmem"),
+                    reason="librocmoe was built without -DROCMOE_SHMEM=nvshmem")
+def test_nvshmem_backend_single_pe_puts_signals_kernels_and_errors():
+    # One PE: NVSHMEM wants a GPU per PE, and the test machine has one GPU.
+    proc = _mpirun(1, SCRIPT, "nvshmem")
+    assert proc.returncode == 0, proc.stdout
+    assert "RANK 0 OK" in proc.stdout, proc.stdout
 
 
 @pytest.mark.gpu
