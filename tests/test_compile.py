@@ -26,13 +26,9 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import importlib.util
 import pytest
 
-# Load tests/conftest.py by path: tests/moe/conftest.py also claims the module name
-# "conftest" when the whole suite is collected.
-import rocmoe_testing as _helpers  # noqa: E402  (tests/ is on pytest's pythonpath)
-REPO, REQUIRE_ALL, require_tool = _helpers.REPO, _helpers.REQUIRE_ALL, _helpers.require_tool
+from rocmoe_testing import REPO, REQUIRE_ALL, require_tool
 
 pytestmark = pytest.mark.compile
 
