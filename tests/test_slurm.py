@@ -18,9 +18,7 @@ import pytest
 # collected, so `from conftest import ...` can get the wrong one: load tests/conftest.py by path.
 import importlib.util as _ilu
 from pathlib import Path as _Path
-_spec = _ilu.spec_from_file_location("_rocmoe_tests_conftest", _Path(__file__).with_name("conftest.py"))
-_helpers = _ilu.module_from_spec(_spec)
-_spec.loader.exec_module(_helpers)
+import rocmoe_testing as _helpers  # noqa: E402  (tests/ is on pytest's pythonpath)
 REPO, REQUIRE_ALL, mpi_env = _helpers.REPO, _helpers.REQUIRE_ALL, _helpers.mpi_env
 
 SLURM = REPO / "slurm"

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from tests.conftest import mpi_env, run_mpi  # noqa: F401  (re-exported for the tests)
+from rocmoe_testing import mpi_env, run_mpi  # noqa: F401  (re-exported for the tests)
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fused_gpu_script.py")
 

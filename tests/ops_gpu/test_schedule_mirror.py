@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rocmoe.ops import gpu
-from tests.conftest import require_tool
+from rocmoe_testing import require_tool
 
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGIES = [(w, per) for w in (1, 2, 3, 4, 5, 8, 12) for per in (0, 1, 2, 3, 4, 8)]
