@@ -124,7 +124,10 @@ def _dstd_torch(s, b, topo):
 # --------------------------------------------------------------------------- triton path
 # Tile configuration of the Triton kernels. BLOCK_M is the topology's block size; these are
 # the rest. Override with ROCMOE_MOE_KERNEL_CONFIG='{"block_n": 256, ...}' or set_kernel_config.
-KERNEL_CONFIG = dict(block_n=256, block_k=64, num_warps=8, num_stages=3)
+# act_fusion: "load" applies the activation to the sparse operand as DSD/DSᵀD load it (only
+# h is written); "store" has the forward SDD write h and act(h) in its epilogue, so DSD and
+# DSᵀD run without an activation (more memory, fewer flops on the CUDA cores).
+KERNEL_CONFIG = dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="load")
 if torch.version.hip:
     # CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
     # (Untested on MI-series hardware so far: a starting point, not a tuned choice.)
@@ -136,6 +139,8 @@ def set_kernel_config(**kw) -> None:
     if unknown:
         raise ConfigurationError(f"unknown kernel config keys {sorted(unknown)}; "
                                  f"known: {sorted(KERNEL_CONFIG)}")
+    if kw.get("act_fusion", "load") not in ("load", "store"):
+        raise ConfigurationError(f"act_fusion must be 'load' or 'store', got {kw['act_fusion']!r}")
     KERNEL_CONFIG.update(kw)
 
 
@@ -155,11 +160,38 @@ def _block_k(b: int) -> int:
     return min(b, KERNEL_CONFIG["block_k"])
 
 
-def _launch(b: int) -> dict:
+_SMEM_LIMIT = {}
+
+
+def _smem_limit(device) -> int:
+    """Shared memory (LDS) one program may use on this device, in bytes."""
+    if device.type != "cuda":
+        return 232448  # the interpreter has no limit; use Hopper's for consistency
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM_LIMIT:
+        props = torch.cuda.get_device_properties(idx)
+        default = 65536 if torch.version.hip else 232448
+        _SMEM_LIMIT[idx] = int(getattr(props, "shared_memory_per_block_optin", 0) or default)
+    return _SMEM_LIMIT[idx]
+
+
+def _fit(device, b: int, bn: int, bk: int, elsize: int, min_bn: int) -> tuple[int, int]:
+    """(N tile, pipeline stages) whose stages of A [b, bk] + B [bk, bn] tiles fit in shared
+    memory (fp32 operands or a small LDS need fewer stages or narrower tiles)."""
+    limit = _smem_limit(device) - 8192  # room for the epilogue's layout conversions
+    stages = KERNEL_CONFIG["num_stages"]
+    while True:
+        per_stage = (b * bk + bk * bn) * elsize
+        fit = limit // per_stage
+        if fit >= min(stages, 2) or bn <= min_bn:
+            return bn, max(1, min(stages, fit))
+        bn //= 2
+
+
+def _launch(b: int, stages: int) -> dict:
     if _interpreting():
         return {}
-    return dict(num_warps=KERNEL_CONFIG["num_warps"] if b >= 64 else 4,
-                num_stages=KERNEL_CONFIG["num_stages"])
+    return dict(num_warps=KERNEL_CONFIG["num_warps"] if b >= 64 else 4, num_stages=stages)
 
 
 def _interpreting() -> bool:
@@ -172,7 +204,7 @@ def _sdd_split(b: int, nb: int) -> int:
     return max(1, min(split, 1 << (max(nb, 1) - 1).bit_length()))
 
 
-def _sdd_triton(a, w, topo, act_grad_of=None, act="none"):
+def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None):
     from . import kernels
     b = topo.block_size
     out = torch.empty(topo.nnz, b, b, device=a.device, dtype=a.dtype)
@@ -182,16 +214,18 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none"):
     f = w.shape[2]
     bk = _block_k(b)
     nb = topo.blocks_per_expert
-    split = _sdd_split(b, nb)
+    tile_n, stages = _fit(a.device, b, _sdd_split(b, nb) * b, bk, a.element_size(), b)
+    split = tile_n // b
     num_n = -(-nb // split)
     h = out if act_grad_of is None else act_grad_of
     kernels.get("sdd_kernel")[(topo.num_row_blocks * num_n,)](
-        a, w, out, h, topo.row_offsets, topo.column_indices,
-        k, f, nb, num_n,
+        a, w, out, h, out if act_out is None else act_out, topo.row_offsets,
+        topo.column_indices, k, f, nb, num_n,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=k % bk == 0,
         EVEN_F=f % (b * split) == 0 and nb % split == 0,
-        EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0, **_launch(b))
+        EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0,
+        EPILOGUE_STORE_ACT=ACT_CODES[act] if act_out is not None else 0, **_launch(b, stages))
     return out
 
 
@@ -202,14 +236,14 @@ def _dsd_triton(s, w, topo, act="none"):
     out = torch.empty(topo.num_rows, n, device=s.device, dtype=s.dtype)
     if topo.num_row_blocks == 0 or n == 0:
         return out
-    bn = _tile_n(n)
+    bn, stages = _fit(s.device, b, _tile_n(n), _block_k(b), s.element_size(), 16)
     num_n = -(-n // bn)
     kernels.get("dsd_kernel")[(topo.num_row_blocks * num_n,)](
         s, w, out, topo.row_offsets, topo.column_indices,
         n, w.shape[1], topo.blocks_per_expert, num_n,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), EVEN_F=w.shape[1] % b == 0,
-        EVEN_N=n % bn == 0, ACT=ACT_CODES[act], **_launch(b))
+        EVEN_N=n % bn == 0, ACT=ACT_CODES[act], **_launch(b, stages))
     return out
 
 
@@ -221,14 +255,14 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
         out = torch.empty(topo.num_experts, topo.ffn_size, n, device=s.device, dtype=s.dtype)
     if topo.num_column_blocks == 0 or n == 0:
         return out
-    bn = _tile_n(n)
+    bn, stages = _fit(s.device, b, _tile_n(n), _block_k(b), s.element_size(), 16)
     num_n = -(-n // bn)
     kernels.get("dstd_kernel")[(topo.num_column_blocks * num_n,)](
         s, b_dense, out, topo.column_offsets, topo.transpose_blocks, topo.row_indices,
         n, topo.ffn_size, topo.blocks_per_expert, num_n,
         b_dense.stride(0), b_dense.stride(1), out.stride(0), out.stride(1), out.stride(2),
         BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
-        **_launch(b))
+        **_launch(b, stages))
     return out
 
 
@@ -258,12 +292,15 @@ def _act_grad_torch(h, act):
     return torch.ones_like(h)
 
 
-def _sdd(a, w, topo, act_grad_of=None, act="none"):
+def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None):
+    """SDD; optionally times act'(act_grad_of) (epilogue), or also writing act(S) to act_out."""
     if _use_triton(a):
-        return _sdd_triton(a, w, topo, act_grad_of, act)
+        return _sdd_triton(a, w, topo, act_grad_of, act, act_out)
     out = _sdd_torch(a, w, topo)
     if act_grad_of is not None:
         out = (out.float() * _act_grad_torch(act_grad_of, act)).to(out.dtype)
+    if act_out is not None:
+        act_out.copy_(_act_torch(out, act))
     return out
 
 
@@ -286,27 +323,34 @@ def _dstd(s, b, topo, act="none", out=None):
 class _FusedExpertFFN(torch.autograd.Function):
     """y = act(x W1) W2 over the topology, with the activation fused into the products.
 
-    Forward: h = SDD(x, W1); y = DSD(act(h), W2) where DSD applies act as it loads h, so
-    act(h) is never written. Backward: dh = SDD(dy, W2ᵀ) * act'(h) (epilogue);
-    dW2 = DSᵀD(act(h), dy); dx = DSD(dh, W1ᵀ); dW1 = DSᵀD(dh, x)ᵀ written straight into a
-    [E, K, F] tensor. Only h is saved (MegaBlocks also keeps act(h)).
+    Forward: h = SDD(x, W1); y = DSD(act(h), W2). With act_fusion="load" DSD applies act as
+    it loads h, so act(h) is never written and only h is saved; with "store" the SDD epilogue
+    writes act(h) next to h and DSD/DSᵀD run plain (MegaBlocks' memory, fewer CUDA-core
+    flops: "load" recomputes act once per N tile). Backward: dh = SDD(dy, W2ᵀ) * act'(h)
+    (epilogue); dW2 = DSᵀD(act(h), dy); dx = DSD(dh, W1ᵀ); dW1 = DSᵀD(dh, x)ᵀ written
+    straight into a [E, K, F] tensor.
     """
 
     @staticmethod
     def forward(ctx, x, w1, w2, topo, act):
-        h = _sdd(x, w1, topo)
-        y = _dsd(h, w2, topo, act)
-        ctx.topo, ctx.act = topo, act
-        ctx.save_for_backward(x, w1, w2, h)
+        store = KERNEL_CONFIG["act_fusion"] == "store"
+        a = torch.empty(topo.nnz, topo.block_size, topo.block_size, device=x.device,
+                        dtype=x.dtype) if store else None
+        h = _sdd(x, w1, topo, act=act, act_out=a)
+        y = _dsd(a, w2, topo) if store else _dsd(h, w2, topo, act)
+        ctx.topo, ctx.act, ctx.store = topo, act, store
+        ctx.save_for_backward(x, w1, w2, h, a)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w1, w2, h = ctx.saved_tensors
+        x, w1, w2, h, a = ctx.saved_tensors
         topo, act = ctx.topo, ctx.act
         grad_y = grad_y.contiguous()
         grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, act_grad_of=h, act=act)
-        grad_w2 = _dstd(h, grad_y, topo, act) if ctx.needs_input_grad[2] else None
+        grad_w2 = None
+        if ctx.needs_input_grad[2]:
+            grad_w2 = _dstd(a, grad_y, topo) if ctx.store else _dstd(h, grad_y, topo, act)
         grad_x = _dsd(grad_h, w1.transpose(1, 2), topo) if ctx.needs_input_grad[0] else None
         grad_w1 = None
         if ctx.needs_input_grad[1]:

@@ -138,6 +138,17 @@ def combine_kernels_equal_torch_ops():
 CHECKS["combine"] = combine_kernels_equal_torch_ops
 
 
+def layer_gradients_store_fusion():
+    bs.set_kernel_config(act_fusion="store")
+    try:
+        layer_gradients_through_kernels_equal_torch_path()
+    finally:
+        bs.set_kernel_config(act_fusion="load")
+
+
+CHECKS["layer_grads_store"] = layer_gradients_store_fusion
+
+
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()
     print("INTERPRET_OK", sys.argv[1])
