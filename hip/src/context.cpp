@@ -1,4 +1,5 @@
 // The C ABI: argument checks, lifecycle state, and dispatch to the backend.
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cinttypes>
@@ -302,9 +303,13 @@ int rocmoe_signal_wait_until(rocmoe_ctx *ctx, uint64_t offset, int cmp, uint64_t
     const auto deadline = start + std::chrono::duration<double>(timeout_s);
     auto next_liveness = start + std::chrono::milliseconds(100);
     uint64_t seen = 0;
-    // Spin briefly (a put is usually already on its way), then yield, then sleep with a
-    // growing back-off capped at 1 ms: waits are cheap when short and do not burn a core
-    // that a co-located rank needs when long.
+    // Phases by elapsed time, not by loop count (a load costs ns on host, us on a GPU heap):
+    // spin for 50 us (a put is usually already on its way and a round trip stays at a few
+    // us), then yield until 2 ms, then sleep with a back-off capped at 1 ms, so a long wait
+    // does not burn a core that a co-located rank needs.
+    const auto spin_until = start + std::chrono::microseconds(50);
+    const auto yield_until = start + std::chrono::milliseconds(2);
+    auto pause = std::chrono::microseconds(20);
     for (uint64_t iter = 0;; ++iter) {
         rc = ctx->backend->signal_load(offset, &seen);
         if (rc != ROCMOE_OK) return rc;
@@ -312,9 +317,10 @@ int rocmoe_signal_wait_until(rocmoe_ctx *ctx, uint64_t offset, int cmp, uint64_t
             if (observed) *observed = seen;
             return ROCMOE_OK;
         }
-        if (iter < 2000) continue;
+        if (iter % 64 != 63) continue;  // read the clock only now and then while spinning
         const auto now = clock::now();
         if (now >= deadline) break;
+        if (now < spin_until) continue;
         if (peer_hint >= 0 && now >= next_liveness) {
             if (!ctx->backend->peer_alive(peer_hint))
                 return fail(ROCMOE_ERR_PEER_DEAD,
@@ -324,8 +330,12 @@ int rocmoe_signal_wait_until(rocmoe_ctx *ctx, uint64_t offset, int cmp, uint64_t
                             ctx->args.rank, offset, peer_hint, seen, cmp_name(cmp), value);
             next_liveness = now + std::chrono::milliseconds(100);
         }
-        if (iter < 4000) std::this_thread::yield();
-        else std::this_thread::sleep_for(std::chrono::microseconds(iter < 10000 ? 50 : 1000));
+        if (now < yield_until) {
+            std::this_thread::yield();
+        } else {
+            std::this_thread::sleep_for(pause);
+            pause = std::min(pause * 2, std::chrono::microseconds(1000));
+        }
     }
     if (observed) *observed = seen;
     char peer_text[32];
