@@ -304,10 +304,10 @@ int rocmoe_signal_wait_until(rocmoe_ctx *ctx, uint64_t offset, int cmp, uint64_t
     auto next_liveness = start + std::chrono::milliseconds(100);
     uint64_t seen = 0;
     // Phases by elapsed time, not by loop count (a load costs ns on host, us on a GPU heap):
-    // spin for 50 us (a put is usually already on its way and a round trip stays at a few
-    // us), then yield until 2 ms, then sleep with a back-off capped at 1 ms, so a long wait
-    // does not burn a core that a co-located rank needs.
-    const auto spin_until = start + std::chrono::microseconds(50);
+    // spin for 5 us (a put is usually already on its way), then yield until 2 ms (ranks
+    // often share cores: yielding lets the peer that will set the flag run), then sleep with
+    // a back-off capped at 1 ms, so a long wait does not burn a core.
+    const auto spin_until = start + std::chrono::microseconds(5);
     const auto yield_until = start + std::chrono::milliseconds(2);
     auto pause = std::chrono::microseconds(20);
     for (uint64_t iter = 0;; ++iter) {
