@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.mpi
+
 SCRIPT = pathlib.Path(__file__).with_name("ep_script.py")
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
