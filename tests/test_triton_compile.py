@@ -39,9 +39,9 @@ def _compile(name, target_key, dtype="bf16", signal=True):
     options = {}
     constexprs = {}
     if name == "gemm_a2a_kernel":
-        cfg = kernels.default_config(platform)
+        cfg = kernels.default_config(platform, dtype == "fp32")
         options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-        constexprs = dict(cfg, WORLD_P2=8, SIGNAL=signal)
+        constexprs = dict(cfg, WORLD_P2=8, SIGNAL=signal, FP32_IEEE=dtype == "fp32")
     src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
     return triton.compile(src, target=target, options=options)
 

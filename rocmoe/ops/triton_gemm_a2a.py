@@ -64,7 +64,8 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
                     N, K,
                     stride_xm, stride_xk, stride_wk, stride_wn,
                     WORLD_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SIGNAL: tl.constexpr):
+                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SIGNAL: tl.constexpr,
+                    FP32_IEEE: tl.constexpr):
     out_ty = x_ptr.dtype.element_ty
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     positions = tl.arange(0, WORLD_P2)
@@ -109,7 +110,10 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
                 b = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk
                             + w_cols[None, :] * stride_wn,
                             mask=k_ok[:, None], other=0.0)
-                acc = tl.dot(a, b, acc)
+                if FP32_IEEE:  # float32 inputs: full-precision products, like the host path
+                    acc = tl.dot(a, b, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, b, acc)
 
             # scale-up: the tile goes straight into the destination's receive buffer
             dest_base = tl.load(peer_bases_ptr + dest) + recv_offset
@@ -169,15 +173,19 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             total_tasks="i32", num_programs="i32", N="i32", K="i32",
             stride_xm="i32", stride_xk="i32", stride_wk="i32", stride_wn="i32",
             WORLD_P2="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
-            BLOCK_K="constexpr", GROUP_M="constexpr", SIGNAL="constexpr"),
+            BLOCK_K="constexpr", GROUP_M="constexpr", SIGNAL="constexpr",
+            FP32_IEEE="constexpr"),
         "wait_kernel": dict(signals_ptr=i64, status_ptr=i32, epoch="i64", budget="i32"),
         "signal_peers_kernel": dict(peer_bases_ptr=i64, slot_offset="i64", rank="i32",
                                     value="i64"),
     }
 
 
-def default_config(platform: str) -> dict:
-    """Tile shape and launch options per platform (Hopper wgmma / CDNA MFMA)."""
+def default_config(platform: str, fp32: bool = False) -> dict:
+    """Tile shape and launch options per platform (Hopper wgmma / CDNA MFMA). float32 tiles
+    are 4 bytes an element: a shorter K step keeps the pipeline inside shared memory."""
+    if fp32:
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=2)
     if platform == "hip":
         return dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=2)
     return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)

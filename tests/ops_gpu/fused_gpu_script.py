@@ -47,7 +47,8 @@ def check_gemm(arena, device, dtype, calls, rank, world):
         g = torch.Generator().manual_seed(1000 + call)
         k, n = 24 + call, 40
         counts = torch.randint(0, 20, (world, world), generator=g)
-        counts[0, world - 1] = 0  # an empty slice is always present
+        if world > 1:
+            counts[0, world - 1] = 0  # an empty slice is always present
         xs = [torch.randn(int(counts[s].sum()), k, generator=g) for s in range(world)]
         ws = [torch.randn(k, n, generator=g) for _ in range(world)]
         x = xs[rank].to(device, dtype)
@@ -161,13 +162,23 @@ def main():
     checks = {"gemm": check_gemm, "embedding": check_embedding, "gemv": check_gemv,
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once
+    # a failing op / dtype is reported and the next one still runs: one GPU job shows every
+    # problem at once (the exit status still says that something failed)
+    failed = 0
     for op in a.op.split(","):
         for dname in a.dtype.split(","):
-            checks[op](arena, device, DTYPES[dname], a.calls, rank, world)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            try:
+                checks[op](arena, device, DTYPES[dname], a.calls, rank, world)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            except Exception:
+                import traceback
+                failed += 1
+                print(f"RANK {rank} FAIL {op} {dname}:\n{traceback.format_exc()}", flush=True)
+                continue
             print(f"RANK {rank} OK {op} {dname}", flush=True)
     arena.barrier()
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

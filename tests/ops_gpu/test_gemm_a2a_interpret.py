@@ -16,10 +16,12 @@ def _env(**extra):
 
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_gemm_all_to_all_matches_reference_over_repeated_calls(ranks):
-    proc = run_mpi(SCRIPT, ranks, "gemm", "context", "--calls", "3", timeout=240,
-                   env=_env(ROCMOE_TIMEOUT_S="30"))
+    # fp32 and fp16 only: Triton 3.9's interpreter computes tl.dot of bfloat16 operands
+    # wrongly (reinterprets the bits; a 16x16 product is off by 1e10), compiled code is fine
+    proc = run_mpi(SCRIPT, ranks, "gemm", "context", "--calls", "3", "--dtype", "fp32,fp16",
+                   timeout=300, env=_env(ROCMOE_TIMEOUT_S="30"))
     assert proc.returncode == 0, proc.stdout
-    assert proc.stdout.count("OK gemm") == ranks, proc.stdout
+    assert proc.stdout.count("OK gemm") == 2 * ranks, proc.stdout
 
 
 def test_missing_peer_signal_times_out_with_comm_timeout_error():
