@@ -10,10 +10,10 @@ Rank r owns global experts ``[r * E_local, (r + 1) * E_local)``. A forward:
    expert; the expert of each row comes from the counts by a device-side searchsorted);
 5. combine: all-to-all back, unsort, weight by the gates and sum the k slots.
 
-The transport sits behind :class:`ExpertTransport` so the layer does not care whether rows
-move through MPI (host backend, CPU tensors) or the symmetric heap. ``transport_for(ctx)``
-picks one; the MPI transport needs ``ctx.comm`` (an mpi4py communicator), which every
-rocmoe Context has.
+The transport sits behind :class:`ExpertTransport` so the layer does not care how rows move:
+``transport_for(ctx)`` picks the symmetric heap (one-sided puts) for a rocmoe Context and
+MPI Alltoallv for a bare communicator context (anything with ``comm``, ``rank``,
+``world_size``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import ConfigurationError
+from ..errors import CollectiveMismatchError, ConfigurationError
 from .router import expert_histogram
 
 
@@ -80,9 +80,99 @@ class MPITransport(ExpertTransport):
         return out.to(device)
 
 
+class HeapTransport(ExpertTransport):
+    """Rows and counts travel through the symmetric heap with one-sided puts (rocmoe Context).
+
+    Every call: (1) each rank puts its send splits into every peer's split matrix, so all
+    ranks know the whole [src, dst] matrix and hence where their rows land in each peer's
+    receive buffer, and all of them agree on the buffer size without another exchange;
+    (2) each rank puts its rows for peer p at that offset of p's buffer; (3) barrier, and
+    the received rows are copied out. A barrier at the start keeps a fast rank from writing
+    into a buffer that a slow peer is still copying out.
+
+    The split sizes are read on the host (puts need byte counts), so on GPUs this transport
+    synchronises once per call; the single-rank layer has no such sync.
+    """
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.rank = int(ctx.rank)
+        self.world_size = int(ctx.world_size)
+        self._splits = None     # symmetric int64 [world, world]: row (src) -> dst counts
+        self._counts = None     # symmetric int64 [world, world, E_local]
+        self._buffer = None     # symmetric uint8 receive buffer
+        self._capacity = 0
+
+    def _sync_device(self, t: torch.Tensor) -> None:
+        if t.is_cuda:  # puts read device memory outside torch's stream order
+            torch.cuda.current_stream(t.device).synchronize()
+
+    def _put_to_all(self, table: torch.Tensor, row: torch.Tensor) -> None:
+        self.ctx.barrier()  # every peer has finished reading the previous contents
+        self._sync_device(row)
+        for peer in range(self.world_size):
+            self.ctx.put(table[self.rank], row, peer)
+        self.ctx.quiet()
+        self.ctx.barrier()  # every row of every peer has landed
+
+    def exchange_counts(self, send_counts):
+        world, e_local = send_counts.shape
+        if self._counts is None or tuple(self._counts.shape) != (world, world, e_local):
+            if self._counts is not None:
+                self.ctx.free(self._counts)
+            self._counts = self.ctx.empty((world, world, e_local), torch.int64)
+        row = send_counts.to(device=self._counts.device, dtype=torch.int64).contiguous()
+        self._put_to_all(self._counts, row)
+        return self._counts[:, self.rank].clone().to(send_counts.device, send_counts.dtype)
+
+    def all_to_all(self, rows, send_splits, recv_splits):
+        world = self.world_size
+        if self._splits is None:
+            self._splits = self.ctx.empty((world, world), torch.int64)
+        mine = torch.tensor(send_splits, dtype=torch.int64, device=self._splits.device)
+        self._put_to_all(self._splits, mine)
+        matrix = self._splits.cpu().tolist()  # [src][dst] rows; the same on every rank
+        if [matrix[s][self.rank] for s in range(world)] != list(recv_splits):
+            raise CollectiveMismatchError(
+                f"rank {self.rank} expected {list(recv_splits)} rows from the ranks but they "
+                f"send {[matrix[s][self.rank] for s in range(world)]}")
+        width = rows.shape[1]
+        row_bytes = width * rows.element_size()
+        need = max(sum(matrix[s][d] for s in range(world)) for d in range(world)) * row_bytes
+        if need > self._capacity:  # every rank computes the same need: a collective decision
+            if self._buffer is not None:
+                self.ctx.free(self._buffer)
+            self._capacity = max(need, 2 * self._capacity, 1 << 16)
+            self._buffer = self.ctx.empty((self._capacity,), torch.uint8)
+        src = rows.detach().contiguous().to(self._buffer.device)
+        self.ctx.barrier()  # peers have copied their rows out of the previous call's buffer
+        self._sync_device(src)
+        start = 0
+        for peer in range(world):
+            count = send_splits[peer]
+            if count:
+                offset = sum(matrix[s][peer] for s in range(self.rank)) * row_bytes
+                payload = src[start:start + count].reshape(-1).view(torch.uint8)
+                self.ctx.put(self._buffer[offset:offset + payload.numel()], payload, peer)
+            start += count
+        self.ctx.quiet()
+        self.ctx.barrier()
+        total = sum(recv_splits)
+        out = self._buffer[:total * row_bytes].view(rows.dtype).view(total, width).clone()
+        return out.to(rows.device)
+
+
 def transport_for(ctx) -> ExpertTransport:
+    """The symmetric heap for a rocmoe Context; MPI for anything with only a communicator."""
     transport = getattr(ctx, "moe_transport", None)
     if transport is not None:
+        return transport
+    if all(hasattr(ctx, name) for name in ("empty", "put", "quiet", "barrier", "free")):
+        transport = HeapTransport(ctx)
+        try:
+            ctx.moe_transport = transport  # keep its buffers across layers and steps
+        except AttributeError:
+            pass
         return transport
     comm = getattr(ctx, "comm", None)
     if comm is None:
@@ -142,5 +232,5 @@ def expert_parallel_forward(layer, x, expert_ids, weights):
     return (y_pairs * weights.to(y_pairs.dtype).unsqueeze(-1)).sum(dim=1)
 
 
-__all__ = ["ExpertTransport", "MPITransport", "transport_for", "all_to_all",
+__all__ = ["ExpertTransport", "MPITransport", "HeapTransport", "transport_for", "all_to_all",
            "expert_parallel_forward"]

@@ -17,6 +17,7 @@ import torch
 from mpi4py import MPI
 
 from rocmoe.moe import DroplessMoE
+from rocmoe.moe.parallel import transport_for
 
 
 def make_context(kind: str):
@@ -95,6 +96,7 @@ def main(argv=None) -> int:
         print(f"EP_FAIL rank={rank} world={world} errors={bad}", flush=True)
     else:
         print(f"EP_OK rank={rank} world={world} ctx={args.ctx} "
+              f"transport={type(transport_for(ctx)).__name__} "
               f"local_tokens_per_expert={ep.tokens_per_expert.tolist()} "
               f"max_err={max(errors.values()):.2e}", flush=True)
     if args.ctx == "runtime":

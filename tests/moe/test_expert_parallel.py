@@ -37,20 +37,28 @@ def _run(ranks, *args):
     return out
 
 
-def test_expert_parallel_at_two_ranks_equals_one_rank_layer():
-    _run(2, "--block-size", "16")
-
-
-def test_expert_parallel_at_four_ranks_equals_one_rank_layer_with_glu_and_top3():
-    # one 4-rank run covers the GLU path, k=3 and 32-row blocks (CI has 2 cores)
-    _run(4, "--glu", "--block-size", "32", "--top-k", "3")
-
-
-def test_expert_parallel_through_the_rocmoe_runtime_context():
+def _require_runtime():
     try:
         import rocmoe.runtime  # noqa: F401  (needs the native library)
     except Exception as exc:  # noqa: BLE001
         if os.environ.get("ROCMOE_REQUIRE_ALL") == "1":
             pytest.fail(f"rocmoe runtime unavailable: {exc}")
         pytest.skip(f"rocmoe runtime unavailable: {exc}")
-    _run(2, "--ctx", "runtime")
+
+
+def test_expert_parallel_at_two_ranks_over_mpi_equals_one_rank_layer():
+    out = _run(2, "--block-size", "16")
+    assert out.count("transport=MPITransport") == 2, out
+
+
+def test_expert_parallel_at_two_ranks_over_symmetric_heap_equals_one_rank_layer():
+    _require_runtime()
+    out = _run(2, "--ctx", "runtime")
+    assert out.count("transport=HeapTransport") == 2, out
+
+
+def test_expert_parallel_at_four_ranks_over_symmetric_heap_with_glu_and_top3():
+    # one 4-rank run covers the GLU path, k=3 and 32-row blocks (CI has 2 cores)
+    _require_runtime()
+    out = _run(4, "--ctx", "runtime", "--glu", "--block-size", "32", "--top-k", "3")
+    assert out.count("transport=HeapTransport") == 4, out
