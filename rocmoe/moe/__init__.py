@@ -16,6 +16,7 @@ from .topology import Topology, build_topology
 __all__ = [
     "DroplessMoE", "Router", "Topology", "RoutingPlan", "build_topology", "plan_routing",
     "permute_pad", "unpermute_combine", "padded_rows_bound", "sdd", "dsd", "dstd", "ddst",
-    "to_dense", "expert_ffn", "fused_expert_ffn", "set_kernel_config", "expert_histogram", "load_balancing_loss", "z_loss",
+    "to_dense", "expert_ffn", "fused_expert_ffn", "set_kernel_config", "expert_histogram",
+    "load_balancing_loss", "z_loss",
     "set_backend", "get_backend", "route_and_permute",
 ]

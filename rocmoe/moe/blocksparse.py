@@ -68,7 +68,8 @@ def _triton_available() -> bool:
 def _check_same_dtype(*tensors: torch.Tensor) -> None:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:
-        raise DTypeError(f"block-sparse operands must share one dtype, got {sorted(map(str, dtypes))}")
+        raise DTypeError("block-sparse operands must share one dtype, got "
+                         f"{sorted(map(str, dtypes))}")
     if not tensors[0].is_floating_point():
         raise DTypeError(f"block-sparse operands must be floating point, got {tensors[0].dtype}")
 
@@ -362,7 +363,8 @@ class _FusedExpertFFN(torch.autograd.Function):
 def fused_expert_ffn(x, w1, w2, topo, act="gelu"):
     """act(x @ W1) @ W2 on the topology's blocks (act: gelu (tanh form), relu, silu, none)."""
     if act not in ACT_CODES:
-        raise ConfigurationError(f"fused activation must be one of {sorted(ACT_CODES)}, got {act!r}")
+        raise ConfigurationError(
+            f"fused activation must be one of {sorted(ACT_CODES)}, got {act!r}")
     _check_same_dtype(x, w1, w2)
     return _FusedExpertFFN.apply(x, w1, w2, topo, act)
 

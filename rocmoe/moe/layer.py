@@ -60,7 +60,8 @@ class DroplessMoE(nn.Module):
         super().__init__()
         _check_config(hidden_size, num_experts, top_k)
         if not isinstance(ffn_hidden_size, int) or ffn_hidden_size < 1:
-            raise ConfigurationError(f"ffn_hidden_size must be a positive int, got {ffn_hidden_size!r}")
+            raise ConfigurationError(
+                f"ffn_hidden_size must be a positive int, got {ffn_hidden_size!r}")
         if activation not in _ACTIVATIONS:
             raise ConfigurationError(f"activation must be one of {sorted(_ACTIVATIONS)}, "
                                      f"got {activation!r}")

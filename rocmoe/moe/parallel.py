@@ -192,7 +192,8 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         send_splits, recv_splits = ctx.splits
-        return ctx.transport.all_to_all(grad.contiguous(), recv_splits, send_splits), None, None, None
+        grad_rows = ctx.transport.all_to_all(grad.contiguous(), recv_splits, send_splits)
+        return grad_rows, None, None, None
 
 
 def all_to_all(rows, transport, send_splits, recv_splits):

@@ -90,7 +90,8 @@ def routing_kernels_equal_torch_ops():
             ids = torch.stack([torch.tensor([1, 3, 7, 4, 2, 6])[torch.randperm(6, generator=g)[:k]]
                                for _ in range(t)]).to(torch.int32)
         else:
-            ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+            ids = torch.stack([torch.randperm(e, generator=g)[:k]
+                               for _ in range(t)]).to(torch.int32)
         x = torch.randn(t, 24, generator=g, requires_grad=True)
         bs.set_backend("torch")
         ref = route_and_permute(x, ids, e, b, f)

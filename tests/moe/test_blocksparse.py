@@ -50,7 +50,8 @@ def test_sdd_equals_dense_product_masked_by_the_topology():
 
 def test_sdd_leaves_the_ffn_padding_columns_zero():
     topo, g = _setup(ffn=40)
-    s = bs.sdd(torch.randn(topo.num_rows, 12, generator=g), torch.randn(4, 12, 40, generator=g), topo)
+    s = bs.sdd(torch.randn(topo.num_rows, 12, generator=g),
+               torch.randn(4, 12, 40, generator=g), topo)
     dense = bs.to_dense(s, topo).view(topo.num_rows, 4, topo.ffn_padded)
     assert torch.count_nonzero(dense[:, :, 40:]) == 0
 

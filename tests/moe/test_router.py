@@ -36,7 +36,8 @@ def test_tokens_per_expert_counts_every_slot():
     r = _router()
     ids, _ = r.route(torch.randn(33, 16))
     assert r.tokens_per_expert.dtype == torch.int32
-    assert torch.equal(r.tokens_per_expert.long(), torch.bincount(ids.reshape(-1).long(), minlength=6))
+    expect = torch.bincount(ids.reshape(-1).long(), minlength=6)
+    assert torch.equal(r.tokens_per_expert.long(), expect)
 
 
 def test_load_balancing_loss_is_one_for_perfectly_uniform_routing():
