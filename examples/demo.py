@@ -1,14 +1,19 @@
 """`make demo`: the main job on the embedded default (host backend, 4 local ranks).
 
-Every rank allocates symmetric tensors, then passes a block around the ring by puts and
-epoch-valued signals (world_size hops, so each block visits every rank and comes home) and
-checks what it holds after every hop. Rank 0 prints the verified result as JSON.
+1. Runtime: every rank allocates symmetric tensors, then passes a block around the ring by
+   puts and epoch-valued signals (world_size hops, so each block visits every rank and comes
+   home), checking what it holds after every hop. Rank 0 prints the verified result as JSON.
+2. DLRM: a few training steps with the fused Embedding+All-to-All (examples/dlrm_train.py).
+3. MoE: a few training steps of the expert-parallel dropless MoE (examples/moe_train.py).
+The job exits non-zero if any part fails to verify or to learn.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -51,3 +56,10 @@ with rocmoe.init() as ctx:
         }))
     if not results.all():
         raise SystemExit(1)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dlrm_train  # noqa: E402  (the examples beside this file)
+import moe_train  # noqa: E402
+
+status = dlrm_train.main(["--steps", "20"]) or moe_train.main(["--steps", "25"])
+raise SystemExit(status)
