@@ -107,6 +107,12 @@ expect_error(errors.InvalidArgumentError,
                                                        ffi.cast("void *", src.data_ptr()), n,
                                                        sig_off + 4, 9, stream)),
              "unaligned signal slot")
+host_src = src.cpu()  # a host pointer would fault the kernel: refused before the launch
+expect_error(errors.InvalidArgumentError,
+             lambda: check(lib.rocmoe_ipc_store_signal(handle, right, recv_off,
+                                                       ffi.cast("void *", host_src.data_ptr()),
+                                                       n, sig_off, 9, stream)),
+             "host memory as the source")
 torch.cuda.synchronize(dev)
 ctx.barrier()
 assert torch.equal(recv, before), "a rejected call changed a peer's heap"

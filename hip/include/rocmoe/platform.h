@@ -63,6 +63,7 @@ typedef cudaEvent_t hipEvent_t;
 typedef cudaIpcMemHandle_t hipIpcMemHandle_t;
 typedef cudaMemcpyKind hipMemcpyKind;
 typedef cudaDeviceProp hipDeviceProp_t;
+typedef cudaPointerAttributes hipPointerAttribute_t; /* rocmoe reads .devicePointer only */
 
 /* status codes */
 #define hipSuccess cudaSuccess
@@ -135,6 +136,9 @@ static inline hipError_t hipIpcOpenMemHandle(void **ptr, hipIpcMemHandle_t handl
     return cudaIpcOpenMemHandle(ptr, handle, flags);
 }
 static inline hipError_t hipIpcCloseMemHandle(void *ptr) { return cudaIpcCloseMemHandle(ptr); }
+static inline hipError_t hipPointerGetAttributes(hipPointerAttribute_t *attr, const void *ptr) {
+    return cudaPointerGetAttributes(attr, ptr);
+}
 static inline hipError_t hipOccupancyMaxActiveBlocksPerMultiprocessor(int *blocks, const void *kernel,
                                                                       int block_size,
                                                                       size_t dynamic_smem) {

@@ -29,6 +29,22 @@ inline int gpu_fail(hipError_t err, const char *call, const char *context = null
                 context ? "; " : "", context ? context : "");
 }
 
+// Kernels read `src` / `expected` directly: a host pointer there would fault the GPU and
+// poison the whole context, so it is refused up front. HIP and CUDA both report a
+// device-accessible address in devicePointer (HIP fails the query for plain host memory,
+// CUDA returns a null devicePointer).
+inline int check_device_accessible(const void *p, const char *what) {
+    hipPointerAttribute_t attr{};
+    hipError_t err = hipPointerGetAttributes(&attr, p);
+    if (err != hipSuccess || attr.devicePointer == nullptr) {
+        (void)hipGetLastError();  // the failed query must not stick to later calls
+        return fail(ROCMOE_ERR_INVALID,
+                    "%s (%p) is not memory the GPU can read: pass a device tensor's data_ptr()",
+                    what, p);
+    }
+    return ROCMOE_OK;
+}
+
 constexpr int kStoreThreads = 512;
 constexpr int kVerifyThreads = 256;
 
@@ -132,6 +148,10 @@ public:
 
     int store_signal(const sh::Team &team, char *dst, const void *src, uint64_t n, uint64_t *sig,
                      uint64_t value, int pe, hipStream_t s) {
+        if (n > 0) {
+            int bad = check_device_accessible(src, "the source");
+            if (bad != ROCMOE_OK) return bad;
+        }
         void *arrivals = nullptr;
         int rc = scratch_for(s, &arrivals);
         if (rc != ROCMOE_OK) return rc;
@@ -147,6 +167,10 @@ public:
     int wait_verify(const sh::Team &team, uint64_t *sig, uint64_t value, double timeout_s,
                     const char *got, const void *expected, uint64_t n, hipStream_t s,
                     uint64_t *mismatches) {
+        if (n > 0) {
+            int bad = check_device_accessible(expected, "the expected data");
+            if (bad != ROCMOE_OK) return bad;
+        }
         void *scratch = nullptr;
         int rc = scratch_for(s, &scratch);
         if (rc != ROCMOE_OK) return rc;

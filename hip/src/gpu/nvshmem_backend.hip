@@ -205,6 +205,7 @@ public:
     }
 
     int signal_load(uint64_t offset, uint64_t *value) override {
+        ROCMOE_GPU_TRY(hipSetDevice(args_.device));
         ROCMOE_GPU_TRY(hipMemcpyAsync(value, heap_ + offset, sizeof(uint64_t), hipMemcpyDeviceToHost,
                                       poll_stream_));
         ROCMOE_GPU_TRY(hipStreamSynchronize(poll_stream_));
