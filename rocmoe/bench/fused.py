@@ -127,7 +127,7 @@ def emit(ctx, record, args):
 
 
 # ---- cases --------------------------------------------------------------------------------------
-def bench_embedding(ctx, timer, shape, dtype, args):
+def bench_embedding(ctx, timer, shape, dtype, args, mode):
     import torch
     import rocmoe.ops as ops
     from rocmoe.ops import reference as ref
@@ -138,10 +138,14 @@ def bench_embedding(ctx, timer, shape, dtype, args):
     weights = [torch.randn(rows, shape["dim"], generator=g).to(dtype) for _ in range(lo, hi)]
     indices = [torch.randint(0, rows, (batch * pooling,), generator=g) for _ in weights]
     offsets = [torch.arange(0, batch * pooling, pooling) for _ in weights]
-    with torch.no_grad():
-        f = lambda: ops.embedding_all_to_all(weights, indices, offsets)  # noqa: E731
-        b = lambda: ref.embedding_all_to_all(weights, indices, offsets)  # noqa: E731
-        return compare(ctx, timer, f, b, args.warmup, args.iters)
+    os.environ["ROCMOE_HOST_EMBEDDING"] = mode
+    try:
+        with torch.no_grad():
+            f = lambda: ops.embedding_all_to_all(weights, indices, offsets)  # noqa: E731
+            b = lambda: ref.embedding_all_to_all(weights, indices, offsets)  # noqa: E731
+            return compare(ctx, timer, f, b, args.warmup, args.iters)
+    finally:
+        os.environ.pop("ROCMOE_HOST_EMBEDDING", None)
 
 
 def bench_gemv(ctx, timer, shape, dtype, args):
@@ -196,8 +200,11 @@ def run_worker(args) -> int:
     if "embedding" in ops_wanted:
         for s in (DLRM_LARGE if args.large else DLRM_SMALL):
             if s["batch"] % ctx.world_size == 0:
-                cases.append(("embedding_all_to_all", s, "EmbeddingBag + MPI Alltoallv",
-                              lambda s=s: bench_embedding(ctx, timer, s, dtype, args), {}))
+                for mode in ("kernel", "torch"):
+                    cases.append(("embedding_all_to_all", s, "EmbeddingBag + MPI Alltoallv",
+                                  lambda s=s, mode=mode: bench_embedding(ctx, timer, s, dtype,
+                                                                         args, mode),
+                                  {"host_embedding": mode}))
     if "gemv" in ops_wanted:
         for s in (GEMV_LARGE if args.large else GEMV_SMALL):
             cases.append(("gemv_all_reduce", s, "matmul + MPI Allreduce",

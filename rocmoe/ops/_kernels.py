@@ -39,6 +39,17 @@ def _launch(ctx, op: str, args, what: str) -> None:
     check(launcher(ctx._live(), args), what)
 
 
+def host_embedding_mode() -> str:
+    """How the host persistent kernel gets the pooled bags: "kernel" (gathered by the worker
+    threads, with prefetching) or "torch" (torch's EmbeddingBag pools every bag first, the
+    kernel then only puts its slices and signals)."""
+    mode = os.environ.get("ROCMOE_HOST_EMBEDDING", "kernel").strip().lower()
+    if mode not in ("kernel", "torch"):
+        raise errors.ConfigurationError(
+            f"ROCMOE_HOST_EMBEDDING={mode!r}: use 'kernel' or 'torch'")
+    return mode
+
+
 def host_gemm_mode() -> str:
     """How the host persistent kernel gets Y = X @ W: "kernel" (tiles computed by the worker
     threads, fp32 register-tiled C++) or "torch" (one torch matmul first, the kernel then only
@@ -223,6 +234,14 @@ def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
     args.per_sample_weights = (arr("float *", [p.to(torch.float32).contiguous() for p in psw])
                                if psw is not None else ffi.NULL)
     args.out = ptr(out)
+    args.bags = ffi.NULL
+    if nt and ctx.backend == "host" and host_embedding_mode() == "torch":
+        # torch pools in the table dtype with an fp32 accumulator (no copy of the tables)
+        bags = torch.stack([torch.nn.functional.embedding_bag(
+            i, w, o, mode=mode, per_sample_weights=None if psw is None else p.to(w.dtype))
+            for w, i, o, p in zip(ws_w, ws_i, ws_o, psw or [None] * nt)], dim=1).contiguous()
+        keep.append(bags)
+        args.bags = ptr(bags)
     _launch(ctx, op, args, op)
     return out, layout
 

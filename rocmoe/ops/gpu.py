@@ -463,7 +463,8 @@ def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts:
         x.stride(0), x.stride(1), w.stride(0), w.stride(1),
         WORLD_P2=max(2, 1 << (world - 1).bit_length()), BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], SIGNAL=signal,
-        FP32_IEEE=x.dtype == torch.float32, **launch)
+        FP32_IEEE=x.dtype == torch.float32, EVEN_N=n % cfg["BLOCK_N"] == 0,
+        EVEN_K=k % cfg["BLOCK_K"] == 0, **launch)
     if signal:
         _launch_wait(ws.signals, ws.status[world:], epoch, arena.timeout_s)
     nbytes = plan.recv_rows * n * x.element_size()

@@ -65,7 +65,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
                     stride_xm, stride_xk, stride_wk, stride_wn,
                     WORLD_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SIGNAL: tl.constexpr,
-                    FP32_IEEE: tl.constexpr):
+                    FP32_IEEE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     out_ty = x_ptr.dtype.element_ty
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     positions = tl.arange(0, WORLD_P2)
@@ -100,16 +100,26 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
             row_ok = local_rows < rows
             col_ok = cols < N
             x_rows = (row0 + tl.where(row_ok, local_rows, 0)).to(tl.int64)
-            w_cols = tl.where(col_ok, cols, 0).to(tl.int64)
+            if EVEN_N:
+                # no clamp: W's columns stay provably contiguous, so the loads are 16-byte
+                # vectors that the pipeliner turns into asynchronous copies
+                w_cols = cols.to(tl.int64)
+            else:
+                w_cols = tl.where(col_ok, cols, 0).to(tl.int64)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + rk
-                k_ok = ks < K
-                a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                            mask=k_ok[None, :], other=0.0)
-                b = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk
-                            + w_cols[None, :] * stride_wn,
-                            mask=k_ok[:, None], other=0.0)
+                if EVEN_K:
+                    a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk)
+                    b = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk
+                                + w_cols[None, :] * stride_wn)
+                else:
+                    k_ok = ks < K
+                    a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                                mask=k_ok[None, :], other=0.0)
+                    b = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk
+                                + w_cols[None, :] * stride_wn,
+                                mask=k_ok[:, None], other=0.0)
                 if FP32_IEEE:  # float32 inputs: full-precision products, like the host path
                     acc = tl.dot(a, b, acc, input_precision="ieee")
                 else:
@@ -174,7 +184,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             stride_xm="i32", stride_xk="i32", stride_wk="i32", stride_wn="i32",
             WORLD_P2="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
             BLOCK_K="constexpr", GROUP_M="constexpr", SIGNAL="constexpr",
-            FP32_IEEE="constexpr"),
+            FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr"),
         "wait_kernel": dict(signals_ptr=i64, status_ptr=i32, epoch="i64", budget="i32"),
         "signal_peers_kernel": dict(peer_bases_ptr=i64, slot_offset="i64", rank="i32",
                                     value="i64"),

@@ -343,35 +343,56 @@ unsigned char *stage_bytes(size_t n) {
 }
 
 // ---- embedding bag + all-to-all ----------------------------------------------------------
+// Lookups are latency-bound gathers of random rows: the tile walks one table at a time over
+// its bags (the tile's indices are then contiguous) and prefetches the rows kPrefetch
+// lookups ahead, so several misses are in flight instead of one.
+constexpr int64_t kPrefetch = 8;
+
 template <int DT>
 int embedding_tile(const rocmoe_embedding_a2a_args &a, int64_t bag0, int64_t bags, float *acc) {
     using T = typename Elem<DT>::T;
     const int64_t dim = a.dim;
     const int nt = a.num_tables;
-    for (int64_t b = 0; b < bags; ++b) {
-        const int64_t g = bag0 + b;
-        for (int t = 0; t < nt; ++t) {
+    const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
+    for (int t = 0; t < nt; ++t) {
+        const int64_t *off = a.offsets[t];
+        const int64_t *idx = a.indices[t];
+        const T *w = static_cast<const T *>(a.weights[t]);
+        const float *psw = a.per_sample_weights ? a.per_sample_weights[t] : nullptr;
+        const int64_t rows = a.rows[t], count = a.num_indices[t];
+        const int64_t first = off[bag0];
+        const int64_t last = bag0 + bags < a.batch ? off[bag0 + bags] : count;
+        if (first < 0 || last < first || last > count)
+            return fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: table %d bags [%" PRId64
+                        ", %" PRId64 ") span indices [%" PRId64 ", %" PRId64 ") outside its %"
+                        PRId64, a.table_base + t, bag0, bag0 + bags, first, last, count);
+        for (int64_t j = first; j < std::min(last, first + kPrefetch); ++j)
+            if (idx[j] >= 0 && idx[j] < rows)
+                for (int64_t bte = 0; bte < row_bytes; bte += 64)
+                    __builtin_prefetch(reinterpret_cast<const char *>(w + idx[j] * dim) + bte);
+        for (int64_t b = 0; b < bags; ++b) {
+            const int64_t g = bag0 + b;
             float *out = acc + (b * nt + t) * dim;
             std::fill(out, out + dim, 0.0f);
-            const int64_t *off = a.offsets[t];
             const int64_t start = off[g];
-            const int64_t end = g + 1 < a.batch ? off[g + 1] : a.num_indices[t];
-            if (start < 0 || end < start || end > a.num_indices[t])
-                return fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: table %d bag %" PRId64
-                            " spans [%" PRId64 ", %" PRId64 ") outside its %" PRId64 " indices",
-                            a.table_base + t, g, start, end, a.num_indices[t]);
-            const T *w = static_cast<const T *>(a.weights[t]);
-            const int64_t *idx = a.indices[t];
-            const float *psw = a.per_sample_weights ? a.per_sample_weights[t] : nullptr;
+            const int64_t end = g + 1 < a.batch ? off[g + 1] : count;
+            if (start < first || end < start || end > last)
+                return fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: table %d: offsets of bag %"
+                            PRId64 " are not ascending", a.table_base + t, g);
             for (int64_t j = start; j < end; ++j) {
                 const int64_t row = idx[j];
-                if (row < 0 || row >= a.rows[t])
+                if (row < 0 || row >= rows)
                     return fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: index %" PRId64
-                                " outside table %d of %" PRId64 " rows", row, a.table_base + t,
-                                a.rows[t]);
+                                " outside table %d of %" PRId64 " rows", row, a.table_base + t, rows);
+                if (j + kPrefetch < last) {
+                    const int64_t ahead = idx[j + kPrefetch];
+                    if (ahead >= 0 && ahead < rows)
+                        for (int64_t bte = 0; bte < row_bytes; bte += 64)
+                            __builtin_prefetch(reinterpret_cast<const char *>(w + ahead * dim) + bte);
+                }
                 const T *src = w + row * dim;
-                const float s = psw ? psw[j] : 1.0f;
-                for (int64_t c = 0; c < dim; ++c) out[c] += s * Elem<DT>::load(src[c]);
+                const float sc = psw ? psw[j] : 1.0f;
+                for (int64_t c = 0; c < dim; ++c) out[c] += sc * Elem<DT>::load(src[c]);
             }
             if (a.mode == ROCMOE_BAG_MEAN && end > start) {
                 const float inv = 1.0f / static_cast<float>(end - start);
@@ -401,11 +422,19 @@ int embedding_a2a(const Kernel &k, const rocmoe_embedding_a2a_args &a) {
         if (nt == 0) return ROCMOE_OK;  // signal-only slice
         const int64_t b0 = sc::tile_begin(t.tile, tile, bl), b1 = sc::tile_end(t.tile, tile, bl);
         if (b1 <= b0) return ROCMOE_OK;
-        float *acc = stage(t_stage, (b1 - b0) * block);
-        int rc = embedding_tile<DT>(a, static_cast<int64_t>(t.dest) * bl + b0, b1 - b0, acc);
-        if (rc != ROCMOE_OK) return rc;
-        unsigned char *bytes = stage_bytes((b1 - b0) * block * esize);
-        to_dtype<DT>(acc, bytes, (b1 - b0) * block);
+        const unsigned char *bytes;
+        int rc;
+        if (a.bags != nullptr) {  // pooled already: this task only moves its bags
+            bytes = static_cast<const unsigned char *>(a.bags) +
+                    (static_cast<int64_t>(t.dest) * bl + b0) * block * esize;
+        } else {
+            float *acc = stage(t_stage, (b1 - b0) * block);
+            rc = embedding_tile<DT>(a, static_cast<int64_t>(t.dest) * bl + b0, b1 - b0, acc);
+            if (rc != ROCMOE_OK) return rc;
+            unsigned char *converted = stage_bytes((b1 - b0) * block * esize);
+            to_dtype<DT>(acc, converted, (b1 - b0) * block);
+            bytes = converted;
+        }
         for (int64_t b = b0; b < b1; ++b) {
             const uint64_t dst = b * bag_stride + static_cast<uint64_t>(a.table_base) * a.dim * esize;
             rc = k.put(t.dest, dst, bytes + (b - b0) * block * esize, block * esize);
@@ -508,46 +537,60 @@ int gemv_allreduce(const Kernel &k, const rocmoe_gemv_allreduce_args &a) {
 }
 
 // ---- GEMM + all-to-all ------------------------------------------------------------------
-// c[rows, n] = a[rows, k] @ w[k, n], fp32. Register tiles of 4 rows x 16 columns keep the
-// accumulators in vector registers across the whole k loop; the compiler vectorizes them.
+// c[rows, n] = a[rows, k] @ w[k, n] in fp32. W is packed once per call into panels of 16
+// columns ([panel][k][16], zero-padded), so the k loop streams one contiguous panel instead
+// of striding through W by whole rows (that stride costs a TLB miss per step); a 4 x 16
+// register tile (8 vectors of 8 floats) accumulates across the whole k loop.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define ROCMOE_GEMM_CLONES __attribute__((target_clones("default", "arch=x86-64-v3")))
 #else
 #define ROCMOE_GEMM_CLONES
 #endif
 
-ROCMOE_GEMM_CLONES
-void gemm_f32(const float *a, int64_t rows, int64_t k, const float *w, int64_t n, float *c) {
-    constexpr int MR = 4, NR = 16;
-    int64_t i = 0;
-    for (; i + MR <= rows; i += MR) {
-        int64_t j = 0;
-        for (; j + NR <= n; j += NR) {
-            float acc[MR][NR] = {};
-            for (int64_t p = 0; p < k; ++p) {
-                const float *wp = w + p * n + j;
-                for (int r = 0; r < MR; ++r) {
-                    const float av = a[(i + r) * k + p];
-                    for (int q = 0; q < NR; ++q) acc[r][q] += av * wp[q];
-                }
-            }
-            for (int r = 0; r < MR; ++r)
-                for (int q = 0; q < NR; ++q) c[(i + r) * n + j + q] = acc[r][q];
-        }
-        for (; j < n; ++j)
-            for (int r = 0; r < MR; ++r) {
-                float s = 0;
-                for (int64_t p = 0; p < k; ++p) s += a[(i + r) * k + p] * w[p * n + j];
-                c[(i + r) * n + j] = s;
-            }
+constexpr int64_t kPanel = 16;
+typedef float vec8 __attribute__((vector_size(32)));
+
+std::vector<float> pack_panels(const float *w, int64_t k, int64_t n) {
+    const int64_t panels = (n + kPanel - 1) / kPanel;
+    std::vector<float> packed(static_cast<size_t>(panels * k * kPanel), 0.0f);
+    for (int64_t jb = 0; jb < panels; ++jb) {
+        const int64_t cols = std::min<int64_t>(kPanel, n - jb * kPanel);
+        float *dst = packed.data() + jb * k * kPanel;
+        for (int64_t q = 0; q < k; ++q) std::memcpy(dst + q * kPanel, w + q * n + jb * kPanel, cols * 4);
     }
-    for (; i < rows; ++i) {
-        float *ci = c + i * n;
-        std::fill(ci, ci + n, 0.0f);
-        for (int64_t p = 0; p < k; ++p) {
-            const float av = a[i * k + p];
-            const float *wp = w + p * n;
-            for (int64_t j = 0; j < n; ++j) ci[j] += av * wp[j];
+    return packed;
+}
+
+// memcpy to and from vectors (not helper functions: a helper compiled for the default
+// target would not be inlined into the AVX2 clone)
+ROCMOE_GEMM_CLONES
+void gemm_packed(const float *a, int64_t rows, int64_t k, const float *panels, int64_t n, float *c) {
+    const int64_t count = (n + kPanel - 1) / kPanel;
+    for (int64_t i = 0; i < rows; i += 4) {
+        const int64_t mr = std::min<int64_t>(4, rows - i);
+        const float *a0 = a + i * k;
+        const float *a1 = a + (i + (mr > 1 ? 1 : 0)) * k;  // short blocks repeat row i
+        const float *a2 = a + (i + (mr > 2 ? 2 : 0)) * k;
+        const float *a3 = a + (i + (mr > 3 ? 3 : 0)) * k;
+        for (int64_t jb = 0; jb < count; ++jb) {
+            vec8 c00 = {}, c01 = {}, c10 = {}, c11 = {}, c20 = {}, c21 = {}, c30 = {}, c31 = {};
+            const float *p = panels + jb * k * kPanel;
+            for (int64_t q = 0; q < k; ++q, p += kPanel) {
+                vec8 w0, w1, b;
+                std::memcpy(&w0, p, 32);
+                std::memcpy(&w1, p + 8, 32);
+                b = vec8{} + a0[q]; c00 += b * w0; c01 += b * w1;
+                b = vec8{} + a1[q]; c10 += b * w0; c11 += b * w1;
+                b = vec8{} + a2[q]; c20 += b * w0; c21 += b * w1;
+                b = vec8{} + a3[q]; c30 += b * w0; c31 += b * w1;
+            }
+            float out[4][kPanel];
+            std::memcpy(out[0], &c00, 32); std::memcpy(out[0] + 8, &c01, 32);
+            std::memcpy(out[1], &c10, 32); std::memcpy(out[1] + 8, &c11, 32);
+            std::memcpy(out[2], &c20, 32); std::memcpy(out[2] + 8, &c21, 32);
+            std::memcpy(out[3], &c30, 32); std::memcpy(out[3] + 8, &c31, 32);
+            const int64_t cols = std::min<int64_t>(kPanel, n - jb * kPanel);
+            for (int64_t r = 0; r < mr; ++r) std::memcpy(c + (i + r) * n + jb * kPanel, out[r], cols * 4);
         }
     }
 }
@@ -564,6 +607,8 @@ int gemm_a2a(const Kernel &k, const rocmoe_gemm_a2a_args &a) {
     const bool compute = a.y == nullptr;
     // computing: 16-row tiles (4 register tiles); moving: ~256 KiB per put
     const int64_t tile = compute ? 16 : std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, row_bytes));
+    std::vector<float> panels;
+    if (compute) panels = pack_panels(a.w, a.k, n);
     std::vector<uint32_t> tasks(k.world), prefix;
     for (int d = 0; d < k.world; ++d) tasks[d] = sc::tasks_for_rows(a.send_counts[d], tile);
     std::vector<Phase> phases(1);
@@ -586,7 +631,7 @@ int gemm_a2a(const Kernel &k, const rocmoe_gemm_a2a_args &a) {
             xa = xs;
         }
         float *acc = stage(t_stage, rows * n);
-        gemm_f32(xa, rows, a.k, a.w, n, acc);
+        gemm_packed(xa, rows, a.k, panels.data(), n, acc);
         if (DT == ROCMOE_DTYPE_F32) return k.put(t.dest, dst, acc, rows * row_bytes);
         unsigned char *bytes = stage_bytes(rows * row_bytes);
         to_dtype<DT>(acc, bytes, rows * n);
@@ -686,8 +731,9 @@ int rocmoe_host_embedding_a2a(rocmoe_ctx *ctx, const rocmoe_embedding_a2a_args *
     if (a->num_tables < 0 || a->table_base < 0 || a->table_base + a->num_tables > a->total_tables ||
         (a->mode != ROCMOE_BAG_SUM && a->mode != ROCMOE_BAG_MEAN) ||
         (a->out == nullptr && need > 0) ||
-        (a->num_tables > 0 && (a->weights == nullptr || a->rows == nullptr || a->indices == nullptr ||
-                               a->num_indices == nullptr || a->offsets == nullptr)))
+        (a->num_tables > 0 && a->bags == nullptr &&
+         (a->weights == nullptr || a->rows == nullptr || a->indices == nullptr ||
+          a->num_indices == nullptr || a->offsets == nullptr)))
         return fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: inconsistent arguments (tables "
                     "%d at %d of %d, mode %d)", a->num_tables, a->table_base, a->total_tables, a->mode);
     rocmoe::Kernel k;
