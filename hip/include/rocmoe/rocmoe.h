@@ -195,6 +195,8 @@ typedef struct rocmoe_embedding_a2a_args {
     const int64_t *const *offsets;   /* num_tables x [batch] bag starts */
     const float *const *per_sample_weights;  /* NULL, or num_tables x [num_indices] */
     void *out;                       /* [batch / world, total_tables, dim] */
+    const void *bags;                /* NULL: look up here; else [batch, num_tables, dim] of
+                                        dtype already pooled (the kernel only moves them) */
 } rocmoe_embedding_a2a_args;
 
 typedef struct rocmoe_gemv_allreduce_args {
