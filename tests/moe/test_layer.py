@@ -124,6 +124,15 @@ def test_a_single_token(reference):
     torch.testing.assert_close(layer(x), reference(layer, x))
 
 
+def test_zero_tokens_give_an_empty_output_and_gradient():
+    layer = _layer(block_size=16)
+    x = torch.randn(0, 24, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (0, 24) and x.grad.shape == (0, 24)
+    assert layer.tokens_per_expert.tolist() == [0] * 6
+
+
 def test_aux_loss_and_tokens_per_expert_after_forward():
     layer = _layer()
     layer(torch.randn(30, 24))
