@@ -178,7 +178,8 @@ def bench_gemm(arena, size, quick, emit_fn, configs):
             epoch, arena.rank, world, total, nprog, n, k, x.stride(0), x.stride(1), w.stride(0),
             w.stride(1), WORLD_P2=max(2, 1 << (world - 1).bit_length()), BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], SIGNAL=signal,
-            FP32_IEEE=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            FP32_IEEE=False, EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         if signal:
             gpu._launch_wait(ws.signals, ws.status[world:], epoch, arena.timeout_s)
             gpu._launch_ack(arena, ws, epoch)
@@ -246,11 +247,7 @@ def main(argv=None) -> int:
         from ..ops import triton_gemm_a2a as tk
         configs = [tk.default_config("hip" if torch.version.hip else "cuda")]
         if not torch.version.hip:
-            configs += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4,
-                             num_stages=4),
-                        dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8,
-                             num_stages=4),
-                        dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8,
+            configs += [dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8,
                              num_stages=3)]
         for size in ((4096,) if args.quick else (4096, 8192)):
             guarded("gemm_a2a", bench_gemm, arena, size, args.quick, out, configs)
