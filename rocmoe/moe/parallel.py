@@ -87,8 +87,8 @@ class HeapTransport(ExpertTransport):
     ranks know the whole [src, dst] matrix and hence where their rows land in each peer's
     receive buffer, and all of them agree on the buffer size without another exchange;
     (2) each rank puts its rows for peer p at that offset of p's buffer; (3) barrier, and
-    the received rows are copied out. A barrier at the start keeps a fast rank from writing
-    into a buffer that a slow peer is still copying out.
+    the received rows are copied out. The barrier that opens step (1) keeps a fast rank from
+    writing into a buffer that a slow peer is still copying out.
 
     The split sizes are read on the host (puts need byte counts), so on GPUs this transport
     synchronises once per call; the single-rank layer has no such sync.
@@ -145,7 +145,8 @@ class HeapTransport(ExpertTransport):
             self._capacity = max(need, 2 * self._capacity, 1 << 16)
             self._buffer = self.ctx.empty((self._capacity,), torch.uint8)
         src = rows.detach().contiguous().to(self._buffer.device)
-        self.ctx.barrier()  # peers have copied their rows out of the previous call's buffer
+        # No barrier needed here: the first barrier of _put_to_all above already ordered
+        # every peer's copy-out of the previous call's rows before these puts.
         self._sync_device(src)
         start = 0
         for peer in range(world):
