@@ -369,9 +369,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         from rocmoe.moe import blocksparse as bs
         if args.tune:
             best = tune((65536, 1024, 4096, 64), args.block_size, dtype, device, emit, [
-                dict(block_n=256, block_k=64, num_warps=8, num_stages=3),
-                dict(block_n=256, block_k=64, num_warps=8, num_stages=4),
-                dict(block_n=128, block_k=64, num_warps=8, num_stages=4),
+                dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="load"),
+                dict(block_n=256, block_k=64, num_warps=8, num_stages=4, act_fusion="load"),
+                dict(block_n=128, block_k=64, num_warps=8, num_stages=4, act_fusion="load"),
+                # the H200 kernel breakdown (DSD/DSᵀD 2-3x slower with act on load) says
+                # "store" should win; it was added after the last GPU run, so tune decides
+                dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="store"),
             ])
             emit(dict(metric="tune_choice", config=best))
         emit(dict(metric="kernel_config", config=dict(bs.KERNEL_CONFIG),
