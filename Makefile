@@ -14,12 +14,15 @@ export PYTHONUNBUFFERED := 1
 
 STAMP := build/.setup-stamp
 NATIVE_SOURCES := $(shell find hip bindings -type f) CMakeLists.txt pyproject.toml
+# scikit-build-core's editable finder knows the package's files as of the install: a package
+# folder that gains or loses a file (its mtime changes) needs a re-install.
+PACKAGE_DIRS := $(shell find rocmoe -type d -not -name __pycache__)
 
 .PHONY: setup build demo test clean
 
 setup: $(STAMP)
 
-$(STAMP): $(NATIVE_SOURCES)
+$(STAMP): $(NATIVE_SOURCES) $(PACKAGE_DIRS)
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q scikit-build-core cffi
 	$(PIP) install -q --no-build-isolation -e ".[test]"
