@@ -4,7 +4,7 @@
 //   slice  owner o: rows [split_begin(N, world, o), split_begin(N, world, o + 1)) of the
 //          partial product W_r x_r; they are stored as fp32 straight into o's receive
 //          buffer at partials[r][row - chunk begin]
-//   task   kRowsPerTile rows; one wave computes kRowsPerWave rows' dot products at once
+//   task   kRowsPerTile rows; one wave computes one row's dot product at a time
 // Phase 2 (all-gather by stores), persistent kernel on the same schedule:
 //   each workgroup first waits (bounded) for every rank's phase-1 signal of this rank's
 //   chunk, then for each destination d and tile of kReduceTile rows sums the partials in
@@ -12,8 +12,8 @@
 //   op's dtype, into d's receive buffer at gather_offset; the slice completer signals d.
 // Phase 3: the consumer waits for every owner's phase-2 signal.
 //
-// Bandwidth: phase 1 reads W once with 16-byte loads, four rows' in flight per lane; each x
-// vector is read once per four rows. Phase 2 moves N * world floats, negligible next to W.
+// Bandwidth: phase 1 reads W once with 16-byte loads, four in flight per lane; x (K_r
+// elements) stays in the caches. Phase 2 moves N * world floats, negligible next to W.
 #include "fused_common.hpp"
 
 #include "../internal.hpp"
@@ -38,42 +38,37 @@ __device__ __forceinline__ int64_t chunk_begin(const GemvParams &p, int world, i
     return sched::split_begin(p.n, world, o);
 }
 
-// Dot products of up to kRowsPerWave consecutive rows with x, by one wave: each x vector
-// is loaded once and used for every row (x traffic through the caches would otherwise
-// equal W's), and the rows' loads are independent, so several are in flight per lane.
-constexpr int kRowsPerWave = 4;
-
 template <class T, bool kVec>
-__device__ __forceinline__ void rows_dot(const typename T::storage *rows,
-                                         const typename T::storage *x, int64_t K, int nrows,
-                                         int lane, float *out) {
-    float acc[kRowsPerWave];
-    for (int r = 0; r < kRowsPerWave; ++r) acc[r] = 0.f;
+__device__ __forceinline__ float row_dot(const typename T::storage *row,
+                                         const typename T::storage *x, int64_t K, int lane) {
+    float acc = 0.f;
     if constexpr (kVec) {
         constexpr int V = vec_elems<T>();
-        const int64_t nvec = K / V;
+        const uint4 *rv = reinterpret_cast<const uint4 *>(row);
         const uint4 *xv = reinterpret_cast<const uint4 *>(x);
-        for (int64_t i = lane; i < nvec; i += ROCMOE_WAVE_SIZE) {
-            uint4 a[kRowsPerWave];
-            for (int r = 0; r < kRowsPerWave; ++r)
-                if (r < nrows) a[r] = reinterpret_cast<const uint4 *>(rows + r * K)[i];
-            float fx[V];
-            unpack<T>(xv[i], fx);
-            for (int r = 0; r < kRowsPerWave; ++r) {
-                if (r >= nrows) break;
-                float fa[V];
-                unpack<T>(a[r], fa);
-                for (int e = 0; e < V; ++e) acc[r] += fa[e] * fx[e];
+        const int64_t nvec = K / V;
+        int64_t i = lane;
+        for (; i + 3 * ROCMOE_WAVE_SIZE < nvec; i += 4 * ROCMOE_WAVE_SIZE) {
+            uint4 a[4], b[4];
+            for (int u = 0; u < 4; ++u) a[u] = rv[i + u * ROCMOE_WAVE_SIZE];
+            for (int u = 0; u < 4; ++u) b[u] = xv[i + u * ROCMOE_WAVE_SIZE];
+            for (int u = 0; u < 4; ++u) {
+                float fa[V], fb[V];
+                unpack<T>(a[u], fa);
+                unpack<T>(b[u], fb);
+                for (int e = 0; e < V; ++e) acc += fa[e] * fb[e];
             }
         }
-    } else {
-        for (int64_t i = lane; i < K; i += ROCMOE_WAVE_SIZE) {
-            const float fx = T::load(x[i]);
-            for (int r = 0; r < kRowsPerWave; ++r)
-                if (r < nrows) acc[r] += T::load(rows[r * K + i]) * fx;
+        for (; i < nvec; i += ROCMOE_WAVE_SIZE) {
+            float fa[V], fb[V];
+            unpack<T>(rv[i], fa);
+            unpack<T>(xv[i], fb);
+            for (int e = 0; e < V; ++e) acc += fa[e] * fb[e];
         }
+    } else {
+        for (int64_t i = lane; i < K; i += ROCMOE_WAVE_SIZE) acc += T::load(row[i]) * T::load(x[i]);
     }
-    for (int r = 0; r < kRowsPerWave; ++r) out[r] = wave_sum(acc[r]);
+    return wave_sum(acc);
 }
 
 // builds tasks_per_dest / prefix in shared memory from per-destination row counts
@@ -128,13 +123,9 @@ __global__ void __launch_bounds__(kThreads) gemv_reduce_scatter_kernel(Common c,
         float *partials = static_cast<float *>(shmem::peer_ptr(c.team, p.recv, task.dest));
         if (free_to_write && partials != nullptr) {
             float *mine = partials + int64_t(c.topo.rank) * p.chunk_stride;
-            for (uint64_t r = first + uint64_t(wave) * kRowsPerWave; r < last;
-                 r += uint64_t(kWaves) * kRowsPerWave) {
-                const int nrows = int(last - r < uint64_t(kRowsPerWave) ? last - r : kRowsPerWave);
-                float v[kRowsPerWave];
-                rows_dot<T, kVec>(W + (cb + int64_t(r)) * p.k, x, p.k, nrows, lane, v);
-                if (lane == 0)
-                    for (int j = 0; j < nrows; ++j) mine[r + j] = v[j];
+            for (uint64_t r = first + wave; r < last; r += kWaves) {
+                const float v = row_dot<T, kVec>(W + (cb + int64_t(r)) * p.k, x, p.k, lane);
+                if (lane == 0) mine[r] = v;
             }
         } else if (free_to_write && tid == 0) {
             // the partials are 4-byte scattered stores: this kernel needs load/store reach
@@ -229,7 +220,7 @@ int launch(const Common &c, const GemvParams &p, int requested, hipStream_t stre
     const int64_t mine = sched::split_begin(p.n, world, c.topo.rank + 1) -
                          sched::split_begin(p.n, world, c.topo.rank);
     total2 = uint32_t(world) * sched::tasks_for_rows(uint64_t(mine), kReduceTile);
-    const int workers1 = persistent_workgroups(requested, total1, 3);  // ~80 registers a thread
+    const int workers1 = persistent_workgroups(requested, total1, 4);
     const int workers2 = persistent_workgroups(requested, total2, 2);
     const bool vec = p.k % vec_elems<T>() == 0 &&
                      ((reinterpret_cast<uintptr_t>(p.w) | reinterpret_cast<uintptr_t>(p.x)) & 15u) == 0;
