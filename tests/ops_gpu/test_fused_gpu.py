@@ -6,7 +6,10 @@ through torch's IPC handles."""
 import pytest
 import torch
 
-from tests.ops_gpu.conftest import SCRIPT, librocmoe_has_gpu, mpi_env, require_gpu, run_mpi
+from gpu_testing import SCRIPT, librocmoe_has_gpu, require_gpu
+from rocmoe_testing import mpi_env, run_mpi
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
 OPS = ["gemm", "embedding", "gemv"]
 

@@ -7,7 +7,10 @@ import pytest
 
 pytest.importorskip("triton")
 
-from tests.ops_gpu.conftest import SCRIPT, mpi_env, run_mpi  # noqa: E402
+from gpu_testing import SCRIPT  # noqa: E402
+from rocmoe_testing import mpi_env, run_mpi  # noqa: E402
+
+pytestmark = [pytest.mark.triton_interpret, pytest.mark.mpi]
 
 
 def _env(**extra):

@@ -10,6 +10,8 @@ import pytest
 from rocmoe.ops import gpu
 from rocmoe_testing import require_tool
 
+pytestmark = pytest.mark.compile
+
 REPO = Path(__file__).resolve().parents[2]
 TOPOLOGIES = [(w, per) for w in (1, 2, 3, 4, 5, 8, 12) for per in (0, 1, 2, 3, 4, 8)]
 

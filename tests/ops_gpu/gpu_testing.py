@@ -1,11 +1,9 @@
-"""Helpers of the GPU fused-op tests (the shared ones live in tests/conftest.py)."""
+"""Helpers of the GPU fused-op tests (the shared ones live in tests/rocmoe_testing.py)."""
 
 import os
 
 import pytest
 import torch
-
-from rocmoe_testing import mpi_env, run_mpi  # noqa: F401  (re-exported for the tests)
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "fused_gpu_script.py")
 
