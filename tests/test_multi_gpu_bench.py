@@ -1,0 +1,160 @@
+"""rocmoe.bench.multi_gpu on CPU: argument parsing, case lists, records and their ratios, the
+Zipf routing bias, the torch.distributed transport, and a 2-rank dry run (host backend + gloo).
+The GPU numbers come from benchmarks/gpu_multi.sh on a GPU machine; nothing here needs one."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import rocmoe_testing as helpers
+from rocmoe.bench import fused as bench_fused
+from rocmoe.bench import multi_gpu as mg
+
+
+def test_parse_args_defaults_measure_every_op_at_the_large_shapes():
+    args = mg.parse_args([])
+    assert args.ops == ["embedding", "gemv", "gemm", "moe"]
+    assert args.dtypes == ["float32"]
+    assert args.moe_shapes == mg.MOE_EP_LARGE
+    assert args.moe_dtype == "bfloat16"
+    assert not args.small and args.ranks == 0
+
+
+def test_parse_args_cpu_dry_run_uses_float32_layers():
+    args = mg.parse_args(["--device", "cpu", "--small", "--ops", "moe,gemm",
+                          "--dtype", "float32,bfloat16", "--heap", "512M"])
+    assert args.ops == ["moe", "gemm"]
+    assert args.dtypes == ["float32", "bfloat16"]
+    assert args.moe_dtype == "float32"
+    assert args.moe_shapes == mg.MOE_EP_SMALL
+    assert args.heap == 512 << 20
+
+
+@pytest.mark.parametrize("argv", [["--ops", "embedding,allgather"], ["--dtype", "int8"],
+                                  ["--iters", "0"], ["--moe-shapes", "1,2,3"]])
+def test_parse_args_rejects_bad_input(argv, capsys):
+    with pytest.raises(SystemExit):
+        mg.parse_args(argv)
+
+
+def test_parse_size_and_moe_shapes():
+    assert mg.parse_size("8G") == 8 << 30
+    assert mg.parse_size("4096") == 4096
+    assert mg.parse_size("1.5k") == 1536
+    assert mg.parse_moe_shapes("8192,1024,4096,64; 16,8,8,4") == [(8192, 1024, 4096, 64),
+                                                                  (16, 8, 8, 4)]
+
+
+def test_fused_cases_are_the_shapes_of_rocmoe_bench_fused():
+    args = mg.parse_args(["--dtype", "float32,bfloat16"])
+    cases = mg.fused_cases(args, world=2)
+    per_dtype = len(bench_fused.DLRM_LARGE) + len(bench_fused.GEMV_LARGE) + len(bench_fused.MOE_LARGE)
+    assert len(cases) == 2 * per_dtype
+    emb = [s for op, s, d in cases if op == "embedding" and d == "float32"]
+    assert sorted(map(json.dumps, emb)) == sorted(map(json.dumps, bench_fused.DLRM_LARGE))
+    # receive buffers only grow: embedding shapes run from the least work to the most
+    work = [s["batch"] * s["pooling"] * s["dim"] for s in emb]
+    assert work == sorted(work)
+    small = mg.fused_cases(mg.parse_args(["--small", "--ops", "gemv"]), world=4)
+    assert small == [("gemv", bench_fused.GEMV_SMALL[0], "float32")]
+
+
+def test_make_record_names_the_baseline_and_computes_the_ratios():
+    rec = mg.make_record("gemm", "ipc", 2, "float32", {"tokens": 4096, "hidden": 1024},
+                         {"ms": 1.0, "loop_ms": 0.5}, {"ms": 2.0, "loop_ms": 0.8},
+                         rel_err_vs_baseline=1e-7)
+    assert rec["baseline"] == mg.BASELINES["gemm"]
+    assert rec["speedup"] == 2.0 and rec["latency_reduction"] == 0.5
+    assert rec["loop_speedup"] == 1.6 and rec["loop_latency_reduction"] == 0.375
+    assert rec["goal_reduction"] == 0.15 and rec["meets_goal"] is True
+    assert rec["rel_err_vs_baseline"] == 1e-7
+
+
+def test_make_record_judges_a_goal_only_at_its_world_size():
+    fast = ({"ms": 1.0}, {"ms": 2.0})
+    slow = ({"ms": 1.0}, {"ms": 1.1})
+    assert mg.make_record("embedding", "ipc", 2, "float32", {}, *fast)["meets_goal"] is None
+    assert mg.make_record("embedding", "ipc", 8, "float32", {}, *fast)["meets_goal"] is True
+    assert mg.make_record("embedding", "ipc", 8, "float32", {}, *slow)["meets_goal"] is False
+    assert mg.make_record("gemv", "nvshmem", 4, "float32", {}, *slow)["meets_goal"] is False
+    moe = mg.make_record("moe", "ipc", 2, "bfloat16", {}, *fast)
+    assert "meets_goal" not in moe and moe["speedup"] == 2.0
+
+
+def test_failed_case_record_has_no_times_and_shows_in_the_table():
+    bad = mg.make_record("gemv", "ipc", 2, "float32", {"n": 4096, "k": 4096}, None, None,
+                         error="CommTimeoutError: late")
+    assert "fused_ms" not in bad and bad["meets_goal"] is None
+    good = mg.make_record("gemv", "ipc", 2, "float32", {"n": 8192, "k": 8192},
+                          {"ms": 0.05}, {"ms": 0.08})
+    stage = {"bench": "multi_gpu", "stage": "nvshmem", "error": "build failed"}
+    table = mg.summary_table([bad, good, stage]).splitlines()
+    assert len(table) == 3  # header + the two op records; stage notes are not op rows
+    assert "CommTimeoutError" in table[1]
+    assert "0.0500" in table[2] and "1.600" in table[2]
+
+
+def test_zipf_bias_makes_the_router_route_zipf():
+    from rocmoe.moe.router import Router
+    tokens, experts, hidden = 40000, 8, 16
+    g = torch.Generator().manual_seed(3)
+    bias = mg.zipf_router_bias(tokens, experts, 1.0, g, "cpu")
+    router = mg.bias_router(Router(hidden, experts, 2), bias)
+    ids, weights = router.route(torch.randn(tokens, hidden, generator=g))
+    assert ids.shape == (tokens, 2) and (ids[:, 0] != ids[:, 1]).all()
+    # the first pick of the Gumbel-top-k draw is exactly a sample of p
+    first = torch.bincount(ids[:, 0].long(), minlength=experts).double() / tokens
+    p = mg.zipf_probabilities(experts, 1.0)
+    assert torch.allclose(first, p, atol=0.01), (first, p)
+    # still a router: its weights get a gradient through the softmax
+    weights.sum().backward() if weights.requires_grad else None
+    assert router.aux_loss is not None
+
+
+def test_dist_transport_is_all_to_all_single_at_world_size_one():
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        t = mg.DistTransport(0, 1)
+        rows = torch.randn(5, 3)
+        assert torch.equal(t.all_to_all(rows, [5], [5]), rows)
+        counts = torch.tensor([[2, 3]], dtype=torch.int32)
+        got = t.exchange_counts(counts)
+        assert got.dtype == torch.int32 and torch.equal(got, counts)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.mpi
+def test_two_rank_cpu_dry_run_prints_records_with_matching_results(tmp_path):
+    out = tmp_path / "multi.jsonl"
+    proc = helpers.run_mpi("-m", 2, "rocmoe.bench.multi_gpu", "--device", "cpu", "--small",
+                           "--ops", "gemm,moe", "--reps", "1", "--iters", "2", "--warmup", "0",
+                           "--output", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stdout
+    printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert printed == written
+    assert [r["op"] for r in written] == ["gemm_all_to_all", "dropless_moe_step"]
+    for r in written:
+        assert "error" not in r, r
+        assert r["ranks"] == 2 and r["backend"] == "host"
+        assert r["fused_ms"] > 0 and r["baseline_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["fused_ms"], rel=2e-3)
+        # both paths compute the same function
+        assert r["rel_err_vs_baseline"] < 1e-5
+    moe = written[1]
+    assert moe["grad_w1_rel_err_vs_baseline"] < 1e-5
+    # Zipf(1.0) over 8 experts: rank 0 owns experts 0-3, most of the load
+    assert moe["rank_load_fraction"][0] > 0.6
+    assert sum(moe["rank_load_fraction"]) == pytest.approx(1.0, abs=1e-3)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
