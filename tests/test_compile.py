@@ -168,8 +168,10 @@ def _command(source_id: str, kind: str, toolchain: str, workdir: Path) -> tuple[
         src = workdir / f"{name}.{toolchain}.hip"
         if kind == "header":
             header = Path(source_id)
-            rel = header.relative_to("hip/include").as_posix() if source_id.startswith(
-                "hip/include/") else header.name
+            # include it the way the sources do: from hip/include, or from hip/src (which
+            # is on the include path), so headers in hip/src/gpu/ are found too
+            base = "hip/include" if source_id.startswith("hip/include/") else "hip/src"
+            rel = header.relative_to(base).as_posix()
             src.write_text(_include_tu(rel))
         elif kind == "platform":
             src.write_text(PLATFORM_PROBE)
