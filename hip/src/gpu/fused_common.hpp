@@ -48,7 +48,7 @@ struct F16 {
 
 // elements of T in one 16-byte vector
 template <class T>
-constexpr int vec_elems() { return 16 / int(sizeof(typename T::storage)); }
+ROCMOE_HD constexpr int vec_elems() { return 16 / int(sizeof(typename T::storage)); }
 
 // unpack a 16-byte vector into floats
 template <class T>
