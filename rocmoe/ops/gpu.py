@@ -157,6 +157,22 @@ class ContextArena(Arena):
         return t, self.ctx.heap.offset_of(t)
 
 
+_arenas = None
+
+
+def arena_for(ctx) -> "ContextArena":
+    """The ContextArena of a rocmoe Context, made once per context (its workspaces and epochs
+    must persist across calls). Creating it is collective (the first op call on every rank)."""
+    global _arenas
+    import weakref
+    if _arenas is None:
+        _arenas = weakref.WeakKeyDictionary()
+    arena = _arenas.get(ctx)
+    if arena is None:
+        arena = _arenas[ctx] = ContextArena(ctx)
+    return arena
+
+
 class TorchIpcArena(Arena):
     """One device buffer per rank, shared with the ranks of this node through the IPC
     handles torch makes for CUDA/HIP storages; a deterministic bump allocator on top keeps
@@ -392,7 +408,16 @@ def plan_gemm(arena: Arena, m: int, n: int, send_counts: Sequence[int], config: 
             f"gemm_all_to_all: send_counts must have {w} entries >= 0 that sum to the rows of X, "
             f"and N must agree on every rank; ranks {bad or 'all'} disagree "
             f"(M, N, counts per rank: {rows})")
-    counts = np.asarray([rec[2:] for rec in rows], dtype=np.int64)
+    return plan_gemm_agreed(arena, np.asarray([rec[2:] for rec in rows], dtype=np.int64), n,
+                            config)
+
+
+def plan_gemm_agreed(arena: Arena, counts: np.ndarray, n: int, config: dict) -> GemmPlan:
+    """The plan from a counts matrix every rank already agreed on ([world, world]: rows rank s
+    sends to rank d), without communicating: for callers that validated and all-gathered the
+    counts themselves (rocmoe.ops' public op does)."""
+    w, r = arena.world, arena.rank
+    counts = np.asarray(counts, dtype=np.int64).reshape(w, w)
     row_start = [0] + list(np.cumsum(counts[r])[:-1])
     dest_rows = [int(counts[:r, d].sum()) for d in range(w)]
     recv = counts.sum(axis=0)
@@ -621,18 +646,32 @@ def embedding_all_to_all(arena: Arena, weights: Sequence[torch.Tensor],
 
 
 def gemv_all_reduce(arena: Arena, w_local: torch.Tensor, x_local: torch.Tensor, *,
-                    signal: bool = True, check: bool = True) -> torch.Tensor:
-    """y = sum over ranks of W_r @ x_r ([N], identical on every rank)."""
+                    signal: bool = True, check: bool = True, agreed: bool = False) -> torch.Tensor:
+    """y = sum over ranks of W_r @ x_r ([N], identical on every rank).
+
+    Unless `agreed` (the caller already all-gathered N and the dtype), every rank's N and
+    dtype are compared first (one timed host all-gather): a mismatch raises on every rank
+    before anything is written to a peer."""
     from .._native import check as native_check
     ffi, lib = _native()
+    problem = None
     if w_local.dim() != 2 or x_local.dim() != 1 or w_local.shape[1] != x_local.shape[0]:
-        raise errors.InvalidArgumentError(
+        problem = errors.InvalidArgumentError(
             f"gemv_all_reduce: expected W [N, K_r] and x [K_r], got {tuple(w_local.shape)} and "
             f"{tuple(x_local.shape)}")
-    if w_local.dtype != x_local.dtype or w_local.dtype not in _DTYPES:
-        raise errors.DTypeError(
+    elif w_local.dtype != x_local.dtype or w_local.dtype not in _DTYPES:
+        problem = errors.DTypeError(
             f"gemv_all_reduce: W and x must share one of float32/bfloat16/float16, got "
             f"{w_local.dtype} and {x_local.dtype}")
+    if not agreed and arena.world > 1:
+        mine = [-1, -1] if problem else [int(w_local.shape[0]), _DTYPES[w_local.dtype]]
+        table = arena.allgather(mine, "gemv_all_reduce (agreeing on N and dtype)")
+        if problem is None and any(row != table[0] or row[0] < 0 for row in table):
+            problem = errors.InvalidArgumentError(
+                f"gemv_all_reduce: every rank must pass the same N and dtype (N, dtype code per "
+                f"rank: {table})")
+    if problem is not None:
+        raise problem
     n, k = w_local.shape
     world = arena.world
     elt = w_local.element_size()

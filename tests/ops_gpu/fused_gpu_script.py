@@ -149,6 +149,17 @@ def check_bad_counts(arena, device, dtype, calls, rank, world):
     raise AssertionError("bad counts were accepted")
 
 
+def check_gemv_mismatch(arena, device, dtype, calls, rank, world):
+    # rank 0 passes a different N: every rank must raise before any kernel runs
+    n = 8 + (1 if rank == 0 else 0)
+    try:
+        gpu.gemv_all_reduce(arena, torch.randn(n, 4).to(device, dtype), torch.randn(4).to(device, dtype))
+    except errors.InvalidArgumentError as exc:
+        print(f"RANK {rank} REJECTED {exc}", flush=True)
+        return
+    raise AssertionError("mismatched N was accepted")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("op")
@@ -160,7 +171,8 @@ def main():
     rank, world = comm.Get_rank(), comm.Get_size()
     arena, device = make_arena(a.arena, comm)
     checks = {"gemm": check_gemm, "embedding": check_embedding, "gemv": check_gemv,
-              "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts}
+              "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
+              "gemv_mismatch": check_gemv_mismatch}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once
     # a failing op / dtype is reported and the next one still runs: one GPU job shows every
     # problem at once (the exit status still says that something failed)

@@ -38,3 +38,10 @@ def test_inconsistent_send_counts_rejected_on_every_rank():
     proc = run_mpi(SCRIPT, 2, "bad_counts", "context", timeout=240, env=_env())
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.count("REJECTED") == 2, proc.stdout
+
+
+def test_gemv_with_different_n_rejected_on_every_rank():
+    # the agreement runs before any launch, so it is checked here on the host backend too
+    proc = run_mpi(SCRIPT, 2, "gemv_mismatch", "context", timeout=240, env=_env())
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("REJECTED") == 2, proc.stdout
