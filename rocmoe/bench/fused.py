@@ -148,7 +148,7 @@ def bench_embedding(ctx, timer, shape, dtype, args, mode):
         os.environ.pop("ROCMOE_HOST_EMBEDDING", None)
 
 
-def bench_gemv(ctx, timer, shape, dtype, args):
+def bench_gemv(ctx, timer, shape, dtype, args, mode):
     import torch
     import rocmoe.ops as ops
     from rocmoe.ops import reference as ref
@@ -157,9 +157,13 @@ def bench_gemv(ctx, timer, shape, dtype, args):
     g = torch.Generator().manual_seed(rank)
     w = torch.randn(shape["n"], k_r, generator=g).to(dtype)
     x = torch.randn(k_r, generator=g).to(dtype)
-    with torch.no_grad():
-        return compare(ctx, timer, lambda: ops.gemv_all_reduce(w, x),
-                       lambda: ref.gemv_all_reduce(w, x), args.warmup, args.iters)
+    os.environ["ROCMOE_HOST_GEMV"] = mode
+    try:
+        with torch.no_grad():
+            return compare(ctx, timer, lambda: ops.gemv_all_reduce(w, x),
+                           lambda: ref.gemv_all_reduce(w, x), args.warmup, args.iters)
+    finally:
+        os.environ.pop("ROCMOE_HOST_GEMV", None)
 
 
 def bench_gemm(ctx, timer, shape, dtype, args, mode):
@@ -207,8 +211,10 @@ def run_worker(args) -> int:
                                   {"host_embedding": mode}))
     if "gemv" in ops_wanted:
         for s in (GEMV_LARGE if args.large else GEMV_SMALL):
-            cases.append(("gemv_all_reduce", s, "matmul + MPI Allreduce",
-                          lambda s=s: bench_gemv(ctx, timer, s, dtype, args), {}))
+            for mode in ("torch", "kernel"):
+                cases.append(("gemv_all_reduce", s, "matmul + MPI Allreduce",
+                              lambda s=s, mode=mode: bench_gemv(ctx, timer, s, dtype, args, mode),
+                              {"host_gemv": mode}))
     if "gemm" in ops_wanted:
         for s in (MOE_LARGE if args.large else MOE_SMALL):
             for mode in ("torch", "kernel"):

@@ -43,10 +43,20 @@ def host_embedding_mode() -> str:
     """How the host persistent kernel gets the pooled bags: "kernel" (gathered by the worker
     threads, with prefetching) or "torch" (torch's EmbeddingBag pools every bag first, the
     kernel then only puts its slices and signals)."""
-    mode = os.environ.get("ROCMOE_HOST_EMBEDDING", "kernel").strip().lower()
+    mode = os.environ.get("ROCMOE_HOST_EMBEDDING", "torch").strip().lower()
     if mode not in ("kernel", "torch"):
         raise errors.ConfigurationError(
             f"ROCMOE_HOST_EMBEDDING={mode!r}: use 'kernel' or 'torch'")
+    return mode
+
+
+def host_gemv_mode() -> str:
+    """How the host persistent kernel gets the partial products W_r x_r: "kernel" (dot
+    products by the worker threads) or "torch" (one torch matmul first; the kernel then does
+    the reduce-scatter and all-gather: puts, the reduction, signals)."""
+    mode = os.environ.get("ROCMOE_HOST_GEMV", "torch").strip().lower()
+    if mode not in ("kernel", "torch"):
+        raise errors.ConfigurationError(f"ROCMOE_HOST_GEMV={mode!r}: use 'kernel' or 'torch'")
     return mode
 
 
@@ -281,6 +291,11 @@ def gemv_forward(ctx, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Ten
     ws.common(args.common)
     args.dtype, args.n, args.k = dcode, n, int(w_local.shape[1])
     args.w, args.x, args.out = ptr(w_c), ptr(x_c), ptr(out)
+    args.partial = ffi.NULL
+    if ctx.backend == "host" and host_gemv_mode() == "torch" and n:
+        partial = (w_c.float() @ x_c.float()) if w_c.dtype != torch.float32 else w_c @ x_c
+        partial = partial.contiguous()
+        args.partial = ffi.cast("float *", partial.data_ptr())
     _launch(ctx, op, args, op)
     return out
 

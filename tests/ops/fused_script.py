@@ -121,11 +121,14 @@ def check_forward():
                            f"no-table-rank={empty_rank} shape={tuple(got.shape)}", d)
     os.environ.pop("ROCMOE_HOST_EMBEDDING", None)
     for dtype in DTYPES:
-        for _ in range(3):
-            tag += 1
-            w, x = gemv_case(tag, dtype)
-            ok, d = close(ops.gemv_all_reduce(w, x), ref.gemv_all_reduce(w, x), dtype, 4.0)
-            report(ok, f"gemv forward {dtype} W{tuple(w.shape)}", d)
+        for gemv_mode in ("torch", "kernel"):
+            os.environ["ROCMOE_HOST_GEMV"] = gemv_mode
+            for _ in range(2):
+                tag += 1
+                w, x = gemv_case(tag, dtype)
+                ok, d = close(ops.gemv_all_reduce(w, x), ref.gemv_all_reduce(w, x), dtype, 4.0)
+                report(ok, f"gemv forward {dtype} ({gemv_mode}) W{tuple(w.shape)}", d)
+        os.environ.pop("ROCMOE_HOST_GEMV", None)
         for mode in ("torch", "kernel"):
             os.environ["ROCMOE_HOST_GEMM"] = mode
             for _ in range(3):

@@ -461,8 +461,8 @@ int gemv_allreduce(const Kernel &k, const rocmoe_gemv_allreduce_args &a) {
     const int64_t chunk_max = sc::gemv_chunk_max(n, k.world);
     const uint64_t result_off = sc::gemv_result_offset(n, k.world);
     const int64_t esize = dtype_size(a.dtype);
-    std::vector<float> x(kk);
-    to_f32<DT>(a.x, x.data(), kk);
+    std::vector<float> x(a.partial != nullptr ? 0 : kk);
+    if (a.partial == nullptr) to_f32<DT>(a.x, x.data(), kk);
     const T *w = static_cast<const T *>(a.w);
 
     // phase 1 (reduce-scatter): partial dot products of chunk d go to d's partials[rank]
@@ -485,6 +485,9 @@ int gemv_allreduce(const Kernel &k, const rocmoe_gemv_allreduce_args &a) {
         const int64_t len = sc::split_begin(n, k.world, t.dest + 1) - d0;
         const int64_t r0 = sc::tile_begin(t.tile, tile1, len), r1 = sc::tile_end(t.tile, tile1, len);
         if (r1 <= r0) return ROCMOE_OK;
+        if (a.partial != nullptr)  // W x computed already: this task only moves its rows
+            return k.put(t.dest, (static_cast<uint64_t>(k.rank) * chunk_max + r0) * 4,
+                         a.partial + d0 + r0, (r1 - r0) * 4);
         float *part = stage(t_stage, r1 - r0);
         for (int64_t r = r0; r < r1; ++r) {
             const T *row = w + (d0 + r) * kk;
@@ -604,7 +607,8 @@ int gemm_a2a(const Kernel &k, const rocmoe_gemm_a2a_args &a) {
     if (row_start[k.world] != a.m)
         return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: send counts sum to %" PRId64
                     ", not to the %" PRId64 " rows", row_start[k.world], a.m);
-    const bool compute = a.y == nullptr;
+    // an empty Y may come as NULL: with no rows there is nothing to compute either way
+    const bool compute = a.y == nullptr && a.m > 0;
     // computing: 16-row tiles (4 register tiles); moving: ~256 KiB per put
     const int64_t tile = compute ? 16 : std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, row_bytes));
     std::vector<float> panels;
@@ -749,7 +753,8 @@ int rocmoe_host_gemv_allreduce(rocmoe_ctx *ctx, const rocmoe_gemv_allreduce_args
     uint64_t need = 0, slots = 0;
     int rc = rocmoe_gemv_allreduce_workspace(ctx->args.world_size, a->n, a->dtype, &need, &slots);
     if (rc != ROCMOE_OK) return rc;
-    if (a->k < 0 || (a->out == nullptr && a->n > 0) || (a->n * a->k > 0 && (a->w == nullptr || a->x == nullptr)))
+    if (a->k < 0 || (a->out == nullptr && a->n > 0) ||
+        (a->partial == nullptr && a->n * a->k > 0 && (a->w == nullptr || a->x == nullptr)))
         return fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: NULL tensor or negative size");
     rocmoe::Kernel k;
     rc = rocmoe::start_kernel(ctx, &a->common, "gemv_all_reduce", need, slots, &k);
