@@ -206,6 +206,7 @@ typedef struct rocmoe_gemv_allreduce_args {
     const void *w;                   /* [n, k] row-major, contiguous */
     const void *x;                   /* [k] */
     void *out;                       /* [n], identical on every rank */
+    const float *partial;            /* NULL: compute W x here; else [n] fp32 = W x already */
 } rocmoe_gemv_allreduce_args;
 
 typedef struct rocmoe_gemm_a2a_args {
