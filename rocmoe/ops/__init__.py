@@ -27,9 +27,10 @@ from ._kernels import BAD_COUNTS
 __all__ = ["embedding_all_to_all", "gemv_all_reduce", "gemm_all_to_all", "release_workspaces",
            "reference"]
 
-# Empty leaves passed to the ops with a collective backward (the embedding and GEMM ones): one that requires grad makes every rank record the
-# op's backward (a collective), also a rank without tables. A module-level leaf (not one made
-# per call) is what torch.compile traces as a graph input that requires grad.
+# Empty leaves passed to the ops whose backward is collective (embedding, GEMM): one that
+# requires grad makes every rank record the op's backward, also a rank without tables or with
+# frozen inputs. A module-level leaf (not one made per call) is what torch.compile traces as
+# a graph input that requires grad.
 _GRAD_ANCHOR = torch.empty(0, requires_grad=True)
 _NO_GRAD_ANCHOR = torch.empty(0)
 
