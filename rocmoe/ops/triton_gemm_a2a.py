@@ -126,8 +126,11 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
                     acc = tl.dot(a, b, acc)
 
             # scale-up: the tile goes straight into the destination's receive buffer
+            # heap bases and receive offsets are 256-byte aligned (rocmoe.heap.ALIGNMENT,
+            # gpu.ALIGN): saying so lets the tile go out as 16-byte stores, not 2-byte ones
+            # (the hint must sit on the pointer: the integer's is lost in the cast)
             dest_base = tl.load(peer_bases_ptr + dest) + recv_offset
-            out_ptr = dest_base.to(tl.pointer_type(out_ty))
+            out_ptr = tl.multiple_of(dest_base.to(tl.pointer_type(out_ty)), 16)
             out_rows = (tl.load(dest_row_ptr + dest) + local_rows).to(tl.int64)
             tl.store(out_ptr + out_rows[:, None] * N + cols[None, :].to(tl.int64),
                      acc.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
