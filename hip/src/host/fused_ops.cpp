@@ -291,13 +291,28 @@ struct Phase {
     std::function<int(const sc::Task &)> finish;
 };
 
-int run_phases(const Kernel &k, std::vector<Phase> &phases) {
+// Waking a parked worker costs a scheduler round trip (milliseconds on an oversubscribed
+// node), so a call brings in one worker per 4 MiB of work it touches, at least
+// the calling thread, at most the configured number.
+// ROCMOE_HOST_WORK_PER_WORKER overrides it (tests set 1 to run every call on all workers).
+uint64_t work_per_worker() {
+    static const uint64_t value = [] {
+        const char *env = std::getenv("ROCMOE_HOST_WORK_PER_WORKER");
+        const long long v = env ? std::atoll(env) : 0;
+        return v > 0 ? static_cast<uint64_t>(v) : (4ull << 20);
+    }();
+    return value;
+}
+
+int run_phases(const Kernel &k, std::vector<Phase> &phases, uint64_t work_bytes) {
     CallState state;
-    const uint32_t workers = static_cast<uint32_t>(k.workers);
+    const uint64_t useful = std::max<uint64_t>(1, work_bytes / work_per_worker());
+    const int active = static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(k.workers), useful));
+    const uint32_t workers = static_cast<uint32_t>(active);
     // Per-call counters: the schedule re-zeroes them itself, fresh ones keep a failed call
     // from leaking state into the next.
     std::vector<uint32_t> counters(phases.size() * (2 + k.world), 0u);
-    pool().run(k.workers, [&](int worker) {
+    pool().run(active, [&](int worker) {
         for (size_t p = 0; p < phases.size(); ++p) {
             uint32_t *base = counters.data() + p * (2 + k.world);
             sc::Counters c{base, base + 1, base + 2};
@@ -443,7 +458,10 @@ int embedding_a2a(const Kernel &k, const rocmoe_embedding_a2a_args &a) {
         return ROCMOE_OK;
     };
     phases[0].finish = [&](const sc::Task &t) { return k.signal(t.dest, k.rank); };
-    int rc = run_phases(k, phases);
+    uint64_t work = static_cast<uint64_t>(a.batch) * block * esize;  // bytes put
+    if (a.bags == nullptr)
+        for (int t = 0; t < nt; ++t) work += static_cast<uint64_t>(a.num_indices[t]) * a.dim * esize;
+    int rc = run_phases(k, phases, work);
     if (rc != ROCMOE_OK) return rc;
     for (int s = 0; s < k.world; ++s) {
         rc = k.wait(s, s, "its embedding columns");
@@ -529,7 +547,9 @@ int gemv_allreduce(const Kernel &k, const rocmoe_gemv_allreduce_args &a) {
     };
     phases[1].finish = [&](const sc::Task &t) { return k.signal(t.dest, k.world + k.rank); };
 
-    int rc = run_phases(k, phases);
+    const uint64_t work = a.partial != nullptr ? static_cast<uint64_t>(n) * 4 * 2
+                                               : static_cast<uint64_t>(n) * kk * esize;
+    int rc = run_phases(k, phases, work);
     if (rc != ROCMOE_OK) return rc;
     for (int s = 0; s < k.world; ++s) {
         rc = k.wait(k.world + s, s, "its reduced chunk");
@@ -642,7 +662,10 @@ int gemm_a2a(const Kernel &k, const rocmoe_gemm_a2a_args &a) {
         return k.put(t.dest, dst, bytes, rows * row_bytes);
     };
     phases[0].finish = [&](const sc::Task &t) { return k.signal(t.dest, k.rank); };
-    int rc = run_phases(k, phases);
+    // computing: count the multiply-adds as bytes touched (one float each)
+    const uint64_t work = compute ? static_cast<uint64_t>(a.m) * a.k * n * 4 / 16
+                                  : static_cast<uint64_t>(a.m) * row_bytes;
+    int rc = run_phases(k, phases, work);
     if (rc != ROCMOE_OK) return rc;
     for (int s = 0; s < k.world; ++s) {
         rc = k.wait(s, s, "its rows");
