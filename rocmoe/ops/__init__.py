@@ -30,9 +30,20 @@ __all__ = ["embedding_all_to_all", "gemv_all_reduce", "gemm_all_to_all", "releas
 # Empty leaves passed to the ops whose backward is collective (embedding, GEMM): one that
 # requires grad makes every rank record the op's backward, also a rank without tables or with
 # frozen inputs. A module-level leaf (not one made per call) is what torch.compile traces as
-# a graph input that requires grad.
+# a graph input that requires grad. The anchor lives on the context's device: autograd wants
+# its (empty) gradient there, and that gradient is computed from the exchanged rows.
 _GRAD_ANCHOR = torch.empty(0, requires_grad=True)
 _NO_GRAD_ANCHOR = torch.empty(0)
+_GRAD_ANCHORS = {torch.device("cpu"): _GRAD_ANCHOR}
+
+
+def _anchor(ctx) -> torch.Tensor:
+    if not torch.is_grad_enabled():
+        return _NO_GRAD_ANCHOR
+    anchor = _GRAD_ANCHORS.get(ctx.device)
+    if anchor is None:
+        anchor = _GRAD_ANCHORS[ctx.device] = torch.empty(0, device=ctx.device, requires_grad=True)
+    return anchor
 
 
 def _off_device(ctx, tensors) -> bool:
@@ -69,7 +80,7 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
             raise errors.ConfigurationError(
                 "embedding_all_to_all under torch.compile needs one eager call with the same "
                 "table shapes first (the output's global shape comes from the other ranks)")
-    anchor = _GRAD_ANCHOR if torch.is_grad_enabled() else _NO_GRAD_ANCHOR
+    anchor = _anchor(ctx)
     out, _ = torch.ops.rocmoe.embedding_all_to_all(weights, indices, offsets, psw or [],
                                                    psw is not None, mode, layout,
                                                    context_id(ctx), anchor)
@@ -104,6 +115,6 @@ def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> 
             send_counts = list(BAD_COUNTS)
     if _off_device(ctx, (X, W)):
         return _kernels.rows_exchange(ctx, "gemm_all_to_all", X, W, send_counts)[0]
-    anchor = _GRAD_ANCHOR if torch.is_grad_enabled() else _NO_GRAD_ANCHOR
+    anchor = _anchor(ctx)
     y, _ = torch.ops.rocmoe.gemm_all_to_all(X, W, send_counts, context_id(ctx), anchor)
     return y

@@ -213,6 +213,13 @@ def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
             "or table counts changed since); call the op eagerly once with the new shapes")
     if problem is None:
         recorded_layouts[(id(ctx), table_signature(weights, offsets, mode, psw))] = layout
+    if ctx.backend != "host":  # GPU backends: the persistent HIP kernel (rocmoe/ops/gpu.py)
+        from . import gpu
+        counts = [int(c) for c in layout[5:5 + ctx.world_size]]
+        out = gpu.embedding_all_to_all(gpu.arena_for(ctx), weights, indices, offsets, mode, psw,
+                                       batch=batch,
+                                       layout=(counts, dim, batch, CODE_DTYPES[dcode]))
+        return out, layout
     ws.epoch += 1
     ws.prepare(*workspace_sizes(lib.rocmoe_embedding_a2a_workspace, ctx.world_size, batch,
                                 total, dim, dcode))
@@ -283,6 +290,9 @@ def gemv_forward(ctx, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Ten
                         enumerate(table))
         raise errors.InvalidArgumentError(
             f"{op}: ranks disagree on N or the dtype ({got}); y has the same shape everywhere")
+    if ctx.backend != "host":  # GPU backends: the persistent HIP kernel (rocmoe/ops/gpu.py)
+        from . import gpu
+        return gpu.gemv_all_reduce(gpu.arena_for(ctx), w_local, x_local, agreed=True)
     ws.epoch += 1
     ws.prepare(*workspace_sizes(lib.rocmoe_gemv_allreduce_workspace, ctx.world_size, n, dcode))
     w_c, x_c = w_local.contiguous(), x_local.contiguous()
@@ -362,6 +372,14 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     recv_rows = sum(recv_counts)
     dest_offsets = [int(matrix[:ctx.rank, d].sum()) for d in range(world)]
     most = int(matrix.sum(axis=0).max()) if world else 0  # the same buffer size everywhere
+    if ctx.backend != "host":  # GPU backends: the persistent Triton kernel (rocmoe/ops/gpu.py)
+        from . import gpu
+        arena = gpu.arena_for(ctx)
+        # the backward's plain row exchange runs the same kernel with an identity W (exact in
+        # every dtype); a copy-only GPU kernel would halve its cost
+        w_gpu = w if w is not None else torch.eye(n, dtype=x.dtype, device=x.device)
+        plan = gpu.plan_gemm_agreed(arena, matrix, n, gpu.gemm_config(x.device, x.dtype))
+        return gpu.gemm_all_to_all(arena, x, w_gpu, counts, plan=plan), recv_counts
     ws.epoch += 1
     ws.prepare(*workspace_sizes(lib.rocmoe_gemm_a2a_workspace, world, most, n, dcode))
     out = torch.empty((recv_rows, n), dtype=x.dtype, device=ctx.device)

@@ -550,8 +550,8 @@ def embedding_all_to_all(arena: Arena, weights: Sequence[torch.Tensor],
                          layout: Optional[tuple] = None) -> torch.Tensor:
     """This rank's tables' bags over the global batch -> [B / world, T_total, D] here.
 
-    `layout` = (table counts of every rank, D, B) when the caller already agreed on it (the
-    public op does); otherwise it is all-gathered here."""
+    `layout` = (table counts of every rank, D, B[, dtype]) when the caller already agreed on
+    it (the public op does); otherwise it is all-gathered here."""
     from .._native import check as native_check
     ffi, lib = _native()
     world, rank = arena.world, arena.rank
@@ -583,7 +583,10 @@ def embedding_all_to_all(arena: Arena, weights: Sequence[torch.Tensor],
         dim, b_global = dims.pop(), batches.pop()
         dtype = {v: k for k, v in codes.items()}[dtypes.pop()]
     else:
-        counts, dim, b_global = layout
+        # (table counts per rank, D, B[, dtype]): a rank without tables learns the dtype here
+        counts, dim, b_global = layout[:3]
+        if dtype is None and len(layout) > 3:
+            dtype = layout[3]
     if b_global % world:
         raise errors.InvalidArgumentError(
             f"embedding_all_to_all: global batch {b_global} is not a multiple of the world "

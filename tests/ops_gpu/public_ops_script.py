@@ -1,0 +1,107 @@
+"""The public rocmoe.ops functions on a GPU context (ipc backend): forward and backward equal
+rocmoe.ops.reference (computed on CPU copies), repeated calls, bad input on one rank.
+
+    mpirun -n N python tests/ops_gpu/public_ops_script.py [fp32,bf16]
+Prints `RANK r <check> OK|FAIL ...`; exits 1 if any check failed."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import rocmoe
+import rocmoe.ops
+from rocmoe.ops import reference
+
+dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+names = (sys.argv[1] if len(sys.argv) > 1 else "fp32,bf16").split(",")
+ctx = rocmoe.init(backend="ipc", heap_size=1 << 30)
+rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+failures = 0
+
+
+def report(name, ok, detail=""):
+    global failures
+    failures += 0 if ok else 1
+    print(f"RANK {rank} {name} {'OK' if ok else 'FAIL'} {detail}", flush=True)
+
+
+def close(a, b, dtype):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    err = (a - b).norm() / max(b.norm(), 1e-12)
+    return err <= (1e-4 if dtype == torch.float32 else 2e-2), f"rel_err={err:.2e}"
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+for dname in names:
+    dtype = dtypes[dname]
+    for call in range(3):
+        g = torch.Generator().manual_seed(100 * call + rank)
+        # GEMV + all-reduce
+        W = torch.randn(512, 256, generator=g).to(dtype)
+        x = torch.randn(256, generator=g).to(dtype)
+        Wg, xg, Wc, xc = leaf(W.to(dev)), leaf(x.to(dev)), leaf(W), leaf(x)
+        y = rocmoe.ops.gemv_all_reduce(Wg, xg, ctx=ctx)
+        yr = reference.gemv_all_reduce(Wc, xc, ctx=ctx)
+        report(f"{dname}/gemv/fwd#{call}", *close(y, yr, dtype))
+        gy = torch.randn(512, generator=torch.Generator().manual_seed(7)).to(dtype)
+        (y * gy.to(dev)).sum().backward()
+        (yr * gy).sum().backward()
+        report(f"{dname}/gemv/dW#{call}", *close(Wg.grad, Wc.grad, dtype))
+
+        # GEMM + all-to-all, uneven splits including empty slices
+        counts = torch.randint(0, 40, (world,), generator=g)
+        counts[(rank + call) % world] = 0
+        M, K, N = int(counts.sum()), 128, 96
+        X = torch.randn(M, K, generator=g).to(dtype)
+        Wm = torch.randn(K, N, generator=torch.Generator().manual_seed(5 + call)).to(dtype) / 8
+        Xg, Wmg, Xc, Wmc = leaf(X.to(dev)), leaf(Wm.to(dev)), leaf(X), leaf(Wm)
+        out = rocmoe.ops.gemm_all_to_all(Xg, Wmg, counts.tolist(), ctx=ctx)
+        outr = reference.gemm_all_to_all(Xc, Wmc, counts.tolist(), ctx=ctx)
+        report(f"{dname}/gemm/fwd#{call}", *close(out, outr, dtype) if out.shape == outr.shape
+               else (False, f"shape {tuple(out.shape)} vs {tuple(outr.shape)}"))
+        go = torch.randn(outr.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
+        (out * go.to(dev)).sum().backward()
+        (outr * go).sum().backward()
+        report(f"{dname}/gemm/dX#{call}", *close(Xg.grad, Xc.grad, dtype))
+
+        # Embedding + all-to-all: rank r owns r % 3 tables (a rank may own none)
+        B, D = 8 * world, 32
+        tg = torch.Generator().manual_seed(55 + call + 1000 * rank)
+        ntab = rank % 3 if world > 1 else 2
+        tabs = [torch.randn(50, D, generator=tg).to(dtype) for _ in range(ntab)]
+        idx, offs = [], []
+        for _ in range(ntab):
+            sizes = torch.randint(0, 4, (B,), generator=tg)
+            offs.append(torch.cat([torch.zeros(1, dtype=torch.int64), sizes.cumsum(0)[:-1]]))
+            idx.append(torch.randint(0, 50, (int(sizes.sum()),), generator=tg))
+        tg_ = [leaf(t.to(dev)) for t in tabs]
+        tc_ = [leaf(t) for t in tabs]
+        e = rocmoe.ops.embedding_all_to_all(tg_, [i.to(dev) for i in idx], [o.to(dev) for o in offs], ctx=ctx)
+        er = reference.embedding_all_to_all(tc_, idx, offs, ctx=ctx)
+        report(f"{dname}/embedding/fwd#{call}", *close(e, er, dtype) if e.shape == er.shape
+               else (False, f"shape {tuple(e.shape)} vs {tuple(er.shape)}"))
+        ge = torch.randn(er.shape, generator=torch.Generator().manual_seed(11)).to(dtype)
+        (e * ge.to(dev)).sum().backward()
+        (er * ge).sum().backward()
+        ok = all(close(a.grad, b.grad, dtype)[0] for a, b in zip(tg_, tc_))
+        report(f"{dname}/embedding/dtables#{call}", ok)
+
+# bad input on the last rank only: every rank raises, nobody hangs
+counts = [4] * world
+if rank == world - 1:
+    counts[0] += 1  # no longer sums to M
+try:
+    rocmoe.ops.gemm_all_to_all(torch.randn(4 * world, 8, device=dev),
+                               torch.randn(8, 8, device=dev), counts, ctx=ctx)
+    report("bad_counts_raise_everywhere", False, "no error")
+except rocmoe.RocmoeError as exc:
+    report("bad_counts_raise_everywhere", True, type(exc).__name__)
+
+ctx.finalize()
+print(f"RANK {rank} DONE failures={failures}", flush=True)
+sys.exit(1 if failures else 0)
