@@ -22,33 +22,17 @@ must be set before triton is imported for the interpreter to run them on CPU ten
 
 from __future__ import annotations
 
-import os
 
 import triton
 import triton.language as tl
 
-_RAW = {}
-_JITTED = {}
+from .._triton import KernelRegistry
+
+_REGISTRY = KernelRegistry()
+_kernel, get, names = _REGISTRY.kernel, _REGISTRY.get, _REGISTRY.names
 
 # Activation codes shared with blocksparse.py (constexpr ACT).
 ACT_NONE, ACT_GELU_TANH, ACT_RELU, ACT_SILU = 0, 1, 2, 3
-
-
-def _kernel(fn):
-    _RAW[fn.__name__] = fn
-    return fn
-
-
-def get(name: str):
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    key = (name, interpret)
-    if key not in _JITTED:
-        _JITTED[key] = triton.jit(_RAW[name])
-    return _JITTED[key]
-
-
-def names() -> list[str]:
-    return sorted(_RAW)
 
 
 @triton.jit

@@ -30,30 +30,12 @@ code on CPU tensors (with the host backend's shared-memory heap as the "peers").
 
 from __future__ import annotations
 
-import os
-
-import triton
 import triton.language as tl
 
-_RAW = {}
-_JITTED = {}
+from .._triton import KernelRegistry
 
-
-def _kernel(fn):
-    _RAW[fn.__name__] = fn
-    return fn
-
-
-def get(name: str):
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    key = (name, interpret)
-    if key not in _JITTED:
-        _JITTED[key] = triton.jit(_RAW[name])
-    return _JITTED[key]
-
-
-def names() -> list[str]:
-    return sorted(_RAW)
+_REGISTRY = KernelRegistry()
+_kernel, get, names = _REGISTRY.kernel, _REGISTRY.get, _REGISTRY.names
 
 
 @_kernel
