@@ -17,7 +17,7 @@ from typing import Optional
 
 from . import __version__, errors
 
-BENCHMARKS = ("heap", "fused", "moe", "ipc")
+BENCHMARKS = ("heap", "fused", "fused_gpu", "moe", "ipc", "multi_gpu")
 
 # The environment knobs rocmoe reads, with their defaults (as a user would write them) and why
 # one would set them. `rocmoe info` shows the current value next to the default.
