@@ -126,6 +126,19 @@ def grouped_mm_ffn(x_sorted, offs, w1, w2):
 
 
 # ------------------------------------------------------------------------------ runner
+def expert_inputs(shape, device, dtype):
+    """Seeded tokens x [T, H] and expert weights w1 [E, H, F], w2 [E, F, H] (scaled, requiring
+    grad) for one benchmark shape; returns the generator too, for the routing drawn next."""
+    tokens, hidden, ffn, experts = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+    w1 = (torch.randn(experts, hidden, ffn, device=device, dtype=dtype, generator=gen)
+          / math.sqrt(hidden)).requires_grad_(True)
+    w2 = (torch.randn(experts, ffn, hidden, device=device, dtype=dtype, generator=gen)
+          / math.sqrt(ffn)).requires_grad_(True)
+    return gen, x, w1, w2
+
+
 def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, device,
              emit: Callable[[dict], None], skip_max_padded_above_gib: float = 100.0,
              breakdown: bool = False) -> None:
@@ -134,12 +147,7 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
 
     tokens, hidden, ffn, experts = shape
     k = min(top_k, experts)
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
-    w1 = (torch.randn(experts, hidden, ffn, device=device, dtype=dtype, generator=gen)
-          / math.sqrt(hidden)).requires_grad_(True)
-    w2 = (torch.randn(experts, ffn, hidden, device=device, dtype=dtype, generator=gen)
-          / math.sqrt(ffn)).requires_grad_(True)
+    gen, x, w1, w2 = expert_inputs(shape, device, dtype)
     ids, weights = make_routing(tokens, experts, k, routing, device, dtype, gen)
     pairs = tokens * k
     counts = torch.bincount(ids.reshape(-1).long(), minlength=experts)
@@ -303,12 +311,7 @@ def tune(shape, block, dtype, device, emit, candidates) -> dict:
     from rocmoe.moe import blocksparse as bs
     from rocmoe.moe import route_and_permute
     tokens, hidden, ffn, experts = shape
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
-    w1 = (torch.randn(experts, hidden, ffn, device=device, dtype=dtype, generator=gen)
-          / math.sqrt(hidden)).requires_grad_(True)
-    w2 = (torch.randn(experts, ffn, hidden, device=device, dtype=dtype, generator=gen)
-          / math.sqrt(ffn)).requires_grad_(True)
+    gen, x, w1, w2 = expert_inputs(shape, device, dtype)
     ids, _ = make_routing(tokens, experts, 2, "uniform", device, dtype, gen)
     _, topo, xp = route_and_permute(x, ids, experts, block, ffn)
     xp = xp.detach().requires_grad_(True)
