@@ -15,7 +15,7 @@ timeout "${MOE_TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -o a
   tests/moe/test_gpu.py 2>&1 | tee "$OUT/moe_gpu_tests.log"
 echo "tests took $(( $(date +%s) - t0 )) s"
 t1=$(date +%s)
-timeout "${MOE_BENCH_TIMEOUT:-270}" python3 -m rocmoe.bench.moe ${MOE_BENCH_ARGS:---tune --reps 7} \
+timeout "${MOE_BENCH_TIMEOUT:-270}" python3 -m rocmoe.bench.moe ${MOE_BENCH_ARGS:---reps 7} \
   --output "$OUT/moe_h200.json" > "$OUT/moe_bench.log" 2>&1
 echo "bench rc=$? took $(( $(date +%s) - t1 )) s"
 # small-batch shapes again with 64-row blocks (less static padding: E*(B-1) rows)

@@ -154,6 +154,10 @@ def bench_gemm(arena, size, quick, emit_fn, configs):
             continue
         ms = _bench(lambda: gpu.gemm_all_to_all(arena, x, w, counts, check=False, config=cfg,
                                                 plan=plan))
+        # every candidate's whole-op time, so a sweep shows what each tile choice gives
+        emit_fn(dict(bench="gemm_a2a_candidate", m=m, n=n, k=k, config=cfg, op_ms=ms,
+                     op_tflops=2.0 * m * n * k / ms / 1e9, baseline_ms=ms_mm,
+                     op_ratio=ms_mm / ms))
         if best is None or ms < best[0]:
             best = (ms, cfg, plan, y)
     ms_full, cfg, plan, y = best
@@ -169,7 +173,8 @@ def bench_gemm(arena, size, quick, emit_fn, configs):
         epoch = ws.next_epoch(signal)
         _, recv_offset = ws.buffer(epoch)
         total = plan.prefix[-1]
-        nprog = gpu._num_programs(dev, total)
+        nprog = gpu._num_programs(dev, total, cfg.get("PROGRAMS_PER_SM",
+                                                    gpu._auto_programs_per_sm(dev, total)))
         tk.get("gemm_a2a_kernel")[(nprog,)](
             x, w, arena.peer_bases, ws.device_ints(plan.row_start, torch.int64),
             ws.device_ints(list(plan.counts[arena.rank]), torch.int64),
@@ -209,6 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--output", default=None, help="also write the records (JSON) here")
     ap.add_argument("--only", default="embedding,gemv,gemm")
+    ap.add_argument("--gemm-configs", default=None,
+                    help="JSON list of GEMM+A2A tile configs to try (default: the platform's)")
+    ap.add_argument("--sizes", default=None, help="GEMM sizes, comma-separated (default 4096,8192)")
     args = ap.parse_args(argv)
     if args.ranks > 1 and not inside_mpi_job():
         return relaunch_under_mpiexec("rocmoe.bench.fused_gpu", list(argv or sys.argv[1:]),
@@ -246,10 +254,12 @@ def main(argv=None) -> int:
     if "gemm" in only:
         from ..ops import triton_gemm_a2a as tk
         configs = [tk.default_config("hip" if torch.version.hip else "cuda")]
-        if not torch.version.hip:
-            configs += [dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8,
-                             num_stages=3)]
-        for size in ((4096,) if args.quick else (4096, 8192)):
+        if args.gemm_configs:
+            configs = json.loads(args.gemm_configs)
+        sizes = (4096,) if args.quick else (4096, 8192)
+        if args.sizes:
+            sizes = tuple(int(v) for v in args.sizes.split(","))
+        for size in sizes:
             guarded("gemm_a2a", bench_gemm, arena, size, args.quick, out, configs)
     if root and args.output:
         with open(args.output, "w") as f:

@@ -180,18 +180,29 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
     t_ffn_fb = time_ms(ours_ffn_fwdbwd, reps)
     if breakdown:
         # each kernel of the fused FFN alone, with its useful FLOPs (2*pairs*H*F each)
+        # (the kernels the layer runs under the configured activation fusion)
         with torch.no_grad():
             h = bs._sdd(x_perm, w1, topo)
             gw1 = torch.empty_like(w1)
-            parts = {
-                "sdd_fwd": lambda: bs._sdd(x_perm, w1, topo),
-                "dsd_fwd_gelu": lambda: bs._dsd(h, w2, topo, "gelu"),
+            if bs.KERNEL_CONFIG["act_fusion"] == "store":
+                a = torch.empty_like(h)
+                parts = {
+                    "sdd_fwd_store_gelu": lambda: bs._sdd(x_perm, w1, topo, act="gelu", act_out=a),
+                    "dsd_fwd": lambda: bs._dsd(a, w2, topo),
+                    "dstd_dw2": lambda: bs._dstd(a, grad_ffn, topo),
+                }
+            else:
+                parts = {
+                    "sdd_fwd": lambda: bs._sdd(x_perm, w1, topo),
+                    "dsd_fwd_gelu_on_load": lambda: bs._dsd(h, w2, topo, "gelu"),
+                    "dstd_dw2_gelu_on_load": lambda: bs._dstd(h, grad_ffn, topo, "gelu"),
+                }
+            parts.update({
                 "sdd_bwd_act_grad": lambda: bs._sdd(grad_ffn, w2.transpose(1, 2), topo,
                                                     act_grad_of=h, act="gelu"),
-                "dstd_dw2_gelu": lambda: bs._dstd(h, grad_ffn, topo, "gelu"),
                 "dsd_dx": lambda: bs._dsd(h, w1.transpose(1, 2), topo),
                 "dstd_dw1": lambda: bs._dstd(h, x_perm, topo, out=gw1.transpose(1, 2)),
-            }
+            })
             for name, fn in parts.items():
                 ms = time_ms(fn, reps)
                 emit(dict(common, metric="kernel", kernel=name, ms=round(ms, 4),
@@ -372,12 +383,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from rocmoe.moe import blocksparse as bs
         if args.tune:
             best = tune((65536, 1024, 4096, 64), args.block_size, dtype, device, emit, [
-                dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="load"),
-                dict(block_n=256, block_k=64, num_warps=8, num_stages=4, act_fusion="load"),
-                dict(block_n=128, block_k=64, num_warps=8, num_stages=4, act_fusion="load"),
-                # the H200 kernel breakdown (DSD/DSᵀD 2-3x slower with act on load) says
-                # "store" should win; it was added after the last GPU run, so tune decides
                 dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="store"),
+                dict(block_n=256, block_k=64, num_warps=8, num_stages=4, act_fusion="store"),
+                dict(block_n=128, block_k=64, num_warps=8, num_stages=4, act_fusion="store"),
+                dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="load"),
             ])
             emit(dict(metric="tune_choice", config=best))
         emit(dict(metric="kernel_config", config=dict(bs.KERNEL_CONFIG),

@@ -128,7 +128,10 @@ def _dstd_torch(s, b, topo):
 # act_fusion: "load" applies the activation to the sparse operand as DSD/DSᵀD load it (only
 # h is written); "store" has the forward SDD write h and act(h) in its epilogue, so DSD and
 # DSᵀD run without an activation (more memory, fewer flops on the CUDA cores).
-KERNEL_CONFIG = dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="load")
+# "store" is the default: on an H200 (benchmarks/results/moe_kernels_h200.jsonl) DSᵀD for dW2
+# ran at 651 TFLOP/s plain against 184 with GELU on load (the activation's exp/rcp on every
+# reload of the sparse operand competes with the matrix units), for one extra write of act(h).
+KERNEL_CONFIG = dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="store")
 if torch.version.hip:
     # CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
     # (Untested on MI-series hardware so far: a starting point, not a tuned choice.)

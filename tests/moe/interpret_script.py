@@ -139,15 +139,17 @@ def combine_kernels_equal_torch_ops():
 CHECKS["combine"] = combine_kernels_equal_torch_ops
 
 
-def layer_gradients_store_fusion():
-    bs.set_kernel_config(act_fusion="store")
+def layer_gradients_load_fusion():
+    # the default is act_fusion="store"; this runs the activation-on-load kernels
+    before = bs.KERNEL_CONFIG["act_fusion"]
+    bs.set_kernel_config(act_fusion="load")
     try:
         layer_gradients_through_kernels_equal_torch_path()
     finally:
-        bs.set_kernel_config(act_fusion="load")
+        bs.set_kernel_config(act_fusion=before)
 
 
-CHECKS["layer_grads_store"] = layer_gradients_store_fusion
+CHECKS["layer_grads_load"] = layer_gradients_load_fusion
 
 
 if __name__ == "__main__":

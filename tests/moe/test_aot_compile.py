@@ -77,3 +77,24 @@ def test_chosen_tiles_fit_hopper_shared_memory(name, dtype, elsize):
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 8, "num_stages": stages})
     assert compiled.metadata.shared <= 232448, (tile, stages, compiled.metadata.shared)
+
+
+@pytest.mark.parametrize("name", sorted(kernels.aot_signatures()))
+def test_operands_load_as_16_byte_async_copies_on_sm90(name):
+    # With the alignment a JIT launch sees, no operand may fall back to 2-byte scalar loads:
+    # on the H200's Triton 3.6 DSD's sparse operand did (its offset came from a pointer
+    # bumped inside the loop), which kept it out of the pipeline at ~40% of SDD's speed.
+    unit = {"sdd_kernel": ["stride_ak", "stride_wf"], "dsd_kernel": ["stride_wn", "stride_on"],
+            "dstd_kernel": ["stride_bn", "stride_on"]}[name]
+    signature = dict(kernels.aot_signatures("bf16")[name])
+    constexprs = kernels.aot_constexprs(name)
+    for u in unit:
+        signature[u] = "constexpr"
+        constexprs[u] = 1
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(signature.items())
+             if t != "constexpr" and n not in ("nb", "num_n")}
+    src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs,
+                    attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+    assert "cp.async" in ptx and "ld.global.b16" not in ptx

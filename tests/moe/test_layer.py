@@ -44,17 +44,18 @@ def test_gradients_equal_per_token_loop_fp32(reference):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_store_mode_activation_fusion_equals_per_token_loop(reference):
-    # act_fusion="store": the forward SDD also writes act(h); DSD/DSᵀD then run plain.
+def test_load_mode_activation_fusion_equals_per_token_loop(reference):
+    # act_fusion="load" (the default is "store"): DSD/DSᵀD apply act to h as they load it.
     layer = _layer(block_size=16)
     x = torch.randn(29, 24, requires_grad=True)
     g = torch.randn(29, 24)
-    bs.set_kernel_config(act_fusion="store")
+    before = bs.KERNEL_CONFIG["act_fusion"]
+    bs.set_kernel_config(act_fusion="load")
     try:
         y = layer(x)
         got = _grads(layer, x, y, g)
     finally:
-        bs.set_kernel_config(act_fusion="load")
+        bs.set_kernel_config(act_fusion=before)
     ref = reference(layer, x)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(got, _grads(layer, x, ref, g)):

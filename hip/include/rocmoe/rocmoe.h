@@ -292,6 +292,9 @@ typedef struct rocmoe_gpu_gemv_args {
     const void *x;
     uint64_t gather_offset;  /* bytes into recv where the all-gathered y [n] lands; recv
                                 starts with fp32 partials [world][ceil(n / world)] */
+    void *out;               /* optional y [n] of the op's dtype: when set, the op itself
+                                waits, copies y there and acknowledges the peers (the
+                                caller launches no wait, copy or ack); NULL: y stays in recv */
 } rocmoe_gpu_gemv_args;
 
 int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *args);

@@ -250,6 +250,8 @@ extern "C" int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *args) {
     p.has_psw = args->has_per_sample_weights;
     p.items_per_slice = uint32_t(items);
     hipStream_t stream = static_cast<hipStream_t>(args->fused.stream);
+    rc = clear_status(c, stream);
+    if (rc != ROCMOE_OK) return rc;
 
     switch (args->dtype) {
         case ROCMOE_DTYPE_F32: rc = launch<F32>(c, p, args->fused.workgroups, stream); break;

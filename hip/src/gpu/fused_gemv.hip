@@ -4,25 +4,30 @@
 //   slice  owner o: rows [split_begin(N, world, o), split_begin(N, world, o + 1)) of the
 //          partial product W_r x_r; they are stored as fp32 straight into o's receive
 //          buffer at partials[r][row - chunk begin]
-//   task   kRowsPerTile rows; one wave computes one row's dot product at a time
+//   task   rows_per_tile rows (32 by default); one wave computes one row's dot product at a time
 // Phase 2 (all-gather by stores), persistent kernel on the same schedule:
 //   each workgroup first waits (bounded) for every rank's phase-1 signal of this rank's
 //   chunk, then for each destination d and tile of kReduceTile rows sums the partials in
 //   rank order (so every rank gets bit-identical y) and stores the tile, converted to the
 //   op's dtype, into d's receive buffer at gather_offset; the slice completer signals d.
-// Phase 3: the consumer waits for every owner's phase-2 signal.
+// Phase 3 (one workgroup, when the caller passes `out`): wait for every owner's phase-2
+//   signal, copy y out of the receive buffer into `out`, then acknowledge every peer (its
+//   next-but-one call may reuse this buffer). One launch instead of wait + copy + ack:
+//   on a 0.15 ms GEMV each extra launch showed as ~2.5% signalling overhead.
 //
-// Bandwidth: phase 1 reads W once with 16-byte loads, four in flight per lane; x (K_r
-// elements) stays in the caches. Phase 2 moves N * world floats, negligible next to W.
+// Bandwidth: phase 1 reads W once with read-only 16-byte loads, kUnroll in flight per lane;
+// x (K_r elements) stays in the caches. Phase 2 moves N * world floats, negligible next to W.
 #include "fused_common.hpp"
 
 #include "../internal.hpp"
+
+#include <cstdlib>
 
 namespace rocmoe {
 namespace fused {
 namespace {
 
-constexpr int kRowsPerTile = 32;
+constexpr int kDefaultRowsPerTile = 32;
 constexpr int kReduceTile = 2048;
 
 struct GemvParams {
@@ -32,13 +37,24 @@ struct GemvParams {
     int64_t n, k;
     int64_t chunk_stride;     // ceil(n / world): floats per source in the partials area
     uint64_t gather_offset;   // bytes
+    uint64_t rows_per_tile;   // rows of a phase-1 task
 };
+
+// Read-only loads: W and x are not written while the kernel runs, so the non-coherent
+// path (ld.global.nc on NVIDIA) may serve them.
+__device__ __forceinline__ uint4 load_ro(const uint4 *p) {
+#if defined(ROCMOE_PLATFORM_IS_CUDA)
+    return __ldg(p);
+#else
+    return *p;
+#endif
+}
 
 __device__ __forceinline__ int64_t chunk_begin(const GemvParams &p, int world, int o) {
     return sched::split_begin(p.n, world, o);
 }
 
-template <class T, bool kVec>
+template <class T, bool kVec, int kUnroll>
 __device__ __forceinline__ float row_dot(const typename T::storage *row,
                                          const typename T::storage *x, int64_t K, int lane) {
     float acc = 0.f;
@@ -48,11 +64,14 @@ __device__ __forceinline__ float row_dot(const typename T::storage *row,
         const uint4 *xv = reinterpret_cast<const uint4 *>(x);
         const int64_t nvec = K / V;
         int64_t i = lane;
-        for (; i + 3 * ROCMOE_WAVE_SIZE < nvec; i += 4 * ROCMOE_WAVE_SIZE) {
-            uint4 a[4], b[4];
-            for (int u = 0; u < 4; ++u) a[u] = rv[i + u * ROCMOE_WAVE_SIZE];
-            for (int u = 0; u < 4; ++u) b[u] = xv[i + u * ROCMOE_WAVE_SIZE];
-            for (int u = 0; u < 4; ++u) {
+        for (; i + (kUnroll - 1) * ROCMOE_WAVE_SIZE < nvec; i += kUnroll * ROCMOE_WAVE_SIZE) {
+            uint4 a[kUnroll], b[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) a[u] = load_ro(rv + i + u * ROCMOE_WAVE_SIZE);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) b[u] = load_ro(xv + i + u * ROCMOE_WAVE_SIZE);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
                 float fa[V], fb[V];
                 unpack<T>(a[u], fa);
                 unpack<T>(b[u], fb);
@@ -61,8 +80,8 @@ __device__ __forceinline__ float row_dot(const typename T::storage *row,
         }
         for (; i < nvec; i += ROCMOE_WAVE_SIZE) {
             float fa[V], fb[V];
-            unpack<T>(rv[i], fa);
-            unpack<T>(xv[i], fb);
+            unpack<T>(load_ro(rv + i), fa);
+            unpack<T>(load_ro(xv + i), fb);
             for (int e = 0; e < V; ++e) acc += fa[e] * fb[e];
         }
     } else {
@@ -84,7 +103,7 @@ __device__ __forceinline__ sched::Plan shared_plan(const Common &c, uint32_t *sm
     return sched::Plan{c.topo, smem[2 * world], smem + world};
 }
 
-template <class T, bool kVec>
+template <class T, bool kVec, int kUnroll>
 __global__ void __launch_bounds__(kThreads) gemv_reduce_scatter_kernel(Common c, GemvParams p,
                                                                       uint32_t workers) {
     using S = typename T::storage;
@@ -92,7 +111,7 @@ __global__ void __launch_bounds__(kThreads) gemv_reduce_scatter_kernel(Common c,
     __shared__ sched::Task s_task;
     __shared__ int s_valid, s_free;
     const int world = c.topo.world;
-    const sched::Plan plan = shared_plan(c, plan_smem, kRowsPerTile, [&](int o) {
+    const sched::Plan plan = shared_plan(c, plan_smem, p.rows_per_tile, [&](int o) {
         return uint64_t(chunk_begin(p, world, o + 1) - chunk_begin(p, world, o));
     });
     const sched::Counters counters = c.sched_counters();
@@ -118,13 +137,13 @@ __global__ void __launch_bounds__(kThreads) gemv_reduce_scatter_kernel(Common c,
 
         const int64_t cb = chunk_begin(p, world, task.dest);
         const int64_t rows = chunk_begin(p, world, task.dest + 1) - cb;
-        const uint64_t first = sched::tile_begin(task.tile, kRowsPerTile, rows);
-        const uint64_t last = sched::tile_end(task.tile, kRowsPerTile, rows);
+        const uint64_t first = sched::tile_begin(task.tile, p.rows_per_tile, rows);
+        const uint64_t last = sched::tile_end(task.tile, p.rows_per_tile, rows);
         float *partials = static_cast<float *>(shmem::peer_ptr(c.team, p.recv, task.dest));
         if (free_to_write && partials != nullptr) {
             float *mine = partials + int64_t(c.topo.rank) * p.chunk_stride;
             for (uint64_t r = first + wave; r < last; r += kWaves) {
-                const float v = row_dot<T, kVec>(W + (cb + int64_t(r)) * p.k, x, p.k, lane);
+                const float v = row_dot<T, kVec, kUnroll>(W + (cb + int64_t(r)) * p.k, x, p.k, lane);
                 if (lane == 0) mine[r] = v;
             }
         } else if (free_to_write && tid == 0) {
@@ -208,6 +227,24 @@ __global__ void __launch_bounds__(kThreads) gemv_all_gather_kernel(Common c, Gem
     if (tid == 0) sched::exit_worker(counters, workers);
 }
 
+// Tuning knobs read once (benchmarks sweep them): loads in flight per lane (4 or 8) and rows
+// per phase-1 task.
+int env_int(const char *name, int fallback) {
+    const char *v = getenv(name);
+    return (v != nullptr && *v != '\0') ? atoi(v) : fallback;
+}
+
+template <class T, int kUnroll>
+void launch_phase1(bool vec, int workers, size_t smem, hipStream_t stream, const Common &c,
+                   const GemvParams &p) {
+    if (vec)
+        hipLaunchKernelGGL((gemv_reduce_scatter_kernel<T, true, kUnroll>), dim3(workers),
+                           dim3(kThreads), smem, stream, c, p, uint32_t(workers));
+    else
+        hipLaunchKernelGGL((gemv_reduce_scatter_kernel<T, false, kUnroll>), dim3(workers),
+                           dim3(kThreads), smem, stream, c, p, uint32_t(workers));
+}
+
 template <class T>
 int launch(const Common &c, const GemvParams &p, int requested, hipStream_t stream) {
     const int world = c.topo.world;
@@ -215,21 +252,20 @@ int launch(const Common &c, const GemvParams &p, int requested, hipStream_t stre
     uint32_t total1 = 0, total2 = 0;
     for (int o = 0; o < world; ++o) {
         const int64_t rows = sched::split_begin(p.n, world, o + 1) - sched::split_begin(p.n, world, o);
-        total1 += sched::tasks_for_rows(uint64_t(rows), kRowsPerTile);
+        total1 += sched::tasks_for_rows(uint64_t(rows), p.rows_per_tile);
     }
     const int64_t mine = sched::split_begin(p.n, world, c.topo.rank + 1) -
                          sched::split_begin(p.n, world, c.topo.rank);
     total2 = uint32_t(world) * sched::tasks_for_rows(uint64_t(mine), kReduceTile);
-    const int workers1 = persistent_workgroups(requested, total1, 4);
+    const int workers1 = persistent_workgroups(requested, total1, env_int("ROCMOE_GEMV_PER_CU", 4));
     const int workers2 = persistent_workgroups(requested, total2, 2);
     const bool vec = p.k % vec_elems<T>() == 0 &&
                      ((reinterpret_cast<uintptr_t>(p.w) | reinterpret_cast<uintptr_t>(p.x)) & 15u) == 0;
-    if (vec)
-        hipLaunchKernelGGL((gemv_reduce_scatter_kernel<T, true>), dim3(workers1), dim3(kThreads),
-                           smem, stream, c, p, uint32_t(workers1));
+    static const int unroll = env_int("ROCMOE_GEMV_UNROLL", 8);
+    if (unroll >= 8)
+        launch_phase1<T, 8>(vec, workers1, smem, stream, c, p);
     else
-        hipLaunchKernelGGL((gemv_reduce_scatter_kernel<T, false>), dim3(workers1), dim3(kThreads),
-                           smem, stream, c, p, uint32_t(workers1));
+        launch_phase1<T, 4>(vec, workers1, smem, stream, c, p);
     hipError_t e = hipGetLastError();
     if (e == hipSuccess) {
         hipLaunchKernelGGL(gemv_all_gather_kernel<T>, dim3(workers2), dim3(kThreads), smem, stream,
@@ -264,12 +300,18 @@ extern "C" int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args) {
     p.k = args->k;
     p.chunk_stride = (args->n + world - 1) / world;
     p.gather_offset = args->gather_offset;
+    {
+        static const int rows = env_int("ROCMOE_GEMV_ROWS", kDefaultRowsPerTile);
+        p.rows_per_tile = uint64_t(rows > 0 ? rows : kDefaultRowsPerTile);
+    }
     if (p.gather_offset < uint64_t(world) * p.chunk_stride * sizeof(float) || p.gather_offset % 16)
         return rocmoe::fail(ROCMOE_ERR_INVALID,
                             "gemv_all_reduce: gather offset %llu overlaps the partials "
                             "(%d x %lld floats) or is not 16-byte aligned",
                             (unsigned long long)p.gather_offset, world, (long long)p.chunk_stride);
     hipStream_t stream = static_cast<hipStream_t>(args->fused.stream);
+    rc = clear_status(c, stream);
+    if (rc != ROCMOE_OK) return rc;
     switch (args->dtype) {
         case ROCMOE_DTYPE_F32: rc = launch<F32>(c, p, args->fused.workgroups, stream); break;
         case ROCMOE_DTYPE_BF16: rc = launch<BF16>(c, p, args->fused.workgroups, stream); break;
@@ -277,6 +319,11 @@ extern "C" int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args) {
         default:
             return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: dtype %d unknown", args->dtype);
     }
-    if (rc != ROCMOE_OK || !c.signal_enabled) return rc;
+    if (rc != ROCMOE_OK) return rc;
+    if (args->out != nullptr)  // wait + copy-out + acks: one launch
+        return launch_finish(c, c.phase2_signal(0), world, c.status + 2 * world,
+                             p.recv + p.gather_offset, args->out,
+                             uint64_t(p.n) * (args->dtype == ROCMOE_DTYPE_F32 ? 4u : 2u), stream);
+    if (!c.signal_enabled) return rc;
     return launch_wait(c, c.phase2_signal(0), world, c.status + 2 * world, stream);
 }

@@ -1,0 +1,110 @@
+#!/bin/bash
+# One GPU session of tuning sweeps (repo root, on a GPU machine):
+#   OUT=/some/dir bash benchmarks/gpu_sweep.sh [STAGES]
+# STAGES (comma list, default all): build, check (GEMV correctness at 1 and 2 ranks after
+# the one-launch epilogue), gemv (unroll / rows per task / workgroups per CU),
+# gemm (GEMM+A2A tiles and grid size), moe (block-sparse kernels per tile config, both
+# activation fusions, compiled IR dumped to $OUT/moe_ir.tar.gz); and the reported runs:
+# moetest (tests/moe/test_gpu.py), fused (rocmoe bench fused_gpu -> $OUT/fused_h200.json),
+# moebench (rocmoe bench moe, all six shapes -> $OUT/moe_h200.json).
+# Everything prints JSON lines; every record carries the baseline measured in the same run.
+set -o pipefail
+OUT=${OUT:-device_out}; mkdir -p "$OUT"
+STAGES=${1:-build,check,gemv,gemm,moe}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+export TRITON_DEFAULT_FP_FUSION=1
+if ! python3 -c "import cffi" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    $(ls .whl/cffi-2.1.1-*.whl .whl/pycparser-*.whl) || exit 3
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+t0=$(date +%s); stamp() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
+if has build; then
+  stamp build
+  (cmake -S . -B build/cuda -G Ninja -DROCMOE_GPU=cuda -DROCMOE_INPLACE=ON >/dev/null &&
+   cmake --build build/cuda -j 16) > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 4; }
+fi
+if has check; then
+  stamp "check gemv 1 and 2 ranks"
+  for n in 1 2; do
+    ROCMOE_TIMEOUT_S=10 timeout 60 mpirun -n $n --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
+      gemv,embedding,gemm context --calls 4 --dtype fp32,bf16,fp16 2>&1 | grep -E "RANK .* (OK|FAIL)|Error" | sort | uniq -c | head
+  done
+fi
+if has gemv; then
+  stamp "gemv sweep"
+  for v in 4:32:4 8:32:4 4:8:4 8:8:4 8:16:8 4:32:2; do
+    IFS=: read u r c <<< "$v"
+    ROCMOE_GEMV_UNROLL=$u ROCMOE_GEMV_ROWS=$r ROCMOE_GEMV_PER_CU=$c timeout 40 \
+      python3 -m rocmoe.bench.fused_gpu --only gemv 2>&1 | grep gemv_allreduce |
+      sed "s/^/{\"unroll\": $u, \"rows\": $r, \"per_cu\": $c, \"rec\": /; s/\$/}/"
+  done | tee "$OUT/gemv_sweep.jsonl" | python3 -c "
+import json,sys
+for l in sys.stdin:
+    d=json.loads(l); r=d['rec']
+    print(d['unroll'],d['rows'],d['per_cu'],r.get('dtype'),'ratio',round(r.get('ratio',0),3),'ovh',round(r.get('overhead',0),3),'ms',round(r.get('ms',0),4),'torch',r.get('torch_matvec_ms'))"
+fi
+if has gemm; then
+  stamp "gemm sweep"
+  CFGS='[{"BLOCK_M":128,"BLOCK_N":256,"BLOCK_K":64,"GROUP_M":8,"num_warps":8,"num_stages":3},
+{"BLOCK_M":128,"BLOCK_N":256,"BLOCK_K":64,"GROUP_M":8,"num_warps":8,"num_stages":3,"PROGRAMS_PER_SM":0},
+{"BLOCK_M":128,"BLOCK_N":256,"BLOCK_K":64,"GROUP_M":8,"num_warps":8,"num_stages":4},
+{"BLOCK_M":128,"BLOCK_N":256,"BLOCK_K":64,"GROUP_M":16,"num_warps":8,"num_stages":4,"PROGRAMS_PER_SM":0},
+{"BLOCK_M":256,"BLOCK_N":128,"BLOCK_K":64,"GROUP_M":8,"num_warps":8,"num_stages":3},
+{"BLOCK_M":128,"BLOCK_N":128,"BLOCK_K":64,"GROUP_M":8,"num_warps":4,"num_stages":4,"PROGRAMS_PER_SM":2},
+{"BLOCK_M":128,"BLOCK_N":128,"BLOCK_K":64,"GROUP_M":8,"num_warps":8,"num_stages":3,"PROGRAMS_PER_SM":0},
+{"BLOCK_M":128,"BLOCK_N":128,"BLOCK_K":64,"GROUP_M":8,"num_warps":4,"num_stages":4,"PROGRAMS_PER_SM":0}]'
+  timeout 200 python3 -m rocmoe.bench.fused_gpu --only gemm --gemm-configs "$CFGS" \
+    --output "$OUT/gemm_sweep.json" 2>&1 | tee "$OUT/gemm_sweep.log" | python3 -c "
+import json,sys
+for l in sys.stdin:
+    try: d=json.loads(l)
+    except Exception: print(l.rstrip()); continue
+    if d.get('bench')=='gemm_a2a_candidate': print(d['m'],json.dumps(d['config']),'op_ratio',round(d['op_ratio'],3),round(d['op_tflops']))
+    elif d.get('bench')=='gemm_a2a': print('BEST',d['m'],d['config'],'ratio',round(d['ratio'],3),'ovh',round(d['overhead'],3),'mm TF',round(d['baseline_tflops']))
+    else: print(str(d)[:300])"
+fi
+if has moe; then
+  stamp "moe kernel sweep"
+  timeout ${MOE_SWEEP_TIMEOUT:-240} python3 -m rocmoe.bench.moe_kernels --dump /tmp/moe_ir \
+    --output "$OUT/moe_kernels.jsonl" ${MOE_SWEEP_ARGS:-} 2>&1 | python3 -c "
+import json,sys
+for l in sys.stdin:
+    try: d=json.loads(l)
+    except Exception: print(l.rstrip()); continue
+    c=d.get('config',{})
+    if 'kernel' in d: print(d['shape'][:2],c.get('block_n'),c.get('block_k'),c.get('num_warps'),c.get('num_stages'),'%-22s'%d['kernel'],d['tflops'],'/',d['baseline_tflops'])
+    else: print(str(d)[:300])"
+  tar czf "$OUT/moe_ir.tar.gz" -C /tmp moe_ir 2>/dev/null
+fi
+if has moetest; then
+  stamp "moe GPU tests"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/moe/test_gpu.py 2>&1 | tail -5
+fi
+if has fused; then
+  stamp "fused ops benchmark"
+  timeout 150 python3 -m rocmoe.bench.fused_gpu --output "$OUT/fused_h200.json" 2>&1 | python3 -c "
+import json,sys
+for l in sys.stdin:
+    try: d=json.loads(l)
+    except Exception: print(l.rstrip()); continue
+    keep=('bench','dtype','m','ratio','op_ratio','overhead','ms','signal_off_ms','torch_matvec_ms','kernel_tflops','baseline_tflops','op_tflops','error')
+    print({k: (round(v,4) if isinstance(v,float) else v) for k,v in d.items() if k in keep})"
+fi
+if has moebench; then
+  stamp "moe benchmark"
+  timeout ${MOE_BENCH_TIMEOUT:-300} python3 -m rocmoe.bench.moe --reps 7 ${MOE_BENCH_ARGS:-} \
+    --output "$OUT/moe_h200.json" 2>&1 | python3 -c "
+import json,sys
+for l in sys.stdin:
+    try: r=json.loads(l)
+    except Exception: print(l.rstrip()); continue
+    if r.get('metric') == 'kernel':
+        print(r['tokens'],r['hidden'],r['ffn'],r['experts'],'kernel',r['kernel'],r['ms'],'ms',r['useful_tflops'],'TF'); continue
+    if 'ratio' in r:
+        print(r.get('tokens'),r.get('hidden'),r.get('ffn'),r.get('experts'),r.get('routing','')[:4],r['metric'],'ratio',r['ratio'],'ours',r.get('ours_ms'),'base',r.get('baseline_ms'))
+    else: print(str(r)[:200])"
+fi
+stamp done

@@ -1,0 +1,31 @@
+"""`rocmoe bench moe --device cpu` runs every code path of the benchmark (a dry run)."""
+
+import json
+
+from rocmoe.bench import moe as bench_moe
+
+
+def test_benchmark_dry_run_reports_every_metric_with_its_baseline(capsys):
+    rc = bench_moe.main(["--device", "cpu", "--shapes", "64,32,48,4", "--routing", "uniform",
+                         "--reps", "1", "--block-size", "16"])
+    assert rc == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("{")]
+    metrics = {r["metric"] for r in records}
+    assert {"ffn_fwd_vs_dense_matmul", "ffn_fwdbwd_vs_grouped_mm",
+            "layer_fwdbwd_vs_capacity_padded", "layer_fwdbwd_vs_max_padded",
+            "permute_topology_share"} <= metrics
+    for r in records:
+        if "ratio" in r:
+            unit = "ms" if "ours_ms" in r else "bytes"  # peak memory is in bytes
+            assert r["baseline"] and r[f"ours_{unit}"] > 0 and r[f"baseline_{unit}"] > 0
+
+
+def test_benchmark_breakdown_times_the_kernels_of_the_configured_fusion(capsys):
+    bench_moe.main(["--device", "cpu", "--shapes", "64,32,48,4", "--routing", "uniform",
+                    "--reps", "1", "--block-size", "16"])
+    kernels = {json.loads(line)["kernel"] for line in capsys.readouterr().out.splitlines()
+               if '"metric": "kernel"' in line}
+    # act_fusion="store" (the default): the forward SDD writes GELU(h), DSD/DSᵀD run plain
+    assert {"sdd_fwd_store_gelu", "dsd_fwd", "dstd_dw2", "sdd_bwd_act_grad", "dsd_dx",
+            "dstd_dw1"} == kernels
