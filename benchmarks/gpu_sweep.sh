@@ -27,11 +27,15 @@ if has build; then
    cmake --build build/cuda -j 16) > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 4; }
 fi
 if has check; then
-  stamp "check gemv 1 and 2 ranks"
-  for n in 1 2; do
-    ROCMOE_TIMEOUT_S=10 timeout 60 mpirun -n $n --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
-      gemv,embedding,gemm context --calls 4 --dtype fp32,bf16,fp16 2>&1 | grep -E "RANK .* (OK|FAIL)|Error" | sort | uniq -c | head
+  stamp "check: the fused ops at 1, 2 and 4 ranks (ranks share the GPU), then a timeout"
+  for n in 1 2 4; do
+    ROCMOE_TIMEOUT_S=10 timeout 90 mpirun -n $n --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
+      gemv,embedding,gemm context --calls 4 --dtype fp32,bf16,fp16 > "$OUT/check_$n.log" 2>&1
+    echo "ranks=$n rc=$? $(grep -cE 'RANK .* OK' "$OUT/check_$n.log") OK lines," \
+      "$(grep -cE 'FAIL|Error' "$OUT/check_$n.log") failure lines"
   done
+  ROCMOE_TIMEOUT_S=3 timeout 30 mpirun -n 2 --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
+    gemm_timeout torchipc 2>&1 | grep -E "RANK|Error" | head -4
 fi
 if has gemv; then
   stamp "gemv sweep"
@@ -81,7 +85,8 @@ for l in sys.stdin:
 fi
 if has moetest; then
   stamp "moe GPU tests"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/moe/test_gpu.py 2>&1 | tail -5
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/moe/test_gpu.py \
+    tests/ops_gpu/test_fused_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 fi
 if has fused; then
   stamp "fused ops benchmark"

@@ -44,6 +44,7 @@ def kernel_calls(bs, topo, x_perm, w1, w2, grad):
         "dsd_fwd_plain": lambda: bs._dsd(a, w2, topo),
         "sdd_bwd_act_grad": lambda: bs._sdd(grad, w2.transpose(1, 2), topo, act_grad_of=h,
                                             act="gelu"),
+        "sdd_bwd_scale": lambda: bs._sdd(grad, w2.transpose(1, 2), topo, scale_by=h),
         "dstd_dw2_gelu_on_load": lambda: bs._dstd(h, grad, topo, "gelu"),
         "dstd_dw2_plain": lambda: bs._dstd(a, grad, topo),
         "dsd_dx": lambda: bs._dsd(h, w1.transpose(1, 2), topo),

@@ -208,7 +208,7 @@ def _sdd_split(b: int, nb: int) -> int:
     return max(1, min(split, 1 << (max(nb, 1) - 1).bit_length()))
 
 
-def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None):
+def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None):
     from . import kernels
     b = topo.block_size
     out = torch.empty(topo.nnz, b, b, device=a.device, dtype=a.dtype)
@@ -221,7 +221,7 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None):
     tile_n, stages = _fit(a.device, b, _sdd_split(b, nb) * b, bk, a.element_size(), b)
     split = tile_n // b
     num_n = -(-nb // split)
-    h = out if act_grad_of is None else act_grad_of
+    h = act_grad_of if act_grad_of is not None else scale_by if scale_by is not None else out
     kernels.get("sdd_kernel")[(topo.num_row_blocks * num_n,)](
         a, w, out, h, out if act_out is None else act_out, topo.row_offsets,
         topo.column_indices, k, f, nb, num_n,
@@ -229,7 +229,8 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None):
         BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=k % bk == 0,
         EVEN_F=f % (b * split) == 0 and nb % split == 0,
         EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0,
-        EPILOGUE_STORE_ACT=ACT_CODES[act] if act_out is not None else 0, **_launch(b, stages))
+        EPILOGUE_STORE_ACT=ACT_CODES[act] if act_out is not None else 0,
+        EPILOGUE_SCALE=scale_by is not None, **_launch(b, stages))
     return out
 
 
@@ -296,15 +297,19 @@ def _act_grad_torch(h, act):
     return torch.ones_like(h)
 
 
-def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None):
-    """SDD; optionally times act'(act_grad_of) (epilogue), or also writing act(S) to act_out."""
+def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None):
+    """SDD S; epilogue options: times act'(act_grad_of); times scale_by; or (act_out) write
+    act(S) to act_out and return act'(S) instead of S."""
     if _use_triton(a):
-        return _sdd_triton(a, w, topo, act_grad_of, act, act_out)
+        return _sdd_triton(a, w, topo, act_grad_of, act, act_out, scale_by)
     out = _sdd_torch(a, w, topo)
     if act_grad_of is not None:
         out = (out.float() * _act_grad_torch(act_grad_of, act)).to(out.dtype)
+    if scale_by is not None:
+        out = (out.float() * scale_by.float()).to(out.dtype)
     if act_out is not None:
         act_out.copy_(_act_torch(out, act))
+        out = _act_grad_torch(out, act).to(out.dtype)
     return out
 
 
@@ -328,11 +333,12 @@ class _FusedExpertFFN(torch.autograd.Function):
     """y = act(x W1) W2 over the topology, with the activation fused into the products.
 
     Forward: h = SDD(x, W1); y = DSD(act(h), W2). With act_fusion="load" DSD applies act as
-    it loads h, so act(h) is never written and only h is saved; with "store" the SDD epilogue
-    writes act(h) next to h and DSD/DSᵀD run plain (MegaBlocks' memory, fewer CUDA-core
-    flops: "load" recomputes act once per N tile). Backward: dh = SDD(dy, W2ᵀ) * act'(h)
-    (epilogue); dW2 = DSᵀD(act(h), dy); dx = DSD(dh, W1ᵀ); dW1 = DSᵀD(dh, x)ᵀ written
-    straight into a [E, K, F] tensor.
+    it loads h, so act(h) is never written and only h is saved; with "store" (the default)
+    the SDD epilogue writes act(h) and act'(h) (not h, which nothing else needs) and DSD/DSᵀD
+    run plain: MegaBlocks' memory, and no exp/rcp next to the matrix units ("load"
+    recomputes act once per N tile, and its backward epilogue act'). Backward:
+    dh = SDD(dy, W2ᵀ) * act'(h) (epilogue); dW2 = DSᵀD(act(h), dy); dx = DSD(dh, W1ᵀ);
+    dW1 = DSᵀD(dh, x)ᵀ written straight into a [E, K, F] tensor.
     """
 
     @staticmethod
@@ -340,6 +346,7 @@ class _FusedExpertFFN(torch.autograd.Function):
         store = KERNEL_CONFIG["act_fusion"] == "store"
         a = torch.empty(topo.nnz, topo.block_size, topo.block_size, device=x.device,
                         dtype=x.dtype) if store else None
+        # store: h holds act'(x W1), a holds act(x W1)
         h = _sdd(x, w1, topo, act=act, act_out=a)
         y = _dsd(a, w2, topo) if store else _dsd(h, w2, topo, act)
         ctx.topo, ctx.act, ctx.store = topo, act, store
@@ -351,7 +358,10 @@ class _FusedExpertFFN(torch.autograd.Function):
         x, w1, w2, h, a = ctx.saved_tensors
         topo, act = ctx.topo, ctx.act
         grad_y = grad_y.contiguous()
-        grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, act_grad_of=h, act=act)
+        if ctx.store:
+            grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, scale_by=h)
+        else:
+            grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, act_grad_of=h, act=act)
         grad_w2 = None
         if ctx.needs_input_grad[2]:
             grad_w2 = _dstd(a, grad_y, topo) if ctx.store else _dstd(h, grad_y, topo, act)

@@ -68,11 +68,13 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, row_off_ptr, col_idx_p
                stride_we, stride_wk, stride_wf,
                BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_K: tl.constexpr, EVEN_F: tl.constexpr, EPILOGUE_ACT_GRAD: tl.constexpr,
-               EPILOGUE_STORE_ACT: tl.constexpr):
+               EPILOGUE_STORE_ACT: tl.constexpr, EPILOGUE_SCALE: tl.constexpr):
     # out[blk] = a[rows of row block r] @ w[e, :, cols of blk] for SPLIT consecutive blocks blk
     # of row r (a B x SPLIT*B tile per program: wider tiles feed the matrix units better).
     # With EPILOGUE_ACT_GRAD: out[blk] *= act'(h[blk]).
-    # With EPILOGUE_STORE_ACT: also act_out[blk] = act(out[blk]) (h and act(h) in one pass).
+    # With EPILOGUE_SCALE: out[blk] *= h[blk] (h holds act'(.) already: no transcendental).
+    # With EPILOGUE_STORE_ACT: act_out[blk] = act(p) and out[blk] = act'(p) for the product p
+    # (the forward of act_fusion="store": the backward then only multiplies by act'(p)).
     pid = tl.program_id(0)
     row_block = pid // num_n
     first = tl.load(row_off_ptr + row_block) + (pid % num_n) * SPLIT
@@ -113,12 +115,16 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, row_off_ptr, col_idx_p
     if EPILOGUE_ACT_GRAD != 0:
         h = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0).to(tl.float32)
         acc = acc * _activate_grad(h, EPILOGUE_ACT_GRAD)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
+    if EPILOGUE_SCALE:
+        acc = acc * tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0).to(tl.float32)
     if EPILOGUE_STORE_ACT != 0:
-        # act of the rounded value, as the unfused reference computes act(h) from stored h
+        # act and act' of the rounded value, as the unfused reference computes both from a
+        # stored h
         hr = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         act = _activate(hr, EPILOGUE_STORE_ACT).to(out_ptr.dtype.element_ty)
         tl.store(act_out_ptr + offs, act, mask=in_row[None, :])
+        acc = _activate_grad(hr, EPILOGUE_STORE_ACT)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
 
 
 @_kernel
@@ -227,7 +233,7 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, t_blocks_ptr, row_idx_ptr,
 
 _CONSTEXPR_DEFAULTS = dict(BLOCK=128, SPLIT=2, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, EVEN_F=True,
                            EVEN_N=True, EPILOGUE_ACT_GRAD=ACT_NONE, EPILOGUE_STORE_ACT=ACT_NONE,
-                           ACT=ACT_NONE)
+                           EPILOGUE_SCALE=False, ACT=ACT_NONE)
 
 
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
@@ -241,7 +247,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
                            K="i32", F="i32", nb="i32", num_n="i32", stride_am="i32",
                            stride_ak="i32", stride_we="i32", stride_wk="i32", stride_wf="i32",
                            BLOCK=c, SPLIT=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c,
-                           EPILOGUE_STORE_ACT=c),
+                           EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c),
         "dsd_kernel": dict(s_ptr=p, w_ptr=p, out_ptr=p, row_off_ptr=i, col_idx_ptr=i,
                            N="i32", F="i32", nb="i32", num_n="i32", stride_we="i32",
                            stride_wf="i32",

@@ -277,7 +277,9 @@ class Workspace:
         self.recv_offsets = []  # their heap offsets
         self.epoch = 0
         self._ints = {}
-        self.counters = torch.zeros(2 + w, dtype=torch.int32, device=arena.device)
+        # next task, exited workers, two sets of per-slice done counters (the GEMV's two
+        # phases), a phase-1 done count: rocmoe_gpu_fused.counters in rocmoe.h
+        self.counters = torch.zeros(3 + 2 * w, dtype=torch.int32, device=arena.device)
         self.status = torch.zeros(3 * w, dtype=torch.int32, device=arena.device)
         arena.barrier()  # nobody signals into slots a peer has not zeroed yet
 

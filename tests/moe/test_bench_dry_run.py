@@ -14,7 +14,7 @@ def test_benchmark_dry_run_reports_every_metric_with_its_baseline(capsys):
     metrics = {r["metric"] for r in records}
     assert {"ffn_fwd_vs_dense_matmul", "ffn_fwdbwd_vs_grouped_mm",
             "layer_fwdbwd_vs_capacity_padded", "layer_fwdbwd_vs_max_padded",
-            "permute_topology_share"} <= metrics
+            "permute_topology_share", "permute_topology_share_device_time"} <= metrics
     for r in records:
         if "ratio" in r:
             unit = "ms" if "ours_ms" in r else "bytes"  # peak memory is in bytes
@@ -27,5 +27,5 @@ def test_benchmark_breakdown_times_the_kernels_of_the_configured_fusion(capsys):
     kernels = {json.loads(line)["kernel"] for line in capsys.readouterr().out.splitlines()
                if '"metric": "kernel"' in line}
     # act_fusion="store" (the default): the forward SDD writes GELU(h), DSD/DSᵀD run plain
-    assert {"sdd_fwd_store_gelu", "dsd_fwd", "dstd_dw2", "sdd_bwd_act_grad", "dsd_dx",
+    assert {"sdd_fwd_store_gelu", "dsd_fwd", "dstd_dw2", "sdd_bwd_scale", "dsd_dx",
             "dstd_dw1"} == kernels

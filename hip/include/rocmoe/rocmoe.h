@@ -259,7 +259,7 @@ typedef struct rocmoe_gpu_fused {
     void *recv;              /* heap: this call's receive buffer */
     void *stage;             /* device scratch for scale-out puts (rows this rank sends, by
                                 destination); NULL when every peer is load/store reachable */
-    void *counters;          /* device uint32 [2 + world], zero before the first call */
+    void *counters;          /* device uint32 [3 + 2 * world], zero before the first call */
     int *status;             /* device int32 [3 * world]: 0 ok, 1 wait timed out */
     int workgroups;          /* <= 0: per compute unit count */
     int signal_enabled;      /* 0: no acks, done counters, signals or waits (benchmarks) */

@@ -27,48 +27,6 @@ int launch_wait(const Common &c, uint64_t *slots, int count, int *status, hipStr
     return ROCMOE_OK;
 }
 
-__global__ void __launch_bounds__(kThreads) finish_kernel(Common c, uint64_t *slots, int count,
-                                                         int *status, const char *src, char *dst,
-                                                         uint64_t bytes) {
-    if (c.signal_enabled) {
-        for (int i = int(threadIdx.x); i < count; i += int(blockDim.x)) {
-            uint64_t seen = 0;
-            if (shmem::wait_until(c.team, slots + i, shmem::kCmpGe, c.epoch, c.timeout_ns,
-                                  &seen) != shmem::kWaitOk) {
-                status[i] = kTimedOut;  // the host turns it into CommTimeoutError
-            }
-        }
-        __syncthreads();
-    }
-    // 16-byte vectors when both ends allow it (heap offsets are 256-byte aligned, torch
-    // allocations too), bytes otherwise
-    const bool vec = ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) |
-                       bytes) & 15u) == 0;
-    if (vec) {
-        const uint4 *s4 = reinterpret_cast<const uint4 *>(src);
-        uint4 *d4 = reinterpret_cast<uint4 *>(dst);
-        for (uint64_t i = threadIdx.x; i < bytes / 16; i += blockDim.x) d4[i] = s4[i];
-    } else {
-        for (uint64_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
-    }
-    if (c.signal_enabled) {
-        // every thread's reads of the buffer are done before any peer may overwrite it
-        __syncthreads();
-        for (int d = int(threadIdx.x); d < c.topo.world; d += int(blockDim.x))
-            shmem::signal_set(c.team, c.ack(c.topo.rank), c.epoch, d);
-    }
-}
-
-int launch_finish(const Common &c, uint64_t *slots, int count, int *status, const void *src,
-                  void *dst, uint64_t bytes, hipStream_t stream) {
-    hipLaunchKernelGGL(finish_kernel, dim3(1), dim3(kThreads), 0, stream, c, slots, count, status,
-                       static_cast<const char *>(src), static_cast<char *>(dst), bytes);
-    const hipError_t e = hipGetLastError();
-    if (e != hipSuccess)
-        return fail(ROCMOE_ERR_SYSTEM, "launching the consumer epilogue: %s", hipGetErrorString(e));
-    return ROCMOE_OK;
-}
-
 int clear_status(const Common &c, hipStream_t stream) {
     const hipError_t e = hipMemsetAsync(c.status, 0, sizeof(int) * 3 * size_t(c.topo.world), stream);
     if (e != hipSuccess)

@@ -139,14 +139,6 @@ __global__ void wait_slots_kernel(shmem::Team team, uint64_t *slots, int count, 
 // Launch the consumer wait on `stream` (count threads, one per slot).
 int launch_wait(const Common &c, uint64_t *slots, int count, int *status, hipStream_t stream);
 
-// The consumer's whole epilogue in one launch (one workgroup): wait (bounded) for `count`
-// slots to reach the epoch (timeouts into status), copy `bytes` of the result from the
-// receive buffer `src` into the caller's tensor `dst`, then, with signalling on, release
-// this rank's receive buffer to every peer (store the epoch into each peer's ack slot for
-// this rank). Replaces wait kernel + device copy + ack kernel.
-int launch_finish(const Common &c, uint64_t *slots, int count, int *status, const void *src,
-                  void *dst, uint64_t bytes, hipStream_t stream);
-
 // Zero this call's status words ([3 * world] ints) on `stream`, right before the kernels:
 // clearing them from Python left the host's remaining launch work between the memset and
 // the first kernel, and the GPU idled through it.

@@ -1,19 +1,20 @@
 // Fused GEMV + AllReduce: y = sum_r W_r x_r, two-phase direct all-reduce.
 //
-// Phase 1 (reduce-scatter by stores), persistent kernel on the schedule:
+// One persistent kernel runs the three phases (one launch: separate phase-2, wait, copy and
+// ack launches cost ~25 us on a 0.14 ms GEMV on an H200, most of the gap to torch's matvec).
+// Phase 1 (reduce-scatter by stores), on the schedule:
 //   slice  owner o: rows [split_begin(N, world, o), split_begin(N, world, o + 1)) of the
 //          partial product W_r x_r; they are stored as fp32 straight into o's receive
 //          buffer at partials[r][row - chunk begin]
 //   task   rows_per_tile rows (32 by default); one wave computes one row's dot product at a time
-// Phase 2 (all-gather by stores), persistent kernel on the same schedule:
+// Phase 2 (all-gather by stores), the task numbers after phase 1's:
 //   each workgroup first waits (bounded) for every rank's phase-1 signal of this rank's
 //   chunk, then for each destination d and tile of kReduceTile rows sums the partials in
 //   rank order (so every rank gets bit-identical y) and stores the tile, converted to the
 //   op's dtype, into d's receive buffer at gather_offset; the slice completer signals d.
-// Phase 3 (one workgroup, when the caller passes `out`): wait for every owner's phase-2
-//   signal, copy y out of the receive buffer into `out`, then acknowledge every peer (its
-//   next-but-one call may reuse this buffer). One launch instead of wait + copy + ack:
-//   on a 0.15 ms GEMV each extra launch showed as ~2.5% signalling overhead.
+// Phase 3 (the last workgroup out): wait for every owner's phase-2 signal; when the caller
+//   passes `out`, copy y out of the receive buffer into it and acknowledge every peer (its
+//   next-but-one call may reuse this buffer).
 //
 // Bandwidth: phase 1 reads W once with read-only 16-byte loads, kUnroll in flight per lane;
 // x (K_r elements) stays in the caches. Phase 2 moves N * world floats, negligible next to W.
@@ -64,6 +65,11 @@ __device__ __forceinline__ float row_dot(const typename T::storage *row,
         const uint4 *xv = reinterpret_cast<const uint4 *>(x);
         const int64_t nvec = K / V;
         int64_t i = lane;
+        // one accumulator per load in flight: a single one made every FMA of an iteration
+        // wait for the previous (V * kUnroll dependent FMAs per 16-byte load group)
+        float part[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) part[u] = 0.f;
         for (; i + (kUnroll - 1) * ROCMOE_WAVE_SIZE < nvec; i += kUnroll * ROCMOE_WAVE_SIZE) {
             uint4 a[kUnroll], b[kUnroll];
 #pragma unroll
@@ -75,9 +81,11 @@ __device__ __forceinline__ float row_dot(const typename T::storage *row,
                 float fa[V], fb[V];
                 unpack<T>(a[u], fa);
                 unpack<T>(b[u], fb);
-                for (int e = 0; e < V; ++e) acc += fa[e] * fb[e];
+                for (int e = 0; e < V; ++e) part[u] += fa[e] * fb[e];
             }
         }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) acc += part[u];
         for (; i < nvec; i += ROCMOE_WAVE_SIZE) {
             float fa[V], fb[V];
             unpack<T>(load_ro(rv + i), fa);
@@ -103,128 +111,178 @@ __device__ __forceinline__ sched::Plan shared_plan(const Common &c, uint32_t *sm
     return sched::Plan{c.topo, smem[2 * world], smem + world};
 }
 
+// Phase-1 readiness without signals (signal_enabled == 0, benchmarks at one rank): phase-1
+// tasks count themselves done in a device-scope counter and phase-2 tasks wait for it, the
+// dependency a kernel boundary used to give. Bounded like every wait.
+__device__ __forceinline__ bool wait_local_count(const uint32_t *counter, uint32_t target,
+                                                 uint64_t timeout_ns) {
+    const uint64_t start = platform::device_time_ns();
+    for (uint32_t spin = 0;; ++spin) {
+        if (*reinterpret_cast<const volatile uint32_t *>(counter) >= target) {
+            __threadfence();
+            return true;
+        }
+        if ((spin & 63u) == 63u && platform::device_time_ns() - start >= timeout_ns) return false;
+    }
+}
+
+// The whole op in one persistent kernel: task numbers [0, total1) are phase-1 tasks,
+// [total1, total1 + total2) phase-2 tasks, and the last workgroup out runs phase 3. Phase-2
+// tasks are claimed only after every phase-1 task has been claimed by a running workgroup,
+// so a workgroup waiting for phase-1 results never holds back the work it waits for.
+// Counters: next_task, exited, phase-1 slice_done[world], phase-2 slice_done[world],
+// phase-1 tasks done (signal-off mode only).
+// Four workgroups per compute unit must fit (64 registers on sm_90): the H200 sweep ran the
+// GEMV at 0.58 of copy bandwidth with three resident, 0.74-0.78 with four.
+constexpr int kGemvMinBlocks = 4;
+
 template <class T, bool kVec, int kUnroll>
-__global__ void __launch_bounds__(kThreads) gemv_reduce_scatter_kernel(Common c, GemvParams p,
-                                                                      uint32_t workers) {
+__global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
+    gemv_all_reduce_kernel(Common c, GemvParams p, void *out, uint32_t workers) {
     using S = typename T::storage;
     extern __shared__ uint32_t plan_smem[];
     __shared__ sched::Task s_task;
-    __shared__ int s_valid, s_free;
+    __shared__ int s_phase, s_free, s_last;
     const int world = c.topo.world;
-    const sched::Plan plan = shared_plan(c, plan_smem, p.rows_per_tile, [&](int o) {
+    const int me = c.topo.rank;
+    const int64_t my_begin = chunk_begin(p, world, me);
+    const int64_t mine = chunk_begin(p, world, me + 1) - my_begin;
+    const sched::Plan plan1 = shared_plan(c, plan_smem, p.rows_per_tile, [&](int o) {
         return uint64_t(chunk_begin(p, world, o + 1) - chunk_begin(p, world, o));
     });
-    const sched::Counters counters = c.sched_counters();
+    const sched::Plan plan2 = shared_plan(c, plan_smem + 2 * world + 1, kReduceTile,
+                                          [&](int) { return uint64_t(mine); });
+    const uint32_t total1 = plan1.total_tasks;
+    const sched::Counters counters1 = c.sched_counters();
+    const sched::Counters counters2{c.counters, c.counters + 1, c.counters + 2 + world};
+    uint32_t *phase1_done = c.counters + 2 + 2 * world;
     AckCache cache{0};
+    bool partials_ready = false;  // thread 0's view
     const int tid = threadIdx.x;
     const int wave = tid / ROCMOE_WAVE_SIZE;
     const int lane = tid % ROCMOE_WAVE_SIZE;
     const S *W = static_cast<const S *>(p.w);
     const S *x = static_cast<const S *>(p.x);
+    const float *partials_here = reinterpret_cast<const float *>(p.recv);
 
     for (;;) {
         if (tid == 0) {
             sched::Task task;
-            s_valid = sched::locate(plan, sched::claim(counters), &task) ? 1 : 0;
-            s_free = s_valid ? (wait_dest_free(c, cache, task.dest) ? 1 : 0) : 0;
-            s_task = task;
-        }
-        __syncthreads();
-        const sched::Task task = s_task;
-        const int valid = s_valid, free_to_write = s_free;
-        __syncthreads();
-        if (!valid) break;
-
-        const int64_t cb = chunk_begin(p, world, task.dest);
-        const int64_t rows = chunk_begin(p, world, task.dest + 1) - cb;
-        const uint64_t first = sched::tile_begin(task.tile, p.rows_per_tile, rows);
-        const uint64_t last = sched::tile_end(task.tile, p.rows_per_tile, rows);
-        float *partials = static_cast<float *>(shmem::peer_ptr(c.team, p.recv, task.dest));
-        if (free_to_write && partials != nullptr) {
-            float *mine = partials + int64_t(c.topo.rank) * p.chunk_stride;
-            for (uint64_t r = first + wave; r < last; r += kWaves) {
-                const float v = row_dot<T, kVec, kUnroll>(W + (cb + int64_t(r)) * p.k, x, p.k, lane);
-                if (lane == 0) mine[r] = v;
-            }
-        } else if (free_to_write && tid == 0) {
-            // the partials are 4-byte scattered stores: this kernel needs load/store reach
-            atomicExch(c.status + world + task.dest, int(kTimedOut));
-        }
-        if (c.signal_enabled && free_to_write && partials != nullptr) {
-            __threadfence_system();
-            __syncthreads();
-            if (tid == 0 && sched::complete(counters, task))
-                shmem::signal_set(c.team, c.data_signal(c.topo.rank), c.epoch, task.dest);
-        }
-    }
-    if (tid == 0) sched::exit_worker(counters, workers);
-}
-
-template <class T>
-__global__ void __launch_bounds__(kThreads) gemv_all_gather_kernel(Common c, GemvParams p,
-                                                                  uint32_t workers) {
-    using S = typename T::storage;
-    extern __shared__ uint32_t plan_smem[];
-    __shared__ sched::Task s_task;
-    __shared__ int s_valid, s_free;
-    const int world = c.topo.world;
-    const int me = c.topo.rank;
-    const int64_t cb = chunk_begin(p, world, me);
-    const int64_t mine = chunk_begin(p, world, me + 1) - cb;
-    const sched::Plan plan =
-        shared_plan(c, plan_smem, kReduceTile, [&](int) { return uint64_t(mine); });
-    const sched::Counters counters = c.sched_counters();
-    AckCache cache{0};
-    bool partials_ready = !c.signal_enabled;  // thread 0's view
-    const int tid = threadIdx.x;
-    const float *partials = reinterpret_cast<const float *>(p.recv);
-
-    for (;;) {
-        if (tid == 0) {
-            sched::Task task;
-            s_valid = sched::locate(plan, sched::claim(counters), &task) ? 1 : 0;
-            int ok = s_valid;
-            if (ok && !partials_ready) {
-                // every rank's partials of this rank's chunk (phase-1 signals, by source)
-                for (int s = 0; s < world && ok; ++s) {
-                    uint64_t seen = 0;
-                    if (shmem::wait_until(c.team, c.data_signal(s), shmem::kCmpGe, c.epoch,
-                                          c.timeout_ns, &seen) != shmem::kWaitOk) {
-                        atomicExch(c.status + world + s, int(kTimedOut));
+            const uint32_t id = sched::claim(counters1);
+            int phase = 0, ok = 0;
+            if (id < total1) {
+                phase = sched::locate(plan1, id, &task) ? 1 : 0;
+                ok = phase;
+            } else if (sched::locate(plan2, id - total1, &task)) {
+                phase = 2;
+                ok = 1;
+                if (!partials_ready) {
+                    if (c.signal_enabled) {
+                        // every rank's partials of this rank's chunk (phase-1 signals, by source)
+                        for (int src = 0; src < world && ok; ++src) {
+                            uint64_t seen = 0;
+                            if (shmem::wait_until(c.team, c.data_signal(src), shmem::kCmpGe,
+                                                  c.epoch, c.timeout_ns, &seen) != shmem::kWaitOk) {
+                                atomicExch(c.status + world + src, int(kTimedOut));
+                                ok = 0;
+                            }
+                        }
+                    } else if (!wait_local_count(phase1_done, total1, c.timeout_ns)) {
+                        atomicExch(c.status + world + me, int(kTimedOut));
                         ok = 0;
                     }
+                    partials_ready = ok;
                 }
-                partials_ready = ok;
             }
             s_free = ok ? (wait_dest_free(c, cache, task.dest) ? 1 : 0) : 0;
+            s_phase = phase;
             s_task = task;
         }
         __syncthreads();
         const sched::Task task = s_task;
-        const int valid = s_valid, free_to_write = s_free;
+        const int phase = s_phase, free_to_write = s_free;
         __syncthreads();
-        if (!valid) break;
+        if (phase == 0) break;
 
-        const uint64_t first = sched::tile_begin(task.tile, kReduceTile, uint64_t(mine));
-        const uint64_t last = sched::tile_end(task.tile, kReduceTile, uint64_t(mine));
-        S *y = static_cast<S *>(shmem::peer_ptr(c.team, p.recv + p.gather_offset, task.dest));
-        if (free_to_write && y != nullptr) {
-            for (uint64_t i = first + tid; i < last; i += kThreads) {
-                float sum = 0.f;
-                for (int s = 0; s < world; ++s) sum += partials[int64_t(s) * p.chunk_stride + i];
-                y[cb + int64_t(i)] = T::store(sum);
+        if (phase == 1) {
+            const int64_t cb = chunk_begin(p, world, task.dest);
+            const int64_t rows = chunk_begin(p, world, task.dest + 1) - cb;
+            const uint64_t first = sched::tile_begin(task.tile, p.rows_per_tile, rows);
+            const uint64_t last = sched::tile_end(task.tile, p.rows_per_tile, rows);
+            float *partials = static_cast<float *>(shmem::peer_ptr(c.team, p.recv, task.dest));
+            if (free_to_write && partials != nullptr) {
+                float *dst = partials + int64_t(me) * p.chunk_stride;
+                for (uint64_t r = first + wave; r < last; r += kWaves) {
+                    const float v =
+                        row_dot<T, kVec, kUnroll>(W + (cb + int64_t(r)) * p.k, x, p.k, lane);
+                    if (lane == 0) dst[r] = v;
+                }
+            } else if (free_to_write && tid == 0) {
+                // the partials are 4-byte scattered stores: this kernel needs load/store reach
+                atomicExch(c.status + world + task.dest, int(kTimedOut));
             }
-        } else if (free_to_write && tid == 0) {
-            atomicExch(c.status + 2 * world + task.dest, int(kTimedOut));
-        }
-        if (c.signal_enabled && free_to_write && y != nullptr) {
-            __threadfence_system();
-            __syncthreads();
-            if (tid == 0 && sched::complete(counters, task))
-                shmem::signal_set(c.team, c.phase2_signal(me), c.epoch, task.dest);
+            if (c.signal_enabled && free_to_write && partials != nullptr) {
+                __threadfence_system();
+                __syncthreads();
+                if (tid == 0 && sched::complete(counters1, task))
+                    shmem::signal_set(c.team, c.data_signal(me), c.epoch, task.dest);
+            } else if (!c.signal_enabled) {
+                __threadfence();
+                __syncthreads();
+                if (tid == 0) atomicAdd(phase1_done, 1u);
+            }
+        } else {
+            const uint64_t first = sched::tile_begin(task.tile, kReduceTile, uint64_t(mine));
+            const uint64_t last = sched::tile_end(task.tile, kReduceTile, uint64_t(mine));
+            S *y = static_cast<S *>(shmem::peer_ptr(c.team, p.recv + p.gather_offset, task.dest));
+            if (free_to_write && y != nullptr) {
+                for (uint64_t i = first + tid; i < last; i += kThreads) {
+                    float sum = 0.f;
+                    for (int src = 0; src < world; ++src)
+                        sum += partials_here[int64_t(src) * p.chunk_stride + i];
+                    y[my_begin + int64_t(i)] = T::store(sum);
+                }
+            } else if (free_to_write && tid == 0) {
+                atomicExch(c.status + 2 * world + task.dest, int(kTimedOut));
+            }
+            if (c.signal_enabled && free_to_write && y != nullptr) {
+                __threadfence_system();
+                __syncthreads();
+                if (tid == 0 && sched::complete(counters2, task))
+                    shmem::signal_set(c.team, c.phase2_signal(me), c.epoch, task.dest);
+            }
         }
     }
-    if (tid == 0) sched::exit_worker(counters, workers);
+    if (tid == 0) s_last = sched::exit_worker(counters1, workers) ? 1 : 0;
+    __syncthreads();
+    if (!s_last) return;
+    // Phase 3, by the last workgroup out (every other one has finished its stores and reads)
+    __threadfence();
+    if (c.signal_enabled) {
+        for (int o = tid; o < world; o += kThreads) {
+            uint64_t seen = 0;
+            if (shmem::wait_until(c.team, c.phase2_signal(o), shmem::kCmpGe, c.epoch,
+                                  c.timeout_ns, &seen) != shmem::kWaitOk)
+                c.status[2 * world + o] = int(kTimedOut);  // the host raises CommTimeoutError
+        }
+        __syncthreads();
+    }
+    if (tid == 0) *phase1_done = 0u;  // self-resetting, like the other counters
+    if (out == nullptr) return;        // the caller reads y from the receive buffer
+    const uint64_t bytes = uint64_t(p.n) * sizeof(S);
+    const char *src = p.recv + p.gather_offset;
+    char *dst = static_cast<char *>(out);
+    if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | bytes) & 15u) == 0) {
+        for (uint64_t i = tid; i < bytes / 16; i += kThreads)
+            reinterpret_cast<uint4 *>(dst)[i] = reinterpret_cast<const uint4 *>(src)[i];
+    } else {
+        for (uint64_t i = tid; i < bytes; i += kThreads) dst[i] = src[i];
+    }
+    if (c.signal_enabled) {
+        // every read of this rank's receive buffer is done: peers may reuse it
+        __syncthreads();
+        for (int d = tid; d < world; d += kThreads) shmem::signal_set(c.team, c.ack(me), c.epoch, d);
+    }
 }
 
 // Tuning knobs read once (benchmarks sweep them): loads in flight per lane (4 or 8) and rows
@@ -235,43 +293,38 @@ int env_int(const char *name, int fallback) {
 }
 
 template <class T, int kUnroll>
-void launch_phase1(bool vec, int workers, size_t smem, hipStream_t stream, const Common &c,
-                   const GemvParams &p) {
+void launch_kernel(bool vec, int workers, size_t smem, hipStream_t stream, const Common &c,
+                   const GemvParams &p, void *out) {
     if (vec)
-        hipLaunchKernelGGL((gemv_reduce_scatter_kernel<T, true, kUnroll>), dim3(workers),
-                           dim3(kThreads), smem, stream, c, p, uint32_t(workers));
+        hipLaunchKernelGGL((gemv_all_reduce_kernel<T, true, kUnroll>), dim3(workers),
+                           dim3(kThreads), smem, stream, c, p, out, uint32_t(workers));
     else
-        hipLaunchKernelGGL((gemv_reduce_scatter_kernel<T, false, kUnroll>), dim3(workers),
-                           dim3(kThreads), smem, stream, c, p, uint32_t(workers));
+        hipLaunchKernelGGL((gemv_all_reduce_kernel<T, false, kUnroll>), dim3(workers),
+                           dim3(kThreads), smem, stream, c, p, out, uint32_t(workers));
 }
 
 template <class T>
-int launch(const Common &c, const GemvParams &p, int requested, hipStream_t stream) {
+int launch(const Common &c, const GemvParams &p, int requested, void *out, hipStream_t stream) {
     const int world = c.topo.world;
-    const size_t smem = sizeof(uint32_t) * (2 * size_t(world) + 1);
-    uint32_t total1 = 0, total2 = 0;
+    const size_t smem = sizeof(uint32_t) * 2 * (2 * size_t(world) + 1);  // two plans
+    uint32_t total1 = 0;
     for (int o = 0; o < world; ++o) {
         const int64_t rows = sched::split_begin(p.n, world, o + 1) - sched::split_begin(p.n, world, o);
         total1 += sched::tasks_for_rows(uint64_t(rows), p.rows_per_tile);
     }
     const int64_t mine = sched::split_begin(p.n, world, c.topo.rank + 1) -
                          sched::split_begin(p.n, world, c.topo.rank);
-    total2 = uint32_t(world) * sched::tasks_for_rows(uint64_t(mine), kReduceTile);
-    const int workers1 = persistent_workgroups(requested, total1, env_int("ROCMOE_GEMV_PER_CU", 4));
-    const int workers2 = persistent_workgroups(requested, total2, 2);
+    const uint32_t total2 = uint32_t(world) * sched::tasks_for_rows(uint64_t(mine), kReduceTile);
+    const int workers =
+        persistent_workgroups(requested, total1 + total2, env_int("ROCMOE_GEMV_PER_CU", 4));
     const bool vec = p.k % vec_elems<T>() == 0 &&
                      ((reinterpret_cast<uintptr_t>(p.w) | reinterpret_cast<uintptr_t>(p.x)) & 15u) == 0;
-    static const int unroll = env_int("ROCMOE_GEMV_UNROLL", 8);
+    static const int unroll = env_int("ROCMOE_GEMV_UNROLL", 4);
     if (unroll >= 8)
-        launch_phase1<T, 8>(vec, workers1, smem, stream, c, p);
+        launch_kernel<T, 8>(vec, workers, smem, stream, c, p, out);
     else
-        launch_phase1<T, 4>(vec, workers1, smem, stream, c, p);
-    hipError_t e = hipGetLastError();
-    if (e == hipSuccess) {
-        hipLaunchKernelGGL(gemv_all_gather_kernel<T>, dim3(workers2), dim3(kThreads), smem, stream,
-                           c, p, uint32_t(workers2));
-        e = hipGetLastError();
-    }
+        launch_kernel<T, 4>(vec, workers, smem, stream, c, p, out);
+    const hipError_t e = hipGetLastError();
     if (e != hipSuccess)
         return fail(ROCMOE_ERR_SYSTEM, "gemv_all_reduce: kernel launch failed: %s",
                     hipGetErrorString(e));
@@ -313,17 +366,11 @@ extern "C" int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args) {
     rc = clear_status(c, stream);
     if (rc != ROCMOE_OK) return rc;
     switch (args->dtype) {
-        case ROCMOE_DTYPE_F32: rc = launch<F32>(c, p, args->fused.workgroups, stream); break;
-        case ROCMOE_DTYPE_BF16: rc = launch<BF16>(c, p, args->fused.workgroups, stream); break;
-        case ROCMOE_DTYPE_F16: rc = launch<F16>(c, p, args->fused.workgroups, stream); break;
+        case ROCMOE_DTYPE_F32: rc = launch<F32>(c, p, args->fused.workgroups, args->out, stream); break;
+        case ROCMOE_DTYPE_BF16: rc = launch<BF16>(c, p, args->fused.workgroups, args->out, stream); break;
+        case ROCMOE_DTYPE_F16: rc = launch<F16>(c, p, args->fused.workgroups, args->out, stream); break;
         default:
             return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: dtype %d unknown", args->dtype);
     }
-    if (rc != ROCMOE_OK) return rc;
-    if (args->out != nullptr)  // wait + copy-out + acks: one launch
-        return launch_finish(c, c.phase2_signal(0), world, c.status + 2 * world,
-                             p.recv + p.gather_offset, args->out,
-                             uint64_t(p.n) * (args->dtype == ROCMOE_DTYPE_F32 ? 4u : 2u), stream);
-    if (!c.signal_enabled) return rc;
-    return launch_wait(c, c.phase2_signal(0), world, c.status + 2 * world, stream);
+    return rc;
 }
