@@ -42,7 +42,7 @@ def _compile(name, target_key, dtype="bf16", signal=True):
         cfg = kernels.default_config(platform, dtype == "fp32")
         options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
         constexprs = dict(cfg, WORLD_P2=8, SIGNAL=signal, FP32_IEEE=dtype == "fp32",
-                          EVEN_N=False, EVEN_K=False)
+                          EVEN_N=False, EVEN_K=False, USE_TMA=False)
     src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
     return triton.compile(src, target=target, options=options)
 
@@ -78,7 +78,7 @@ def test_gemm_a2a_main_loop_is_pipelined_on_sm90():
     cfg = kernels.default_config("cuda")
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     constexprs = dict(cfg, WORLD_P2=8, SIGNAL=True, FP32_IEEE=False, EVEN_N=True, EVEN_K=True,
-                      stride_xk=1, stride_wn=1)
+                      stride_xk=1, stride_wn=1, USE_TMA=False)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs,
                     attrs=attrs)
     compiled = triton.compile(src, target=target, options=options)
@@ -95,3 +95,21 @@ def test_protocol_kernel_compiles(name, target_key):
     compiled = _compile(name, target_key)
     _, asm_key, _, _ = TARGETS[target_key]
     assert compiled.asm[asm_key]
+
+
+def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90():
+    # USE_TMA: X and W arrive as tensor descriptors; the K loop must fetch them with bulk
+    # tensor copies (TMA) feeding wgmma, and the epilogue still stores into the peer's heap
+    target = TARGETS["sm90"][0]
+    cfg = dict(kernels.default_config("cuda"))
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
+               x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
+    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    cfg.pop("USE_TMA", None)
+    constexprs = dict(cfg, WORLD_P2=8, SIGNAL=True, FP32_IEEE=False, EVEN_N=True, EVEN_K=True,
+                      USE_TMA=True)
+    src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
+    ptx = triton.compile(src, target=target, options=options).asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"

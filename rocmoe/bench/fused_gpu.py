@@ -19,14 +19,17 @@ numbers are then only a smoke test). JSON lines on rank 0, one per measurement:
   shapes (`ratio` = matmul time / fused time, goal >= 0.8 for M, N, K >= 4096); `overhead`
   against the same kernel with SIGNAL=False.
 Timings are medians of CUDA-event-timed repetitions (triton.testing.do_bench) after warm-up,
-on random data, rotating nothing: every working set is several times the L2.
+on random data, rotating nothing: every working set is several times the L2. do_bench times
+each call alone after flushing the L2, so a call's host-side launch work shows whenever it
+outlasts the flush; the `steady_*` fields time 25 back-to-back calls between two events
+(the host runs ahead, as in a training loop), baselines likewise (`steady_copy_gbps`,
+`steady_baseline_ms`): the device-side cost of each op and of its signalling.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -38,6 +41,25 @@ from . import emit, inside_mpi_job, relaunch_under_mpiexec
 def _bench(fn, rep_ms=200, warmup_ms=50):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def _bench_steady(fn, calls=25, repeats=7):
+    """Steady-state time per call: `calls` back-to-back calls between two CUDA events (the
+    host runs ahead, as in a training step), median over `repeats`. _bench's per-call timing
+    (L2 flushed, each call alone) also counts host launch work the GPU waits for."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def _device_name():
@@ -96,15 +118,29 @@ def bench_embedding(arena, copy_gbps, quick, dtype, emit_fn):
              + b_local * tables * world * dim * elt)                      # output rows
     ms = _bench(lambda: fused(True))
     ms_off = _bench(lambda: fused(False))
+    st, st_off, st_copy = (_bench_steady(lambda: fused(True)), _bench_steady(lambda: fused(False)),
+                           _steady_copy_gbps())
     rec = dict(bench="embedding_a2a", world=world, dtype=str(dtype).replace("torch.", ""),
                tables_per_rank=tables, rows=rows, dim=dim, pooling=pool, batch=batch,
                bytes=moved, ms=ms, gbps=moved / ms / 1e6,
                baseline="copy_bandwidth (torch device-to-device copy, same run)",
                baseline_gbps=copy_gbps, ratio=moved / ms / 1e6 / copy_gbps, goal_ratio=0.7,
                signal_off_ms=ms_off, overhead=ms / ms_off - 1.0, goal_overhead=0.05,
-               rel_err_vs_torch=err)
+               rel_err_vs_torch=err, **_steady_fields(moved, st, st_off, st_copy))
     emit_fn(rec)
     return rec
+
+
+def _steady_copy_gbps():
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _bench_steady(lambda: dst.copy_(src), calls=10) / 1e6
+
+
+def _steady_fields(moved, ms, ms_off, copy_gbps):
+    return dict(steady_ms=ms, steady_copy_gbps=copy_gbps,
+                steady_ratio=moved / ms / 1e6 / copy_gbps, steady_signal_off_ms=ms_off,
+                steady_overhead=ms / ms_off - 1.0)
 
 
 def bench_gemv(arena, copy_gbps, quick, dtype, emit_fn):
@@ -122,19 +158,24 @@ def bench_gemv(arena, copy_gbps, quick, dtype, emit_fn):
     ms = _bench(lambda: gpu.gemv_all_reduce(arena, w, x, check=False))
     ms_off = _bench(lambda: gpu.gemv_all_reduce(arena, w, x, signal=False, check=False))
     ms_torch = _bench(lambda: w @ x)
+    st, st_off, st_copy = (_bench_steady(lambda: gpu.gemv_all_reduce(arena, w, x, check=False)),
+                           _bench_steady(lambda: gpu.gemv_all_reduce(arena, w, x, signal=False,
+                                                                     check=False)),
+                           _steady_copy_gbps())
     torch.cuda.synchronize()
     rec = dict(bench="gemv_allreduce", world=arena.world, dtype=str(dtype).replace("torch.", ""),
                n=n, k_per_rank=k, bytes=moved, ms=ms, gbps=moved / ms / 1e6,
                baseline="copy_bandwidth (torch device-to-device copy, same run)",
                baseline_gbps=copy_gbps, ratio=moved / ms / 1e6 / copy_gbps, goal_ratio=0.8,
                signal_off_ms=ms_off, overhead=ms / ms_off - 1.0, goal_overhead=0.05,
-               torch_matvec_ms=ms_torch, rel_err_vs_torch=err)
+               torch_matvec_ms=ms_torch, rel_err_vs_torch=err,
+               **_steady_fields(moved, st, st_off, st_copy))
     emit_fn(rec)
     return rec
 
 
 def bench_gemm(arena, size, quick, emit_fn, configs):
-    from ..ops import gpu, triton_gemm_a2a as tk
+    from ..ops import gpu
     m = n = k = size
     dtype = torch.bfloat16
     world = arena.world
@@ -165,34 +206,19 @@ def bench_gemm(arena, size, quick, emit_fn, configs):
     if world == 1:
         ref = (x.float() @ w.float())
         err = float((y.float() - ref).norm() / ref.norm())
-    # the kernel alone (with signals + consumer wait) vs SIGNAL off: the fusion machinery
-    ws = arena.workspace("gemm_a2a")
-    dev = x.device
-
+    # the kernel alone (with its in-kernel waits and the ack, no copy-out of the receive
+    # buffer) vs SIGNAL off: the cost of the fusion machinery
     def kernel(signal):
-        epoch = ws.next_epoch(signal)
-        _, recv_offset = ws.buffer(epoch)
-        total = plan.prefix[-1]
-        nprog = gpu._num_programs(dev, total, cfg.get("PROGRAMS_PER_SM",
-                                                    gpu._auto_programs_per_sm(dev, total)))
-        tk.get("gemm_a2a_kernel")[(nprog,)](
-            x, w, arena.peer_bases, ws.device_ints(plan.row_start, torch.int64),
-            ws.device_ints(list(plan.counts[arena.rank]), torch.int64),
-            ws.device_ints(plan.dest_rows, torch.int64), ws.device_ints(plan.order, torch.int32),
-            ws.device_ints(plan.prefix, torch.int32), ws.counters, recv_offset, ws.signal_offset,
-            epoch, arena.rank, world, total, nprog, n, k, x.stride(0), x.stride(1), w.stride(0),
-            w.stride(1), WORLD_P2=max(2, 1 << (world - 1).bit_length()), BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], SIGNAL=signal,
-            FP32_IEEE=False, EVEN_N=n % cfg["BLOCK_N"] == 0, EVEN_K=k % cfg["BLOCK_K"] == 0,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        if signal:
-            gpu._launch_wait(ws.signals, ws.status[world:], epoch, arena.timeout_s)
-            gpu._launch_ack(arena, ws, epoch)
+        gpu.gemm_all_to_all(arena, x, w, counts, signal=signal, check=False, config=cfg,
+                            plan=plan, copy_out=False)
 
-    ms_sig = ms_nosig = None
+    ms_sig = ms_nosig = st_sig = st_nosig = None
     if world == 1:  # without signals the peers' buffers are unguarded: one rank only
         ms_sig = _bench(lambda: kernel(True))
         ms_nosig = _bench(lambda: kernel(False))
+        st_sig = _bench_steady(lambda: kernel(True))
+        st_nosig = _bench_steady(lambda: kernel(False))
+    st_mm = _bench_steady(lambda: x @ w)
     flops = 2.0 * m * n * k
     rec = dict(bench="gemm_a2a", world=world, dtype="bfloat16", m=m, n=n, k=k,
                config=cfg, kernel_ms=ms_sig, kernel_tflops=flops / ms_sig / 1e9 if ms_sig else None,
@@ -203,7 +229,10 @@ def bench_gemm(arena, size, quick, emit_fn, configs):
                op_ratio=ms_mm / ms_full,
                signal_off_ms=ms_nosig,
                overhead=(ms_sig / ms_nosig - 1.0) if ms_sig else None, goal_overhead=0.05,
-               rel_err_vs_fp32=err)
+               rel_err_vs_fp32=err, steady_baseline_ms=st_mm, steady_kernel_ms=st_sig,
+               steady_ratio=(st_mm / st_sig) if st_sig else None,
+               steady_signal_off_ms=st_nosig,
+               steady_overhead=(st_sig / st_nosig - 1.0) if st_sig else None)
     emit_fn(rec)
     return rec
 

@@ -449,17 +449,45 @@ def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> di
     from . import triton_gemm_a2a as tk
     if device.type == "cpu":  # interpreter: small tiles keep it quick
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
-    return tk.default_config(_PLATFORM, dtype == torch.float32)
+    cfg = tk.default_config(_PLATFORM, dtype == torch.float32)
+    # ROCMOE_GEMM_CONFIG='{"BLOCK_N": 128, "USE_TMA": true}' overrides entries (tuning)
+    override = os.environ.get("ROCMOE_GEMM_CONFIG")
+    if override:
+        import json
+        cfg.update(json.loads(override))
+    return cfg
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    return (t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0 and t.shape[0] > 0 and t.shape[1] > 0)
+
+
+def gemm_operands(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> tuple:
+    """(X argument, W argument, USE_TMA) of the GEMM kernel: tensor descriptors for the
+    copy engine where the config asks for them and the GPU (Hopper or later) and the
+    operands' alignment allow; the tensors themselves otherwise."""
+    use = (bool(cfg.get("USE_TMA")) and x.is_cuda and torch.version.hip is None
+           and torch.cuda.get_device_capability(x.device)[0] >= 9 and not _interpreting()
+           and x.dtype != torch.float32 and _tma_ok(x) and _tma_ok(w))
+    if not use:
+        return x, w, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    return (TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [bm, bk]),
+            TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [bk, bn]), True)
 
 
 def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts: Sequence[int], *,
                     signal: bool = True, check: bool = True, config: Optional[dict] = None,
-                    plan: Optional[GemmPlan] = None) -> torch.Tensor:
+                    plan: Optional[GemmPlan] = None, copy_out: bool = True
+                    ) -> Optional[torch.Tensor]:
     """Y = X @ W with Y's rows sent to the ranks by `send_counts` (all_to_all_single order).
 
     `signal=False` runs the same kernel without done counters, signals, waits or acks (the
     benchmark's baseline for the cost of the fusion machinery; the result is then only
-    right at world size 1)."""
+    right at world size 1). `copy_out=False` (benchmarks) skips copying the result out of
+    the receive buffer and returns None."""
     from . import triton_gemm_a2a as tk
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
         raise errors.InvalidArgumentError(
@@ -499,21 +527,21 @@ def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts:
     nprog = _num_programs(dev, total, cfg.get("PROGRAMS_PER_SM", _auto_programs_per_sm(dev, total)))
     launch = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg and dev.type != "cpu"}
     kernel = tk.get("gemm_a2a_kernel")
+    x_arg, w_arg, use_tma = gemm_operands(x, w, cfg)
+    budget = _wait_budget(arena.timeout_s)
     ws.status.zero_()
-    if signal and epoch > 2:
-        _launch_wait(ws.acks, ws.status[:world], epoch - 2, arena.timeout_s)
+    # the kernel waits for the destinations' acks and, in its last program, for every
+    # source's slice (no separate wait launches)
     kernel[(nprog,)](
-        x, w, arena.peer_bases, *plan_args, ws.counters,
+        x_arg, w_arg, arena.peer_bases, *plan_args, ws.counters, ws.slots, ws.status,
         recv_offset, ws.signal_offset, epoch, arena.rank, world, total, nprog, n, k,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), budget,
         WORLD_P2=max(2, 1 << (world - 1).bit_length()), BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], SIGNAL=signal,
         FP32_IEEE=x.dtype == torch.float32, EVEN_N=n % cfg["BLOCK_N"] == 0,
-        EVEN_K=k % cfg["BLOCK_K"] == 0, **launch)
-    if signal:
-        _launch_wait(ws.signals, ws.status[world:], epoch, arena.timeout_s)
+        EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=use_tma, **launch)
     nbytes = plan.recv_rows * n * x.element_size()
-    out = recv[:nbytes].view(x.dtype).view(plan.recv_rows, n).clone()
+    out = recv[:nbytes].view(x.dtype).view(plan.recv_rows, n).clone() if copy_out else None
     if signal:
         _launch_ack(arena, ws, epoch)
     if check and signal:

@@ -18,10 +18,14 @@ The kernel runs the schedule of ``hip/include/rocmoe/schedule.h``:
 Counters (``next_task``, ``exited``, ``slice_done[world]``) are self-resetting exactly as in
 schedule.h, so they live in device memory across launches without a memset.
 
-``wait_kernel`` is the consumer side: one program per source rank polls this rank's signal
-slot for that source with acquire atomics until it holds ``>= epoch`` or an iteration
-budget runs out, and records the outcome in ``status[source]`` (0 ready, 1 timed out), so a
-missing signal becomes an error on the host instead of a hung stream.
+The buffer protocol's two waits run inside the kernel (each was a separate launch, and
+host launch work was a visible share of a 0.2 ms GEMM): every program first polls the ack
+slots of its destinations (their buffer of this parity is free once they acknowledged call
+``epoch - 2``), and the last program out polls this rank's signal slots until every source's
+slice has arrived. Both polls are bounded by an iteration budget and record a timeout in
+``status`` (acks at ``[0, world)``, data at ``[world, 2 world)``), so a missing peer becomes
+an error on the host instead of a hung stream. ``wait_kernel`` is the same consumer poll as
+a launch of its own (one program per source).
 
 As in ``rocmoe.moe.kernels``, the bodies are plain functions wrapped by ``triton.jit`` on
 first use, so ``TRITON_INTERPRET=1`` set by a test before the first call runs this very
@@ -41,14 +45,21 @@ _kernel, get, names = _REGISTRY.kernel, _REGISTRY.get, _REGISTRY.names
 @_kernel
 def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
                     row_start_ptr, send_counts_ptr, dest_row_ptr,
-                    order_ptr, task_prefix_ptr, counters_ptr,
+                    order_ptr, task_prefix_ptr, counters_ptr, slots_ptr, status_ptr,
                     recv_offset, signal_offset, epoch, rank, world, total_tasks, num_programs,
                     N, K,
-                    stride_xm, stride_xk, stride_wk, stride_wn,
+                    stride_xm, stride_xk, stride_wk, stride_wn, wait_budget,
                     WORLD_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SIGNAL: tl.constexpr,
-                    FP32_IEEE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    out_ty = x_ptr.dtype.element_ty
+                    FP32_IEEE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                    USE_TMA: tl.constexpr = False):
+    # USE_TMA (Hopper): x_ptr / w_ptr are tensor descriptors of X [M, K] and W [K, N] with
+    # [BLOCK_M, BLOCK_K] / [BLOCK_K, BLOCK_N] blocks; the copy engine fetches the tiles
+    # (zero-filled past the edges) instead of every thread computing addresses for cp.async.
+    if USE_TMA:
+        out_ty = x_ptr.dtype
+    else:
+        out_ty = x_ptr.dtype.element_ty
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     positions = tl.arange(0, WORLD_P2)
     # prefix[p + 1] for every order position; past-the-end lanes never count
@@ -57,6 +68,27 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    in_world = positions < world
+
+    # Producer side of the buffer protocol, in the kernel (it was a separate wait launch):
+    # destination d's receive buffer of this call's parity is free once d acknowledged call
+    # epoch - 2 (ack slots: this rank's slots[world + d]). A destination that never does is
+    # recorded in status[d], and nothing is written to it.
+    dest_free = in_world
+    if SIGNAL:
+        if epoch > 2:
+            need = epoch - 2
+            ack_ptrs = slots_ptr + world + positions
+            seen = tl.where(in_world, tl.atomic_add(ack_ptrs, 0, mask=in_world, sem="acquire",
+                                                    scope="sys"), need)
+            spins = 0
+            while (tl.min(seen, axis=0) < need) & (spins < wait_budget):
+                seen = tl.where(in_world, tl.atomic_add(ack_ptrs, 0, mask=in_world,
+                                                        sem="acquire", scope="sys"), need)
+                spins += 1
+            dest_free = in_world & (seen >= need)
+            tl.store(status_ptr + positions, tl.full((WORLD_P2,), 1, tl.int32),
+                     mask=in_world & (seen < need))
 
     task = tl.atomic_add(counters_ptr, 1)
     while task < total_tasks:
@@ -68,7 +100,8 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
         tile = task - first
         rows = tl.load(send_counts_ptr + dest)
         row0 = tl.load(row_start_ptr + dest)
-        if rows > 0:
+        free = tl.sum((dest_free & (positions == dest)).to(tl.int32), axis=0) > 0
+        if (rows > 0) & free:
             # grouped tile order inside the slice: GROUP_M row tiles share W's columns in L2
             m_tiles = tl.cdiv(rows, BLOCK_M)
             in_group = GROUP_M * n_tiles_n
@@ -91,7 +124,12 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + rk
-                if EVEN_K:
+                if USE_TMA:
+                    # rows past the slice (other slices' rows, or past M: zeros) are computed
+                    # and never stored
+                    a = x_ptr.load([(row0 + m_tile * BLOCK_M).to(tl.int32), k0])
+                    b = w_ptr.load([k0, (n_tile * BLOCK_N).to(tl.int32)])
+                elif EVEN_K:
                     a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk)
                     b = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk
                                 + w_cols[None, :] * stride_wn)
@@ -117,14 +155,15 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
             tl.store(out_ptr + out_rows[:, None] * N + cols[None, :].to(tl.int64),
                      acc.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
         if SIGNAL:
-            # every thread's stores are issued before the one lane that bumps the counter
-            tl.debug_barrier()
-            done = tl.atomic_add(counters_ptr + 2 + dest, 1, sem="acq_rel", scope="gpu")
-            if done + 1 == tiles:
-                tl.atomic_xchg(counters_ptr + 2 + dest, 0, sem="relaxed", scope="gpu")
-                sig_addr = tl.load(peer_bases_ptr + dest) + signal_offset + rank * 8
-                tl.atomic_xchg(sig_addr.to(tl.pointer_type(tl.int64)), epoch,
-                               sem="release", scope="sys")
+            if free:
+                # every thread's stores are issued before the one lane that bumps the counter
+                tl.debug_barrier()
+                done = tl.atomic_add(counters_ptr + 2 + dest, 1, sem="acq_rel", scope="gpu")
+                if done + 1 == tiles:
+                    tl.atomic_xchg(counters_ptr + 2 + dest, 0, sem="relaxed", scope="gpu")
+                    sig_addr = tl.load(peer_bases_ptr + dest) + signal_offset + rank * 8
+                    tl.atomic_xchg(sig_addr.to(tl.pointer_type(tl.int64)), epoch,
+                                   sem="release", scope="sys")
         task = tl.atomic_add(counters_ptr, 1)
 
     # exit_worker(): the last program out re-zeroes the task and exit counters
@@ -132,6 +171,20 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
     if exited + 1 == num_programs:
         tl.atomic_xchg(counters_ptr, 0)
         tl.atomic_xchg(counters_ptr + 1, 0)
+        if SIGNAL:
+            # Consumer side, by the last program out (it was a separate wait launch): every
+            # source's slice of this call has arrived (signals: this rank's slots[s]); a
+            # source that never signals is recorded in status[world + s].
+            sig_ptrs = slots_ptr + positions
+            got = tl.where(in_world, tl.atomic_add(sig_ptrs, 0, mask=in_world, sem="acquire",
+                                                   scope="sys"), epoch)
+            spins = 0
+            while (tl.min(got, axis=0) < epoch) & (spins < wait_budget):
+                got = tl.where(in_world, tl.atomic_add(sig_ptrs, 0, mask=in_world,
+                                                       sem="acquire", scope="sys"), epoch)
+                spins += 1
+            tl.store(status_ptr + world + positions, tl.full((WORLD_P2,), 1, tl.int32),
+                     mask=in_world & (got < epoch))
 
 
 @_kernel
@@ -164,12 +217,15 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
         "gemm_a2a_kernel": dict(
             x_ptr=p, w_ptr=p, peer_bases_ptr=i64, row_start_ptr=i64, send_counts_ptr=i64,
             dest_row_ptr=i64, order_ptr=i32, task_prefix_ptr=i32, counters_ptr=i32,
+            slots_ptr=i64, status_ptr=i32,
             recv_offset="i64", signal_offset="i64", epoch="i64", rank="i32", world="i32",
             total_tasks="i32", num_programs="i32", N="i32", K="i32",
             stride_xm="i32", stride_xk="i32", stride_wk="i32", stride_wn="i32",
+            wait_budget="i32",
             WORLD_P2="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
             BLOCK_K="constexpr", GROUP_M="constexpr", SIGNAL="constexpr",
-            FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr"),
+            FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
+            USE_TMA="constexpr"),
         "wait_kernel": dict(signals_ptr=i64, status_ptr=i32, epoch="i64", budget="i32"),
         "signal_peers_kernel": dict(peer_bases_ptr=i64, slot_offset="i64", rank="i32",
                                     value="i64"),
@@ -183,4 +239,8 @@ def default_config(platform: str, fp32: bool = False) -> dict:
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=2)
     if platform == "hip":
         return dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+    # USE_TMA: on an H200 the copy-engine loads took the 4096^3 GEMM from 0.75 to 0.85 of
+    # torch.matmul and 8192^3 from 0.85 to 0.96 (benchmarks/results/gemm_tma_h200.json);
+    # gemm_operands() falls back to plain loads before Hopper and for unaligned operands.
+    return dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3,
+                USE_TMA=True)
