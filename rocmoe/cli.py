@@ -17,7 +17,7 @@ from typing import Optional
 
 from . import __version__, errors
 
-BENCHMARKS = ("heap", "fused", "fused_gpu", "moe", "ipc", "multi_gpu")
+BENCHMARKS = ("heap", "fused", "fused_gpu", "moe", "moe_kernels", "ipc", "multi_gpu")
 
 # The environment knobs rocmoe reads, with their defaults (as a user would write them) and why
 # one would set them. `rocmoe info` shows the current value next to the default.
@@ -29,6 +29,15 @@ ENV_KNOBS = (
     ("ROCMOE_REQUIRE_ALL", "0", "tests: 1 turns a missing tool (mpiexec, hipcc, slurm) into a "
                                 "failure instead of a skip"),
     ("ROCMOE_SLURM_DIR", "/tmp/rocmoe-slurm", "config and logs of slurm/local-cluster.sh"),
+    # tuning knobs (benchmarks/gpu_sweep.sh sweeps them; the defaults are the measured best)
+    ("ROCMOE_MOE_KERNEL_CONFIG", "", "JSON overrides of the block-sparse kernel tiles, e.g. "
+                                     '{"block_n": 128, "act_fusion": "load"}'),
+    ("ROCMOE_GEMM_CONFIG", "", "JSON overrides of the GEMM+A2A tile config, e.g. "
+                               '{"BLOCK_N": 128, "USE_TMA": false, "PROGRAMS_PER_SM": 1}'),
+    ("ROCMOE_GPU_WORKGROUPS", "0", "workgroups of the HIP fused kernels (0: per the GPU)"),
+    ("ROCMOE_GEMV_UNROLL", "4", "GEMV+AllReduce: 16-byte loads in flight per lane (4 or 8)"),
+    ("ROCMOE_GEMV_ROWS", "32", "GEMV+AllReduce: rows per phase-1 task"),
+    ("ROCMOE_GEMV_PER_CU", "4", "GEMV+AllReduce: workgroups per compute unit"),
 )
 
 
