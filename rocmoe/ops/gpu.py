@@ -340,11 +340,6 @@ def _wait_budget(timeout_s: float) -> int:
     return int(min(2**31 - 1, max(1, timeout_s * per_s)))
 
 
-def _launch_wait(slots: torch.Tensor, status: torch.Tensor, epoch: int, timeout_s: float) -> None:
-    from . import triton_gemm_a2a as tk
-    tk.get("wait_kernel")[(slots.numel(),)](slots, status, epoch, _wait_budget(timeout_s))
-
-
 def _launch_ack(arena: Arena, ws: Workspace, epoch: int) -> None:
     from . import triton_gemm_a2a as tk
     tk.get("signal_peers_kernel")[(arena.world,)](arena.peer_bases, ws.ack_offset, arena.rank,
@@ -412,7 +407,7 @@ class GemmPlan:
 def plan_gemm(arena: Arena, m: int, n: int, send_counts: Sequence[int], config: dict) -> GemmPlan:
     """Agree on every rank's counts (one host all-gather) and lay out this rank's tasks.
     Bad counts on any rank raise InvalidArgumentError on every rank, before any kernel."""
-    w, r = arena.world, arena.rank
+    w = arena.world
     counts_in = [int(c) for c in send_counts]
     # a wrong number of counts still sends a record of the agreed size (marked bad), so
     # every rank learns about it and raises instead of deadlocking in the all-gather

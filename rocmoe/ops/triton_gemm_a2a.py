@@ -24,8 +24,7 @@ slots of its destinations (their buffer of this parity is free once they acknowl
 ``epoch - 2``), and the last program out polls this rank's signal slots until every source's
 slice has arrived. Both polls are bounded by an iteration budget and record a timeout in
 ``status`` (acks at ``[0, world)``, data at ``[world, 2 world)``), so a missing peer becomes
-an error on the host instead of a hung stream. ``wait_kernel`` is the same consumer poll as
-a launch of its own (one program per source).
+an error on the host instead of a hung stream.
 
 As in ``rocmoe.moe.kernels``, the bodies are plain functions wrapped by ``triton.jit`` on
 first use, so ``TRITON_INTERPRET=1`` set by a test before the first call runs this very
@@ -188,19 +187,6 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
 
 
 @_kernel
-def wait_kernel(signals_ptr, status_ptr, epoch, budget):
-    # one program per source rank: acquire-poll its slot until it reaches this call's epoch
-    source = tl.program_id(0)
-    slot = signals_ptr + source
-    seen = tl.atomic_add(slot, 0, sem="acquire", scope="sys")
-    spins = 0
-    while (seen < epoch) & (spins < budget):
-        seen = tl.atomic_add(slot, 0, sem="acquire", scope="sys")
-        spins += 1
-    tl.store(status_ptr + source, tl.where(seen >= epoch, 0, 1).to(tl.int32))
-
-
-@_kernel
 def signal_peers_kernel(peer_bases_ptr, slot_offset, rank, value):
     # one program per peer: store `value` into the peer's slot for this rank (release, system)
     peer = tl.program_id(0)
@@ -226,7 +212,6 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             BLOCK_K="constexpr", GROUP_M="constexpr", SIGNAL="constexpr",
             FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
             USE_TMA="constexpr"),
-        "wait_kernel": dict(signals_ptr=i64, status_ptr=i32, epoch="i64", budget="i32"),
         "signal_peers_kernel": dict(peer_bases_ptr=i64, slot_offset="i64", rank="i32",
                                     value="i64"),
     }
