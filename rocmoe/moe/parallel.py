@@ -18,6 +18,8 @@ MPI Alltoallv for a bare communicator context (anything with ``comm``, ``rank``,
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 import torch
 
@@ -25,20 +27,20 @@ from ..errors import CollectiveMismatchError, ConfigurationError
 from .router import expert_histogram
 
 
-class ExpertTransport:
+class ExpertTransport(abc.ABC):
     """What expert parallelism needs from the communication layer."""
 
     rank: int
     world_size: int
 
+    @abc.abstractmethod
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         """[world, E_local] counts this rank sends -> [world, E_local] counts it receives."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def all_to_all(self, rows: torch.Tensor, send_splits: list[int],
                    recv_splits: list[int]) -> torch.Tensor:
         """Rows [sum(send_splits), H] -> [sum(recv_splits), H], like all_to_all_single."""
-        raise NotImplementedError
 
 
 class MPITransport(ExpertTransport):

@@ -29,6 +29,7 @@ that runs out records a status on the device; the call synchronises, reads it an
 
 from __future__ import annotations
 
+import abc
 import math
 import os
 from dataclasses import dataclass, field
@@ -79,7 +80,7 @@ def task_prefix(order: Sequence[int], tasks_per_dest: Sequence[int]) -> list[int
 # ---------------------------------------------------------------------------------------
 
 
-class Arena:
+class Arena(abc.ABC):
     """Symmetric memory for the fused ops: same offsets on every rank, peers' bases known."""
 
     rank: int
@@ -90,8 +91,9 @@ class Arena:
     timeout_s: float
     peer_bases: torch.Tensor  # int64 [world] on `device`: each rank's base as seen here
 
-    def alloc(self, nbytes: int) -> tuple[torch.Tensor, int]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def alloc(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        """(local view, heap offset) of `nbytes`, collectively: same offset on every rank."""
 
     def barrier(self) -> None:
         self.allgather([0], "fused ops barrier")
