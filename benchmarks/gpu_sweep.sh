@@ -11,20 +11,13 @@
 set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 STAGES=${1:-build,check,gemv,gemm,moe}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+source benchmarks/device_env.sh
 export TRITON_DEFAULT_FP_FUSION=1
-if ! python3 -c "import cffi" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    $(ls .whl/cffi-2.1.1-*.whl .whl/pycparser-*.whl) || exit 3
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 t0=$(date +%s); stamp() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 if has build; then
   stamp build
-  (cmake -S . -B build/cuda -G Ninja -DROCMOE_GPU=cuda -DROCMOE_INPLACE=ON >/dev/null &&
-   cmake --build build/cuda -j 16) > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 4; }
+  build_cuda "$OUT/build.log" || exit 4
 fi
 if has check; then
   stamp "check: the fused ops at 1, 2 and 4 ranks (ranks share the GPU), then a timeout"

@@ -141,6 +141,36 @@ def grouped_mm_ffn(x_sorted, offs, w1, w2):
 
 
 # ------------------------------------------------------------------------------ runner
+# The six products of the fused FFN under each activation fusion (names of kernel_calls).
+FUSION_KERNELS = {
+    "store": ("sdd_fwd_store_gelu", "dsd_fwd", "sdd_bwd_scale", "dstd_dw2", "dsd_dx", "dstd_dw1"),
+    "load": ("sdd_fwd", "dsd_fwd_gelu_on_load", "dstd_dw2_gelu_on_load", "sdd_bwd_act_grad",
+             "dsd_dx", "dstd_dw1"),
+}
+
+
+def kernel_calls(bs, topo, x_perm, w1, w2, grad):
+    """name -> zero-argument call of one block-sparse kernel with the inputs it sees in the
+    layer, for both activation fusions (bs: rocmoe.moe.blocksparse)."""
+    h = bs._sdd(x_perm, w1, topo)
+    a = torch.empty_like(h)
+    bs._sdd(x_perm, w1, topo, act="gelu", act_out=a)
+    gw1 = torch.empty_like(w1)
+    return {
+        "sdd_fwd": lambda: bs._sdd(x_perm, w1, topo),
+        "sdd_fwd_store_gelu": lambda: bs._sdd(x_perm, w1, topo, act="gelu", act_out=a),
+        "dsd_fwd_gelu_on_load": lambda: bs._dsd(h, w2, topo, "gelu"),
+        "dsd_fwd": lambda: bs._dsd(a, w2, topo),
+        "sdd_bwd_act_grad": lambda: bs._sdd(grad, w2.transpose(1, 2), topo, act_grad_of=h,
+                                            act="gelu"),
+        "sdd_bwd_scale": lambda: bs._sdd(grad, w2.transpose(1, 2), topo, scale_by=h),
+        "dstd_dw2_gelu_on_load": lambda: bs._dstd(h, grad, topo, "gelu"),
+        "dstd_dw2": lambda: bs._dstd(a, grad, topo),
+        "dsd_dx": lambda: bs._dsd(h, w1.transpose(1, 2), topo),
+        "dstd_dw1": lambda: bs._dstd(h, x_perm, topo, out=gw1.transpose(1, 2)),
+    }
+
+
 def expert_inputs(shape, device, dtype):
     """Seeded tokens x [T, H] and expert weights w1 [E, H, F], w2 [E, F, H] (scaled, requiring
     grad) for one benchmark shape; returns the generator too, for the routing drawn next."""
@@ -197,34 +227,13 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
         # each kernel of the fused FFN alone, with its useful FLOPs (2*pairs*H*F each)
         # (the kernels the layer runs under the configured activation fusion)
         with torch.no_grad():
-            h = bs._sdd(x_perm, w1, topo)
-            gw1 = torch.empty_like(w1)
-            if bs.KERNEL_CONFIG["act_fusion"] == "store":
-                a = torch.empty_like(h)
-                parts = {
-                    "sdd_fwd_store_gelu": lambda: bs._sdd(x_perm, w1, topo, act="gelu", act_out=a),
-                    "dsd_fwd": lambda: bs._dsd(a, w2, topo),
-                    "sdd_bwd_scale": lambda: bs._sdd(grad_ffn, w2.transpose(1, 2), topo,
-                                                     scale_by=h),
-                    "dstd_dw2": lambda: bs._dstd(a, grad_ffn, topo),
-                }
-            else:
-                parts = {
-                    "sdd_fwd": lambda: bs._sdd(x_perm, w1, topo),
-                    "dsd_fwd_gelu_on_load": lambda: bs._dsd(h, w2, topo, "gelu"),
-                    "dstd_dw2_gelu_on_load": lambda: bs._dstd(h, grad_ffn, topo, "gelu"),
-                    "sdd_bwd_act_grad": lambda: bs._sdd(grad_ffn, w2.transpose(1, 2), topo,
-                                                        act_grad_of=h, act="gelu"),
-                }
-            parts.update({
-                "dsd_dx": lambda: bs._dsd(h, w1.transpose(1, 2), topo),
-                "dstd_dw1": lambda: bs._dstd(h, x_perm, topo, out=gw1.transpose(1, 2)),
-            })
+            calls = kernel_calls(bs, topo, x_perm, w1, w2, grad_ffn)
+            parts = {name: calls[name] for name in FUSION_KERNELS[bs.KERNEL_CONFIG["act_fusion"]]}
             for name, fn in parts.items():
                 ms = time_ms(fn, reps)
                 emit(dict(common, metric="kernel", kernel=name, ms=round(ms, 4),
                           useful_tflops=round(useful_fwd / 2 / ms / 1e9, 1)))
-            del h, gw1
+            del calls, parts
 
     # --- dense torch.matmul at the same useful FLOPs
     xd = torch.randn(pairs, hidden, device=device, dtype=dtype, generator=gen)

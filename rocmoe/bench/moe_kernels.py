@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from .moe import expert_inputs, make_routing, time_ms
+from .moe import expert_inputs, kernel_calls, make_routing, time_ms
 
 DEFAULT_CONFIGS = [
     dict(block_n=256, block_k=64, num_warps=8, num_stages=3),
@@ -29,27 +29,6 @@ DEFAULT_CONFIGS = [
     dict(block_n=128, block_k=64, num_warps=8, num_stages=4),
     dict(block_n=256, block_k=32, num_warps=8, num_stages=5),
 ]
-
-
-def kernel_calls(bs, topo, x_perm, w1, w2, grad):
-    """name -> zero-argument call of one kernel, with the inputs it sees in the layer."""
-    h = bs._sdd(x_perm, w1, topo)
-    a = torch.empty_like(h)
-    bs._sdd(x_perm, w1, topo, act="gelu", act_out=a)
-    gw1 = torch.empty_like(w1)
-    return {
-        "sdd_fwd": lambda: bs._sdd(x_perm, w1, topo),
-        "sdd_fwd_store_act": lambda: bs._sdd(x_perm, w1, topo, act="gelu", act_out=a),
-        "dsd_fwd_gelu_on_load": lambda: bs._dsd(h, w2, topo, "gelu"),
-        "dsd_fwd_plain": lambda: bs._dsd(a, w2, topo),
-        "sdd_bwd_act_grad": lambda: bs._sdd(grad, w2.transpose(1, 2), topo, act_grad_of=h,
-                                            act="gelu"),
-        "sdd_bwd_scale": lambda: bs._sdd(grad, w2.transpose(1, 2), topo, scale_by=h),
-        "dstd_dw2_gelu_on_load": lambda: bs._dstd(h, grad, topo, "gelu"),
-        "dstd_dw2_plain": lambda: bs._dstd(a, grad, topo),
-        "dsd_dx": lambda: bs._dsd(h, w1.transpose(1, 2), topo),
-        "dstd_dw1": lambda: bs._dstd(h, x_perm, topo, out=gw1.transpose(1, 2)),
-    }
 
 
 def dump_compiled(directory: str) -> int:

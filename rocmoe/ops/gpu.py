@@ -373,24 +373,19 @@ def check_status(ws: Workspace, epoch: int, what: str) -> None:
 _PLATFORM = "hip" if getattr(torch.version, "hip", None) else "cuda"
 
 
-def _auto_programs_per_sm(device: torch.device, total_tasks: int) -> float:
-    """Measured on an H200 (bf16, 128x256 tiles; benchmarks/results/gemm_sweep_h200.json):
-    with few tiles per SM (4096^3: 3.9) one program per tile ran at 0.78 of torch.matmul
-    against 0.50 persistent; with many (8192^3: 15.5) persistent won, 0.84 against 0.75."""
-    if device.type == "cpu":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return 0 if total_tasks <= 8 * sms else 1
-
-
-def _num_programs(device: torch.device, total_tasks: int, per_sm: float = 1) -> int:
-    """Grid of the persistent GEMM: `per_sm` programs per SM/CU (0: one per task, so the
-    hardware overlaps one tile's epilogue with the next tile's main loop when two fit)."""
+def _num_programs(device: torch.device, total_tasks: int, per_sm: Optional[float] = None) -> int:
+    """Grid of the GEMM: `per_sm` programs per SM/CU, 0 for one per task (the hardware then
+    overlaps one tile's epilogue with another's main loop). None picks by tiles per SM, as
+    measured on an H200 (bf16, 128x256 tiles; benchmarks/results/gemm_sweep_h200.json): with
+    few (4096^3: 3.9) one program per tile ran at 0.78 of torch.matmul against 0.50
+    persistent; with many (8192^3: 15.5) persistent won, 0.84 against 0.75."""
     if device.type == "cpu":
         return min(total_tasks, 4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if per_sm is None:
+        per_sm = 0 if total_tasks <= 8 * sms else 1
     if per_sm <= 0:
         return max(1, total_tasks)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(total_tasks, int(sms * per_sm)))
 
 
@@ -521,7 +516,7 @@ def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts:
     plan_args = (i64(plan.row_start), i64(list(plan.counts[arena.rank])), i64(plan.dest_rows),
                  i32(plan.order), i32(plan.prefix))
     total = plan.prefix[-1]
-    nprog = _num_programs(dev, total, cfg.get("PROGRAMS_PER_SM", _auto_programs_per_sm(dev, total)))
+    nprog = _num_programs(dev, total, cfg.get("PROGRAMS_PER_SM"))
     launch = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg and dev.type != "cpu"}
     kernel = tk.get("gemm_a2a_kernel")
     x_arg, w_arg, use_tma = gemm_operands(x, w, cfg)

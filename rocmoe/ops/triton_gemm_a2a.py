@@ -33,12 +33,28 @@ code on CPU tensors (with the host backend's shared-memory heap as the "peers").
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from .._triton import KernelRegistry
 
 _REGISTRY = KernelRegistry()
 _kernel, get, names = _REGISTRY.kernel, _REGISTRY.get, _REGISTRY.names
+
+
+@triton.jit
+def _poll_slots(slot_ptrs, status_ptrs, mask, target, budget):
+    # Acquire-poll the masked slots until every one holds >= target or `budget` rounds
+    # pass; a slot still short is recorded as 1 in its status word. Returns the ready mask.
+    seen = tl.where(mask, tl.atomic_add(slot_ptrs, 0, mask=mask, sem="acquire", scope="sys"),
+                    target)
+    spins = 0
+    while (tl.min(seen, axis=0) < target) & (spins < budget):
+        seen = tl.where(mask, tl.atomic_add(slot_ptrs, 0, mask=mask, sem="acquire",
+                                            scope="sys"), target)
+        spins += 1
+    tl.store(status_ptrs, tl.full(seen.shape, 1, tl.int32), mask=mask & (seen < target))
+    return mask & (seen >= target)
 
 
 @_kernel
@@ -76,18 +92,8 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
     dest_free = in_world
     if SIGNAL:
         if epoch > 2:
-            need = epoch - 2
-            ack_ptrs = slots_ptr + world + positions
-            seen = tl.where(in_world, tl.atomic_add(ack_ptrs, 0, mask=in_world, sem="acquire",
-                                                    scope="sys"), need)
-            spins = 0
-            while (tl.min(seen, axis=0) < need) & (spins < wait_budget):
-                seen = tl.where(in_world, tl.atomic_add(ack_ptrs, 0, mask=in_world,
-                                                        sem="acquire", scope="sys"), need)
-                spins += 1
-            dest_free = in_world & (seen >= need)
-            tl.store(status_ptr + positions, tl.full((WORLD_P2,), 1, tl.int32),
-                     mask=in_world & (seen < need))
+            dest_free = _poll_slots(slots_ptr + world + positions, status_ptr + positions,
+                                    in_world, epoch - 2, wait_budget)
 
     task = tl.atomic_add(counters_ptr, 1)
     while task < total_tasks:
@@ -174,16 +180,8 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
             # Consumer side, by the last program out (it was a separate wait launch): every
             # source's slice of this call has arrived (signals: this rank's slots[s]); a
             # source that never signals is recorded in status[world + s].
-            sig_ptrs = slots_ptr + positions
-            got = tl.where(in_world, tl.atomic_add(sig_ptrs, 0, mask=in_world, sem="acquire",
-                                                   scope="sys"), epoch)
-            spins = 0
-            while (tl.min(got, axis=0) < epoch) & (spins < wait_budget):
-                got = tl.where(in_world, tl.atomic_add(sig_ptrs, 0, mask=in_world,
-                                                       sem="acquire", scope="sys"), epoch)
-                spins += 1
-            tl.store(status_ptr + world + positions, tl.full((WORLD_P2,), 1, tl.int32),
-                     mask=in_world & (got < epoch))
+            _poll_slots(slots_ptr + positions, status_ptr + world + positions, in_world, epoch,
+                        wait_budget)
 
 
 @_kernel

@@ -7,21 +7,13 @@
 set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 STAGES=${1:-build,check1,bench,multi}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ! python3 -c "import cffi" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    $(ls .whl/cffi-2.1.1-*.whl .whl/pycparser-*.whl) || exit 3
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source benchmarks/device_env.sh
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 t0=$(date +%s); stamp() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 if has build; then
   stamp build
   nvidia-smi -L
-  (cmake -S . -B build/cuda -G Ninja -DROCMOE_GPU=cuda -DROCMOE_INPLACE=ON >/dev/null &&
-   cmake --build build/cuda -j 16) > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 4; }
+  build_cuda "$OUT/build.log" || exit 4
   python3 -c "import rocmoe._native as n; print('platform', n.gpu_platform(), n.backends_compiled())"
 fi
 if has check1; then

@@ -3,13 +3,10 @@
 # rocmoe.ops functions on a GPU context at 1, 2 and 4 ranks sharing the GPU against the
 # CPU references, then the MoE GPU tests (SKIP_MOE=1 leaves them out). Logs under $OUT.
 set -o pipefail
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $(ls .whl/cffi-2.1.1-*.whl .whl/pycparser-*.whl) || exit 3
-export PYTHONPATH=$PWD:/tmp/site
+source benchmarks/device_env.sh
 t0=$(date +%s); stamp() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 stamp build
-(cmake -S . -B build/cuda -G Ninja -DROCMOE_GPU=cuda -DROCMOE_INPLACE=ON >/dev/null && cmake --build build/cuda -j 16) > $OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 4; }
+build_cuda "$OUT/build.log" || exit 4
 for n in 1 2 4; do
   stamp "public ops, $n ranks on the GPU"
   ROCMOE_TIMEOUT_S=20 timeout 90 mpirun -n $n --oversubscribe python3 tests/ops_gpu/public_ops_script.py fp32,bf16 > $OUT/public_ops_$n.log 2>&1; echo "exit $?"

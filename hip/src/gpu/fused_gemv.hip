@@ -315,8 +315,8 @@ int launch(const Common &c, const GemvParams &p, int requested, void *out, hipSt
     const int64_t mine = sched::split_begin(p.n, world, c.topo.rank + 1) -
                          sched::split_begin(p.n, world, c.topo.rank);
     const uint32_t total2 = uint32_t(world) * sched::tasks_for_rows(uint64_t(mine), kReduceTile);
-    const int workers =
-        persistent_workgroups(requested, total1 + total2, env_int("ROCMOE_GEMV_PER_CU", 4));
+    static const int per_cu = env_int("ROCMOE_GEMV_PER_CU", 4);
+    const int workers = persistent_workgroups(requested, total1 + total2, per_cu);
     const bool vec = p.k % vec_elems<T>() == 0 &&
                      ((reinterpret_cast<uintptr_t>(p.w) | reinterpret_cast<uintptr_t>(p.x)) & 15u) == 0;
     static const int unroll = env_int("ROCMOE_GEMV_UNROLL", 4);

@@ -1,0 +1,17 @@
+# Sourced (repo root) by the scripts that run on a GPU machine: the environment they share,
+# cffi from the carried wheels where the machine lacks it, and the CUDA build.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+# Never NVLink multicast on shared machines: it can take the host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if ! python3 -c "import cffi, pycparser" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    $(ls .whl/cffi-2.1.1-*.whl .whl/pycparser-*.whl) || exit 3
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+# build_cuda LOG: librocmoe for CUDA in place (build/cuda); on failure the log's tail, rc 4
+build_cuda() {
+  (cmake -S . -B build/cuda -G Ninja -DROCMOE_GPU=cuda -DROCMOE_INPLACE=ON >/dev/null &&
+   cmake --build build/cuda -j 16) > "$1" 2>&1 || { tail -40 "$1"; return 4; }
+}
