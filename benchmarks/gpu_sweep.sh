@@ -72,7 +72,7 @@ for l in sys.stdin:
     try: d=json.loads(l)
     except Exception: print(l.rstrip()); continue
     c=d.get('config',{})
-    if 'kernel' in d: print(d['shape'][:2],c.get('block_n'),c.get('block_k'),c.get('num_warps'),c.get('num_stages'),'%-22s'%d['kernel'],d['tflops'],'/',d['baseline_tflops'])
+    if 'kernel' in d: print(d['shape'][:3],c.get('block_n'),c.get('block_k'),c.get('num_warps'),c.get('num_stages'),'tma' if c.get('tma') else 'ptr','%-22s'%d['kernel'],d['tflops'],'/',d['baseline_tflops'])
     else: print(str(d)[:300])"
   tar czf "$OUT/moe_ir.tar.gz" -C /tmp moe_ir 2>/dev/null
 fi

@@ -66,6 +66,32 @@ def time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> float:
     return times[len(times) // 2]
 
 
+def interleaved_ms(cases: dict, rounds: int = 10, calls: int = 3) -> dict:
+    """Median ms per call of each case, timed round-robin: every round times every case once
+    (``calls`` back-to-back calls between two events), so a drift of the GPU's clocks over
+    the run shifts all cases alike instead of favouring whichever ran first. ``cases`` maps a
+    key to ``(setup, fn)``: ``setup()`` runs untimed before each sample (e.g. selecting a
+    kernel configuration). Callers warm every case up first."""
+    samples = {key: [] for key in cases}
+    for _ in range(rounds):
+        for key, (setup, fn) in cases.items():
+            setup()
+            if not torch.cuda.is_available():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[key].append((time.perf_counter() - t0) * 1e3 / calls)
+                continue
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            stop.record()
+            torch.cuda.synchronize()
+            samples[key].append(start.elapsed_time(stop) / calls)
+    return {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+
+
 def graph_time_ms(fn: Callable[[], object], reps: int = 10) -> float:
     """Median device time of ``fn`` replayed from a CUDA graph (no host launch work)."""
     if not torch.cuda.is_available():
@@ -221,8 +247,6 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
         y = bs.fused_expert_ffn(x_perm_g, w1, w2, topo, "gelu")
         torch.autograd.grad(y, [x_perm_g, w1, w2], grad_ffn)
 
-    t_ffn_fwd = time_ms(ours_ffn_fwd, reps)
-    t_ffn_fb = time_ms(ours_ffn_fwdbwd, reps)
     if breakdown:
         # each kernel of the fused FFN alone, with its useful FLOPs (2*pairs*H*F each)
         # (the kernels the layer runs under the configured activation fusion)
@@ -250,45 +274,52 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
         y = torch.matmul(torch.matmul(xd_g, a1_g), a2_g)
         torch.autograd.grad(y, [xd_g, a1_g, a2_g], gd)
 
-    t_dense_fwd = time_ms(dense_fwd, reps)
-    t_dense_fb = time_ms(dense_fwdbwd, reps)
-    record("ffn_fwd_vs_dense_matmul", "torch.matmul (same useful FLOPs)", t_ffn_fwd, t_dense_fwd,
-           ours_tflops=round(useful_fwd / t_ffn_fwd / 1e9, 1),
-           baseline_tflops=round(useful_fwd / t_dense_fwd / 1e9, 1))
-    record("ffn_fwdbwd_vs_dense_matmul", "torch.matmul (same useful FLOPs)", t_ffn_fb, t_dense_fb,
-           ours_tflops=round(3 * useful_fwd / t_ffn_fb / 1e9, 1),
-           baseline_tflops=round(3 * useful_fwd / t_dense_fb / 1e9, 1))
-    del xd, xd_g, gd
-
     # --- torch._grouped_mm on the same routing (sorted rows, no padding)
-    if hasattr(torch, "_grouped_mm"):
+    order = torch.sort(ids.reshape(-1).long(), stable=True).indices
+    xs = x.index_select(0, order // k)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs_g = xs.clone().requires_grad_(True)
+    gs = torch.randn_like(xs)
+
+    def gmm_fwd():
+        with torch.no_grad():
+            return grouped_mm_ffn(xs, offs, w1, w2)
+
+    def gmm_fwdbwd():
+        y = grouped_mm_ffn(xs_g, offs, w1, w2)
+        torch.autograd.grad(y, [xs_g, w1, w2], gs)
+
+    # Ours and every baseline are timed round-robin (interleaved_ms): each ratio compares
+    # samples taken side by side, not minutes apart at different clocks.
+    none = lambda: None  # noqa: E731
+    cases = {"ours_fwd": (none, ours_ffn_fwd), "ours_fwdbwd": (none, ours_ffn_fwdbwd),
+             "dense_fwd": (none, dense_fwd), "dense_fwdbwd": (none, dense_fwdbwd)}
+    for name, fn in (("gmm_fwd", gmm_fwd), ("gmm_fwdbwd", gmm_fwdbwd)):
         try:
-            order = torch.sort(ids.reshape(-1).long(), stable=True).indices
-            xs = x.index_select(0, order // k)
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            xs_g = xs.clone().requires_grad_(True)
-            gs = torch.randn_like(xs)
-
-            def gmm_fwd():
-                with torch.no_grad():
-                    return grouped_mm_ffn(xs, offs, w1, w2)
-
-            def gmm_fwdbwd():
-                y = grouped_mm_ffn(xs_g, offs, w1, w2)
-                torch.autograd.grad(y, [xs_g, w1, w2], gs)
-
-            t_g_fwd = time_ms(gmm_fwd, reps)
-            record("ffn_fwd_vs_grouped_mm", "torch._grouped_mm + gelu", t_ffn_fwd, t_g_fwd)
-            try:
-                t_g_fb = time_ms(gmm_fwdbwd, reps)
-                record("ffn_fwdbwd_vs_grouped_mm", "torch._grouped_mm + gelu", t_ffn_fb, t_g_fb)
-            except Exception as exc:  # noqa: BLE001 - reported, not hidden
-                emit(dict(common, metric="ffn_fwdbwd_vs_grouped_mm", error=repr(exc)[:300]))
-            del xs, xs_g, gs
-        except Exception as exc:  # noqa: BLE001
-            emit(dict(common, metric="ffn_fwd_vs_grouped_mm", error=repr(exc)[:300]))
-    else:
-        emit(dict(common, metric="ffn_fwd_vs_grouped_mm", error="torch._grouped_mm missing"))
+            if not hasattr(torch, "_grouped_mm"):
+                raise RuntimeError("torch._grouped_mm missing")
+            fn()
+            cases[name] = (none, fn)
+        except Exception as exc:  # noqa: BLE001 - reported, not hidden
+            metric = "ffn_fwd_vs_grouped_mm" if name == "gmm_fwd" else "ffn_fwdbwd_vs_grouped_mm"
+            emit(dict(common, metric=metric, error=repr(exc)[:300]))
+    for _, fn in cases.values():  # warm-up (compiles)
+        fn()
+        fn()
+    t = interleaved_ms(cases, rounds=reps, calls=1)
+    t_ffn_fwd, t_ffn_fb = t["ours_fwd"], t["ours_fwdbwd"]
+    record("ffn_fwd_vs_dense_matmul", "torch.matmul (same useful FLOPs)", t_ffn_fwd,
+           t["dense_fwd"], ours_tflops=round(useful_fwd / t_ffn_fwd / 1e9, 1),
+           baseline_tflops=round(useful_fwd / t["dense_fwd"] / 1e9, 1))
+    record("ffn_fwdbwd_vs_dense_matmul", "torch.matmul (same useful FLOPs)", t_ffn_fb,
+           t["dense_fwdbwd"], ours_tflops=round(3 * useful_fwd / t_ffn_fb / 1e9, 1),
+           baseline_tflops=round(3 * useful_fwd / t["dense_fwdbwd"] / 1e9, 1))
+    if "gmm_fwd" in t:
+        record("ffn_fwd_vs_grouped_mm", "torch._grouped_mm + gelu", t_ffn_fwd, t["gmm_fwd"])
+    if "gmm_fwdbwd" in t:
+        record("ffn_fwdbwd_vs_grouped_mm", "torch._grouped_mm + gelu", t_ffn_fb,
+               t["gmm_fwdbwd"])
+    # (the dense and grouped inputs stay alive until the case ends: closures hold them)
 
     # --- whole layer fwd+bwd (router excluded: identical for every layer)
     x_g = x.clone().requires_grad_(True)
@@ -304,8 +335,19 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
         with torch.no_grad():
             return route_and_permute(x, ids, experts, block, ffn)
 
-    t_layer = time_ms(ours_layer, reps)
-    t_prep = time_ms(ours_prepare, reps)
+    capacity = math.ceil(pairs / experts * 1.0)
+    dropped = {}
+
+    def cf_layer():
+        y, d = capacity_padded_layer(x_g, ids, weights, w1, w2, capacity)
+        dropped["n"] = d
+        torch.autograd.grad(y, [x_g, w1, w2], gy)
+
+    for fn in (ours_layer, cf_layer, ours_prepare):
+        fn()
+    t = interleaved_ms({"layer": (none, ours_layer), "cf": (none, cf_layer),
+                        "prepare": (none, ours_prepare)}, rounds=reps, calls=1)
+    t_layer, t_cf, t_prep = t["layer"], t["cf"], t["prepare"]
     emit(dict(common, metric="permute_topology_share", baseline="layer fwd+bwd",
               ours_ms=round(t_prep, 4), baseline_ms=round(t_layer, 4),
               ratio=round(t_prep / t_layer, 4)))
@@ -320,15 +362,6 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
     except Exception as exc:  # noqa: BLE001 - reported, not hidden
         emit(dict(common, metric="permute_topology_share_device_time", error=repr(exc)[:300]))
 
-    capacity = math.ceil(pairs / experts * 1.0)
-    dropped = {}
-
-    def cf_layer():
-        y, d = capacity_padded_layer(x_g, ids, weights, w1, w2, capacity)
-        dropped["n"] = d
-        torch.autograd.grad(y, [x_g, w1, w2], gy)
-
-    t_cf = time_ms(cf_layer, reps)
     n_drop = int(dropped["n"])
     record("layer_fwdbwd_vs_capacity_padded", "padded bmm, capacity factor 1.0", t_layer, t_cf,
            baseline_dropped_pairs=n_drop, baseline_dropped_fraction=round(n_drop / pairs, 4))
@@ -364,6 +397,8 @@ def tune(shape, block, dtype, device, emit, candidates) -> dict:
     xp = xp.detach().requires_grad_(True)
     g = torch.randn(topo.num_rows, hidden, device=device, dtype=dtype, generator=gen)
     best, best_ms = None, float("inf")
+    start = dict(bs.KERNEL_CONFIG)
+    candidates = [dict(start, **{op: {} for op in bs.OPS}, **cand) for cand in candidates]
     for cand in candidates:
         bs.set_kernel_config(**cand)
         try:
@@ -419,10 +454,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from rocmoe.moe import blocksparse as bs
         if args.tune:
             best = tune((65536, 1024, 4096, 64), args.block_size, dtype, device, emit, [
-                dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="store"),
-                dict(block_n=256, block_k=64, num_warps=8, num_stages=4, act_fusion="store"),
-                dict(block_n=128, block_k=64, num_warps=8, num_stages=4, act_fusion="store"),
-                dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="load"),
+                dict(dsd=dict(block_n=256, num_warps=8, num_stages=4)),  # the default
+                dict(block_n=256, num_warps=8, num_stages=3),
+                dict(block_n=256, num_warps=8, num_stages=4),
+                dict(block_n=128, num_warps=8, num_stages=3),
             ])
             emit(dict(metric="tune_choice", config=best))
         emit(dict(metric="kernel_config", config=dict(bs.KERNEL_CONFIG),

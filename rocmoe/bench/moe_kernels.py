@@ -20,14 +20,18 @@ import sys
 
 import torch
 
-from .moe import expert_inputs, kernel_calls, make_routing, time_ms
+from .moe import expert_inputs, interleaved_ms, kernel_calls, make_routing
 
 DEFAULT_CONFIGS = [
-    dict(block_n=256, block_k=64, num_warps=8, num_stages=3),
-    dict(block_n=256, block_k=64, num_warps=8, num_stages=4),
-    dict(block_n=128, block_k=64, num_warps=4, num_stages=4),
-    dict(block_n=128, block_k=64, num_warps=8, num_stages=4),
-    dict(block_n=256, block_k=32, num_warps=8, num_stages=5),
+    # the shipped default (128x128 tiles, 4 warps, 3 stages; DSD with W as stored 128x256)
+    dict(dsd=dict(block_n=256, num_warps=8, num_stages=4)),
+    # the previous default: 128x256 tiles, 8 warps, pointer loads, exp/rcp epilogue
+    dict(block_n=256, num_warps=8, num_stages=3, tma=False, fast_act=False,
+         preload_scale=False),
+    dict(block_n=256, num_warps=8, num_stages=4),
+    dict(block_n=256, num_warps=8, num_stages=3),
+    dict(block_n=128, num_warps=8, num_stages=3),
+    dict(block_n=128, num_warps=4, num_stages=3, tma=False),
 ]
 
 
@@ -61,12 +65,24 @@ def dump_compiled(directory: str) -> int:
     return count
 
 
+def emit(out, rec: dict) -> None:
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if out:
+        out.write(line + "\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="65536,1024,4096,64;8192,4096,1408,64")
-    ap.add_argument("--configs", default=None, help="JSON list of KERNEL_CONFIG overrides")
+    ap.add_argument("--configs", default=None,
+                    help="JSON list of KERNEL_CONFIG overrides, each applied to the startup "
+                         "config with its per-kernel overrides (sdd, dsd, dsd_wt, dstd) "
+                         "cleared unless the entry sets them")
+    ap.add_argument("--kernels", default=None,
+                    help="comma list of kernel names to time (default: all of kernel_calls)")
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=15, help="rounds of the interleaved timing")
     ap.add_argument("--dump", default=None, help="directory for the compiled kernels' IR")
     ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
@@ -76,6 +92,7 @@ def main(argv=None) -> int:
     from rocmoe.moe import blocksparse as bs
     from rocmoe.moe import route_and_permute
     configs = json.loads(args.configs) if args.configs else DEFAULT_CONFIGS
+    start = dict(bs.KERNEL_CONFIG)
     out = open(args.output, "a") if args.output else None
     device, dtype = torch.device("cuda"), torch.bfloat16
     for spec in args.shapes.split(";"):
@@ -88,28 +105,41 @@ def main(argv=None) -> int:
         flops = 2.0 * tokens * 2 * hidden * ffn
         xd = torch.randn(tokens * 2, hidden, device=device, dtype=dtype, generator=gen)
         wd = torch.randn(hidden, ffn, device=device, dtype=dtype, generator=gen)
-        mm_ms = time_ms(lambda: xd @ wd, args.reps)
+        wanted = args.kernels.split(",") if args.kernels else None
+        # every (config, kernel) of this shape is compiled and warmed up first, then all are
+        # timed round-robin with the matmul baseline (interleaved_ms): clock drift during the
+        # sweep then cannot rank configurations
+        cases = {"matmul": (lambda: None, lambda: xd @ wd)}
+        keep = []  # the inputs each config's calls close over
         with torch.no_grad():
-            for cfg in configs:
-                bs.set_kernel_config(**cfg)
+            for ci, cfg in enumerate(configs):
+                def select(cfg=cfg):
+                    # on top of the startup config, without its per-kernel overrides (a
+                    # config names any it wants itself)
+                    bs.set_kernel_config(**dict(start, **{op: {} for op in bs.OPS}, **cfg))
+                select()
                 try:
                     calls = kernel_calls(bs, topo, x_perm, w1.detach(), w2.detach(), grad)
                     for name, fn in calls.items():
-                        ms = time_ms(fn, args.reps)
-                        rec = dict(metric="moe_kernel", shape=list(shape), config=cfg,
-                                   kernel=name, ms=round(ms, 4),
-                                   tflops=round(flops / ms / 1e9, 1),
-                                   baseline="torch.matmul [pairs, H] @ [H, F], same run",
-                                   baseline_tflops=round(flops / mm_ms / 1e9, 1),
-                                   ratio=round(mm_ms / ms, 4))
-                        line = json.dumps(rec)
-                        print(line, flush=True)
-                        if out:
-                            out.write(line + "\n")
+                        if wanted and name not in wanted:
+                            continue
+                        fn()
+                        cases[(ci, name)] = (select, fn)
+                    keep.append(calls)
                 except Exception as exc:  # noqa: BLE001 - a config that cannot launch
-                    print(json.dumps(dict(metric="moe_kernel", shape=list(shape), config=cfg,
-                                          error=repr(exc)[:300])), flush=True)
+                    emit(out, dict(metric="moe_kernel", shape=list(shape), config=cfg,
+                                   error=repr(exc)[:300]))
                 torch.cuda.synchronize()
+            cases["matmul"][1]()
+            ms = interleaved_ms(cases, rounds=args.reps)
+        mm_ms = ms.pop("matmul")
+        for (ci, name), t in ms.items():
+            emit(out, dict(metric="moe_kernel", shape=list(shape), config=configs[ci],
+                           kernel=name, ms=round(t, 4), tflops=round(flops / t / 1e9, 1),
+                           baseline="torch.matmul [pairs, H] @ [H, F], same run, interleaved",
+                           baseline_tflops=round(flops / mm_ms / 1e9, 1),
+                           ratio=round(mm_ms / t, 4)))
+        del keep, cases
     if args.dump:
         print(json.dumps(dict(metric="dump", kernels=dump_compiled(args.dump))), flush=True)
     if out:

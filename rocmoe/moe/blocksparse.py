@@ -131,21 +131,54 @@ def _dstd_torch(s, b, topo):
 # "store" is the default: on an H200 (benchmarks/results/moe_kernels_h200.jsonl) DSᵀD for dW2
 # ran at 651 TFLOP/s plain against 184 with GELU on load (the activation's exp/rcp on every
 # reload of the sparse operand competes with the matrix units), for one extra write of act(h).
-KERNEL_CONFIG = dict(block_n=256, block_k=64, num_warps=8, num_stages=3, act_fusion="store")
+#
+# Tiles: the H200 sweep with interleaved timing (benchmarks/results/moe_kernels_h200_sweep3.jsonl,
+# `rocmoe bench moe_kernels`) found 128x128 tiles, 4 warps, 3 stages best for every kernel but
+# one on the six benchmark shapes (+3 to +22 % over 128x256 / 8 warps, harmonic over the six
+# kernels): two such programs fit on an SM, so one's epilogue overlaps the other's products,
+# which matters where K is short (SDD's K is the hidden size; DSᵀD's the rows per expert).
+# DSD with W as stored (the forward's W2) keeps 128x256 / 8 warps / 4 stages (+8 % there);
+# DSD with transposed W (the backward's W1ᵀ, "dsd_wt") does better with the narrow tile.
+KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
+                     tma=True, fast_act=True, preload_scale=True, sdd={},
+                     dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={}, dstd={})
 if torch.version.hip:
     # CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
     # (Untested on MI-series hardware so far: a starting point, not a tuned choice.)
-    KERNEL_CONFIG.update(block_n=128, num_stages=2)
+    KERNEL_CONFIG.update(block_n=128, num_warps=8, num_stages=2, dsd={})
+# "tma": load tiles with the Tensor Memory Accelerator through tensor descriptors where the
+# GPU has one (Hopper and later) and the operands' layout allows (16-byte aligned rows, K and
+# ffn multiples of the tile); elsewhere, and always on AMD, the kernels use pointer loads.
+# "fast_act" (NVIDIA, 16-bit types): the SDD epilogue's sigmoids use tanh.approx (+10 % for
+# the forward SDD that writes GELU and GELU' on the 65536x1024x4096 shape).
+# "preload_scale": the backward SDD loads its act'(h) tile before the K loop, not after.
+# "sdd" / "dsd" / "dsd_wt" / "dstd": per-kernel overrides of the tile keys, e.g.
+# {"dstd": {"block_n": 256, "num_warps": 8}}; each overrides the global keys on its own.
+TILE_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "tma", "fast_act", "preload_scale")
+OPS = ("sdd", "dsd", "dsd_wt", "dstd")
 
 
 def set_kernel_config(**kw) -> None:
-    unknown = set(kw) - set(KERNEL_CONFIG)
+    known = set(KERNEL_CONFIG)
+    unknown = set(kw) - known
     if unknown:
         raise ConfigurationError(f"unknown kernel config keys {sorted(unknown)}; "
-                                 f"known: {sorted(KERNEL_CONFIG)}")
+                                 f"known: {sorted(known)}")
     if kw.get("act_fusion", "load") not in ("load", "store"):
         raise ConfigurationError(f"act_fusion must be 'load' or 'store', got {kw['act_fusion']!r}")
+    for op in OPS:
+        if op in kw:
+            if not isinstance(kw[op], dict) or set(kw[op]) - set(TILE_KEYS):
+                raise ConfigurationError(f"kernel config {op!r} must be a dict of "
+                                         f"{list(TILE_KEYS)}, got {kw[op]!r}")
     KERNEL_CONFIG.update(kw)
+
+
+def op_config(op: str) -> dict:
+    """The tile keys for one kernel: the global ones with that kernel's overrides on top."""
+    cfg = {k: KERNEL_CONFIG[k] for k in TILE_KEYS}
+    cfg.update(KERNEL_CONFIG.get(op) or {})
+    return cfg
 
 
 if os.environ.get("ROCMOE_MOE_KERNEL_CONFIG"):
@@ -155,13 +188,13 @@ if os.environ.get("ROCMOE_MOE_KERNEL_CONFIG"):
 ACT_CODES = {"none": 0, "gelu": 1, "relu": 2, "silu": 3}
 
 
-def _tile_n(n: int) -> int:
-    want = KERNEL_CONFIG["block_n"]
+def _tile_n(n: int, cfg: dict) -> int:
+    want = cfg["block_n"]
     return want if n >= want else max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def _block_k(b: int) -> int:
-    return min(b, KERNEL_CONFIG["block_k"])
+def _block_k(b: int, cfg: dict) -> int:
+    return min(b, cfg["block_k"])
 
 
 _SMEM_LIMIT = {}
@@ -179,11 +212,12 @@ def _smem_limit(device) -> int:
     return _SMEM_LIMIT[idx]
 
 
-def _fit(device, b: int, bn: int, bk: int, elsize: int, min_bn: int) -> tuple[int, int]:
+def _fit(device, b: int, bn: int, bk: int, elsize: int, min_bn: int,
+         cfg: dict | None = None) -> tuple[int, int]:
     """(N tile, pipeline stages) whose stages of A [b, bk] + B [bk, bn] tiles fit in shared
     memory (fp32 operands or a small LDS need fewer stages or narrower tiles)."""
     limit = _smem_limit(device) - 8192  # room for the epilogue's layout conversions
-    stages = KERNEL_CONFIG["num_stages"]
+    stages = (cfg or KERNEL_CONFIG)["num_stages"]
     while True:
         per_stage = (b * bk + bk * bn) * elsize
         fit = limit // per_stage
@@ -192,82 +226,161 @@ def _fit(device, b: int, bn: int, bk: int, elsize: int, min_bn: int) -> tuple[in
         bn //= 2
 
 
-def _launch(b: int, stages: int) -> dict:
+def _launch(b: int, stages: int, cfg: dict) -> dict:
     if _interpreting():
         return {}
-    return dict(num_warps=KERNEL_CONFIG["num_warps"] if b >= 64 else 4, num_stages=stages)
+    return dict(num_warps=cfg["num_warps"] if b >= 64 else 4, num_stages=stages)
+
+
+def _nvidia_compiled(t: torch.Tensor) -> bool:
+    """Whether kernels for `t` are compiled for an NVIDIA GPU (PTX inline assembly allowed)."""
+    return t.is_cuda and torch.version.hip is None and not _interpreting()
+
+
+# ------------------------------------------------------------------ TMA tensor descriptors
+_TMA_DEVICE = {}
+# Tests set this to run the descriptor variants under the CPU interpreter.
+TMA_IN_INTERPRETER = False
+
+
+def _tma_device(t: torch.Tensor, cfg: dict) -> bool:
+    """Whether the kernels may take tensor descriptors for operands like `t`."""
+    if not cfg.get("tma") or t.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if _interpreting():
+        return TMA_IN_INTERPRETER
+    if not t.is_cuda or torch.version.hip:
+        return False
+    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if idx not in _TMA_DEVICE:
+        _TMA_DEVICE[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _TMA_DEVICE[idx]
+
+
+def _desc(base: torch.Tensor, rows: int, cols: int, row_stride: int, block: list[int]):
+    """A 2-D descriptor of `base`'s memory as [rows, cols] with unit column stride, or None
+    when TMA cannot address it (16-byte aligned start and rows; non-empty)."""
+    elsize = base.element_size()
+    if rows <= 0 or cols <= 0 or base.data_ptr() % 16 or (row_stride * elsize) % 16:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(base, [rows, cols], [row_stride, 1], block)
+
+
+def _grouped_desc(w: torch.Tensor, block_rows: int, block_cols: int, transposed_block=False):
+    """Descriptor of grouped weights W [E, R, C] as a 2-D [E*R, C] matrix (W_T False), or,
+    when W is the transpose of a contiguous-row [E, C, R] tensor, of that tensor as [E*C, R]
+    (W_T True, boxes transposed); None when neither layout fits TMA."""
+    e, r, c = w.shape
+    if w.stride(2) == 1 and w.stride(0) == r * w.stride(1):
+        d = _desc(w, e * r, c, w.stride(1), [block_rows, block_cols])
+        return (d, False) if d is not None else None
+    if w.stride(1) == 1 and w.stride(0) == c * w.stride(2):
+        d = _desc(w, e * c, r, w.stride(2), [block_cols, block_rows])
+        return (d, True) if d is not None else None
+    return None
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _sdd_split(b: int, nb: int) -> int:
+def _sdd_split(b: int, nb: int, cfg: dict) -> int:
     """Consecutive blocks of a row per SDD program: a B x SPLIT*B tile up to block_n wide."""
-    split = max(1, KERNEL_CONFIG["block_n"] // b)
+    split = max(1, cfg["block_n"] // b)
     return max(1, min(split, 1 << (max(nb, 1) - 1).bit_length()))
 
 
 def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None):
     from . import kernels
+    cfg = op_config("sdd")
     b = topo.block_size
     out = torch.empty(topo.nnz, b, b, device=a.device, dtype=a.dtype)
     if topo.nnz == 0:
         return out
     k = a.shape[1]
     f = w.shape[2]
-    bk = _block_k(b)
+    bk = _block_k(b, cfg)
     nb = topo.blocks_per_expert
-    tile_n, stages = _fit(a.device, b, _sdd_split(b, nb) * b, bk, a.element_size(), b)
+    tile_n, stages = _fit(a.device, b, _sdd_split(b, nb, cfg) * b, bk, a.element_size(), b, cfg)
     split = tile_n // b
     num_n = -(-nb // split)
+    even_k = k % bk == 0
+    even_f = f % (b * split) == 0 and nb % split == 0
+    a_arg, w_arg, tma, w_t = a, w, False, False
+    if even_k and even_f and a.stride(1) == 1 and _tma_device(a, cfg):
+        a_desc = _desc(a, a.shape[0], k, a.stride(0), [b, bk])
+        w_desc = _grouped_desc(w, bk, tile_n)
+        if a_desc is not None and w_desc is not None:
+            a_arg, (w_arg, w_t), tma = a_desc, w_desc, True
     h = act_grad_of if act_grad_of is not None else scale_by if scale_by is not None else out
     kernels.get("sdd_kernel")[(topo.num_row_blocks * num_n,)](
-        a, w, out, h, out if act_out is None else act_out, topo.row_offsets,
+        a_arg, w_arg, out, h, out if act_out is None else act_out, topo.row_offsets,
         topo.column_indices, k, f, nb, num_n,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=k % bk == 0,
-        EVEN_F=f % (b * split) == 0 and nb % split == 0,
+        BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f,
         EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0,
         EPILOGUE_STORE_ACT=ACT_CODES[act] if act_out is not None else 0,
-        EPILOGUE_SCALE=scale_by is not None, **_launch(b, stages))
+        EPILOGUE_SCALE=scale_by is not None, USE_TMA=tma, W_T=w_t,
+        FAST_ACT=bool(cfg["fast_act"]) and _nvidia_compiled(a) and a.element_size() == 2,
+        PRELOAD_SCALE=bool(cfg["preload_scale"]) and scale_by is not None,
+        **_launch(b, stages, cfg))
     return out
 
 
 def _dsd_triton(s, w, topo, act="none"):
     from . import kernels
+    # W read transposed (unit stride along F: the backward's W1ᵀ) has its own tiles
+    cfg = op_config("dsd_wt" if w.stride(1) == 1 and w.stride(2) != 1 else "dsd")
     b = topo.block_size
     n = w.shape[2]
     out = torch.empty(topo.num_rows, n, device=s.device, dtype=s.dtype)
     if topo.num_row_blocks == 0 or n == 0:
         return out
-    bn, stages = _fit(s.device, b, _tile_n(n), _block_k(b), s.element_size(), 16)
+    bk = _block_k(b, cfg)
+    bn, stages = _fit(s.device, b, _tile_n(n, cfg), bk, s.element_size(), 16, cfg)
     num_n = -(-n // bn)
+    f = w.shape[1]
+    s_arg, w_arg, tma, w_t = s, w, False, False
+    if f % b == 0 and s.is_contiguous() and _tma_device(s, cfg):
+        s_desc = _desc(s, topo.nnz * b, b, b, [b, bk])
+        w_desc = _grouped_desc(w, bk, bn)
+        if s_desc is not None and w_desc is not None:
+            s_arg, (w_arg, w_t), tma = s_desc, w_desc, True
     kernels.get("dsd_kernel")[(topo.num_row_blocks * num_n,)](
-        s, w, out, topo.row_offsets, topo.column_indices,
-        n, w.shape[1], topo.blocks_per_expert, num_n,
+        s_arg, w_arg, out, topo.row_offsets, topo.column_indices,
+        n, f, topo.blocks_per_expert, num_n,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), EVEN_F=w.shape[1] % b == 0,
-        EVEN_N=n % bn == 0, ACT=ACT_CODES[act], **_launch(b, stages))
+        BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_F=f % b == 0,
+        EVEN_N=n % bn == 0, ACT=ACT_CODES[act], USE_TMA=tma, W_T=w_t,
+        **_launch(b, stages, cfg))
     return out
 
 
 def _dstd_triton(s, b_dense, topo, act="none", out=None):
     from . import kernels
+    cfg = op_config("dstd")
     b = topo.block_size
     n = b_dense.shape[1]
     if out is None:
         out = torch.empty(topo.num_experts, topo.ffn_size, n, device=s.device, dtype=s.dtype)
     if topo.num_column_blocks == 0 or n == 0:
         return out
-    bn, stages = _fit(s.device, b, _tile_n(n), _block_k(b), s.element_size(), 16)
+    bk = _block_k(b, cfg)
+    bn, stages = _fit(s.device, b, _tile_n(n, cfg), bk, s.element_size(), 16, cfg)
     num_n = -(-n // bn)
+    s_arg, b_arg, tma = s, b_dense, False
+    if s.is_contiguous() and b_dense.stride(1) == 1 and _tma_device(s, cfg):
+        s_desc = _desc(s, topo.nnz * b, b, b, [bk, b])
+        b_desc = _desc(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn])
+        if s_desc is not None and b_desc is not None:
+            s_arg, b_arg, tma = s_desc, b_desc, True
     kernels.get("dstd_kernel")[(topo.num_column_blocks * num_n,)](
-        s, b_dense, out, topo.column_offsets, topo.transpose_blocks, topo.row_indices,
+        s_arg, b_arg, out, topo.column_offsets, topo.transpose_blocks, topo.row_indices,
         n, topo.ffn_size, topo.blocks_per_expert, num_n,
         b_dense.stride(0), b_dense.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        BLOCK=b, BLOCK_N=bn, BLOCK_K=_block_k(b), EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
-        **_launch(b, stages))
+        BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
+        USE_TMA=tma, **_launch(b, stages, cfg))
     return out
 
 

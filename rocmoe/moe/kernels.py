@@ -36,25 +36,44 @@ ACT_NONE, ACT_GELU_TANH, ACT_RELU, ACT_SILU = 0, 1, 2, 3
 
 
 @triton.jit
-def _activate(x, ACT: tl.constexpr):
+def _tanh_approx(x):
+    # One MUFU instruction (sm_75+), max relative error ~2^-11: below bf16/fp16 resolution.
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _sigmoid(x, FAST: tl.constexpr):
+    # FAST (NVIDIA only): sigmoid(x) = (1 + tanh(x/2)) / 2 costs one special-function op
+    # where exp + reciprocal cost two; the SDD epilogue that writes GELU and GELU' of a
+    # 128x256 tile is bound by them (they issue at 1/8 of the FMA rate).
+    if FAST:
+        s = 0.5 + 0.5 * _tanh_approx(0.5 * x)
+    else:
+        s = tl.sigmoid(x)
+    return s
+
+
+@triton.jit
+def _activate(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
     if ACT == 1:  # gelu, tanh form: x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3))
-        x = x * tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+        x = x * _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x), FAST)
     elif ACT == 2:
         x = tl.maximum(x, 0.0)
     elif ACT == 3:
-        x = x * tl.sigmoid(x)
+        x = x * _sigmoid(x, FAST)
     return x
 
 
 @triton.jit
-def _activate_grad(x, ACT: tl.constexpr):
+def _activate_grad(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
     if ACT == 1:
-        s = tl.sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x))
+        s = _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x), FAST)
         d = s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * x * x)
     elif ACT == 2:
         d = tl.where(x > 0.0, 1.0, 0.0)
     elif ACT == 3:
-        s = tl.sigmoid(x)
+        s = _sigmoid(x, FAST)
         d = s * (1.0 + x * (1.0 - s))
     else:
         d = tl.full(x.shape, 1.0, tl.float32)
@@ -68,13 +87,22 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, row_off_ptr, col_idx_p
                stride_we, stride_wk, stride_wf,
                BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_K: tl.constexpr, EVEN_F: tl.constexpr, EPILOGUE_ACT_GRAD: tl.constexpr,
-               EPILOGUE_STORE_ACT: tl.constexpr, EPILOGUE_SCALE: tl.constexpr):
+               EPILOGUE_STORE_ACT: tl.constexpr, EPILOGUE_SCALE: tl.constexpr,
+               USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False,
+               FAST_ACT: tl.constexpr = False, PRELOAD_SCALE: tl.constexpr = False):
     # out[blk] = a[rows of row block r] @ w[e, :, cols of blk] for SPLIT consecutive blocks blk
     # of row r (a B x SPLIT*B tile per program: wider tiles feed the matrix units better).
     # With EPILOGUE_ACT_GRAD: out[blk] *= act'(h[blk]).
     # With EPILOGUE_SCALE: out[blk] *= h[blk] (h holds act'(.) already: no transcendental).
     # With EPILOGUE_STORE_ACT: act_out[blk] = act(p) and out[blk] = act'(p) for the product p
     # (the forward of act_fusion="store": the backward then only multiplies by act'(p)).
+    # USE_TMA (Hopper; the launcher checks alignment, EVEN_K and EVEN_F): a_ptr describes
+    # A [P, K] in [BLOCK, BLOCK_K] boxes; w_ptr describes W as [E*K, F] in [BLOCK_K, SPLIT*B]
+    # boxes, or with W_T (W is the transpose of a contiguous [E, F, K], as in the backward's
+    # W2ᵀ) that tensor as [E*F, K] in [SPLIT*B, BLOCK_K] boxes, transposed in shared memory.
+    # FAST_ACT (NVIDIA): the epilogue's sigmoids use tanh.approx. PRELOAD_SCALE: with
+    # EPILOGUE_SCALE, the scale tile is loaded before the K loop, so its latency hides behind
+    # the products instead of stalling the epilogue.
     pid = tl.program_id(0)
     row_block = pid // num_n
     first = tl.load(row_off_ptr + row_block) + (pid % num_n) * SPLIT
@@ -87,43 +115,56 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, row_off_ptr, col_idx_p
     k_end = tl.where(valid, K, 0)
     rm = tl.arange(0, BLOCK)
     rn = tl.arange(0, SPLIT * BLOCK)
-    rk = tl.arange(0, BLOCK_K)
-    a_rows = (row_block * BLOCK + rm).to(tl.int64)
-    f_cols = f0 + rn
-    a_ptrs = a_ptr + a_rows[:, None] * stride_am + rk[None, :] * stride_ak
-    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + rk[:, None] * stride_wk
-              + f_cols[None, :] * stride_wf)
-    acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
-    for k in range(0, k_end, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            if EVEN_F:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=f_cols[None, :] < F, other=0.0)
-        else:
-            k_ok = (k + rk) < K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & (f_cols[None, :] < F), other=0.0)
-        acc += tl.dot(a, w)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
     # tile column c lives in block first + c // B at column c % B
     offs = ((first + rn // BLOCK).to(tl.int64) * (BLOCK * BLOCK))[None, :] \
         + rm[:, None] * BLOCK + (rn % BLOCK)[None, :]
     in_row = (first + rn // BLOCK) < end  # a row whose block count is not a multiple of SPLIT
+    if EPILOGUE_SCALE and PRELOAD_SCALE:
+        scale = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0)
+    acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
+    if USE_TMA:
+        for k in range(0, k_end, BLOCK_K):
+            a = a_ptr.load([row_block * BLOCK, k])
+            if W_T:
+                w = tl.trans(w_ptr.load([expert * F + f0, k]))
+            else:
+                w = w_ptr.load([expert * K + k, f0])
+            acc += tl.dot(a, w)
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        a_rows = (row_block * BLOCK + rm).to(tl.int64)
+        f_cols = f0 + rn
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + rk[None, :] * stride_ak
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + rk[:, None] * stride_wk
+                  + f_cols[None, :] * stride_wf)
+        for k in range(0, k_end, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                if EVEN_F:
+                    w = tl.load(w_ptrs)
+                else:
+                    w = tl.load(w_ptrs, mask=f_cols[None, :] < F, other=0.0)
+            else:
+                k_ok = (k + rk) < K
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & (f_cols[None, :] < F), other=0.0)
+            acc += tl.dot(a, w)
+            a_ptrs += BLOCK_K * stride_ak
+            w_ptrs += BLOCK_K * stride_wk
     if EPILOGUE_ACT_GRAD != 0:
         h = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0).to(tl.float32)
-        acc = acc * _activate_grad(h, EPILOGUE_ACT_GRAD)
+        acc = acc * _activate_grad(h, EPILOGUE_ACT_GRAD, FAST_ACT)
     if EPILOGUE_SCALE:
-        acc = acc * tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0).to(tl.float32)
+        if not PRELOAD_SCALE:
+            scale = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0)
+        acc = acc * scale.to(tl.float32)
     if EPILOGUE_STORE_ACT != 0:
         # act and act' of the rounded value, as the unfused reference computes both from a
         # stored h
         hr = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = _activate(hr, EPILOGUE_STORE_ACT).to(out_ptr.dtype.element_ty)
+        act = _activate(hr, EPILOGUE_STORE_ACT, FAST_ACT).to(out_ptr.dtype.element_ty)
         tl.store(act_out_ptr + offs, act, mask=in_row[None, :])
-        acc = _activate_grad(hr, EPILOGUE_STORE_ACT)
+        acc = _activate_grad(hr, EPILOGUE_STORE_ACT, FAST_ACT)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
 
 
@@ -133,8 +174,14 @@ def dsd_kernel(s_ptr, w_ptr, out_ptr, row_off_ptr, col_idx_ptr,
                stride_we, stride_wf, stride_wn,
                stride_om, stride_on,
                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               EVEN_F: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr):
+               EVEN_F: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr,
+               USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False):
     # out[rows of row block r, tile] = sum over blocks of r: act(s[blk]) @ w[e, cols of blk, tile]
+    # USE_TMA (Hopper; the launcher checks alignment and EVEN_F): s_ptr describes the values
+    # as [nnz*B, B] in [B, BLOCK_K] boxes; w_ptr describes W as [E*F, N] in [BLOCK_K, BLOCK_N]
+    # boxes, or with W_T (W is the transpose of a contiguous [E, N, F], as W1ᵀ in the
+    # backward) that tensor as [E*N, F] in [BLOCK_N, BLOCK_K] boxes (rows past N belong to the
+    # next expert: they only reach output columns the store masks off).
     # Output tiles of one row block are neighbours in launch order, so the row block's
     # sparse values are read from HBM once and hit L2 for the other N tiles.
     pid = tl.program_id(0)
@@ -156,29 +203,41 @@ def dsd_kernel(s_ptr, w_ptr, out_ptr, row_off_ptr, col_idx_ptr,
     # so the K loop is linear in the ffn index; the sparse operand jumps by one B x B block
     # each time kk crosses a block boundary. A flat loop (not blocks x static sub-steps)
     # keeps one BLOCK_K slice per pipeline stage, so 3-4 stages fit in shared memory.
-    s_base = s_ptr + start.to(tl.int64) * BLOCK * BLOCK
-    s_offs = rm[:, None] * BLOCK + rk[None, :]
-    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (f_first + rk)[:, None] * stride_wf
-              + rn[None, :] * stride_wn)
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, num_blocks * BLOCK, BLOCK_K):
-        # The sparse operand's offset is recomputed from kk with explicit multiple-of hints
-        # (not carried as a pointer bumped by a tl.where): Triton 3.6 could not prove the
-        # carried form 16-byte aligned, loaded the tile with 2-byte scalar loads outside the
-        # software pipeline, and DSD ran at 260-280 TFLOP/s on an H200 against SDD's 600.
-        k_in_block = tl.multiple_of(kk % BLOCK, BLOCK_K)
-        # (int32 is enough: a row holds ffn / BLOCK blocks, far below 2^31 / BLOCK^2)
-        blk_off = tl.multiple_of((kk // BLOCK) * (BLOCK * BLOCK), BLOCK * BLOCK)
-        s = tl.load(s_base + blk_off + k_in_block + s_offs)
-        if ACT != 0:
-            s = _activate(s.to(tl.float32), ACT).to(w_ptr.dtype.element_ty)
-        if EVEN_F and EVEN_N:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=((f_first + kk + rk)[:, None] < F) & n_ok[None, :],
-                        other=0.0)
-        acc += tl.dot(s, w)
-        w_ptrs += BLOCK_K * stride_wf
+    if USE_TMA:
+        n0 = pid_n * BLOCK_N
+        for kk in range(0, num_blocks * BLOCK, BLOCK_K):
+            s = s_ptr.load([(start + kk // BLOCK) * BLOCK, kk % BLOCK])
+            if ACT != 0:
+                s = _activate(s.to(tl.float32), ACT).to(s.dtype)
+            if W_T:
+                w = tl.trans(w_ptr.load([expert * N + n0, f_first + kk]))
+            else:
+                w = w_ptr.load([expert * F + f_first + kk, n0])
+            acc += tl.dot(s, w)
+    else:
+        s_base = s_ptr + start.to(tl.int64) * BLOCK * BLOCK
+        s_offs = rm[:, None] * BLOCK + rk[None, :]
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (f_first + rk)[:, None] * stride_wf
+                  + rn[None, :] * stride_wn)
+        for kk in range(0, num_blocks * BLOCK, BLOCK_K):
+            # The sparse operand's offset is recomputed from kk with explicit multiple-of hints
+            # (not carried as a pointer bumped by a tl.where): Triton 3.6 could not prove the
+            # carried form 16-byte aligned, loaded the tile with 2-byte scalar loads outside the
+            # software pipeline, and DSD ran at 260-280 TFLOP/s on an H200 against SDD's 600.
+            k_in_block = tl.multiple_of(kk % BLOCK, BLOCK_K)
+            # (int32 is enough: a row holds ffn / BLOCK blocks, far below 2^31 / BLOCK^2)
+            blk_off = tl.multiple_of((kk // BLOCK) * (BLOCK * BLOCK), BLOCK * BLOCK)
+            s = tl.load(s_base + blk_off + k_in_block + s_offs)
+            if ACT != 0:
+                s = _activate(s.to(tl.float32), ACT).to(w_ptr.dtype.element_ty)
+            if EVEN_F and EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=((f_first + kk + rk)[:, None] < F) & n_ok[None, :],
+                            other=0.0)
+            acc += tl.dot(s, w)
+            w_ptrs += BLOCK_K * stride_wf
     rows = (row_block * BLOCK + rm).to(tl.int64)
     out_ptrs = out_ptr + rows[:, None] * stride_om + rn[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -190,8 +249,11 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, t_blocks_ptr, row_idx_ptr,
                 stride_bm, stride_bn,
                 stride_oe, stride_of, stride_on,
                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_N: tl.constexpr, ACT: tl.constexpr):
+                EVEN_N: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr = False):
     # out[e, cols of column block c, tile] = sum over blocks of c: act(s[blk])^T @ b[rows of blk]
+    # USE_TMA (Hopper; the launcher checks alignment): s_ptr describes the values as
+    # [nnz*B, B] in [BLOCK_K, B] boxes (transposed in shared memory), b_ptr describes B [P, N]
+    # in [BLOCK_K, BLOCK_N] boxes.
     pid = tl.program_id(0)
     c = pid // num_n      # N tiles of one column block run side by side (L2 reuse of s)
     pid_n = pid % num_n
@@ -208,23 +270,33 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, t_blocks_ptr, row_idx_ptr,
     n_ok = rn < N
     # Valid blocks of a column are consecutive row blocks: block ids step by nb, rows by B.
     # act(s[blk])^T tile: element (m, k) is s[blk, kk % B + k, m]
-    s_blk = s_ptr + first.to(tl.int64) * BLOCK * BLOCK
-    s_offs = rk[None, :] * BLOCK + rm[:, None]
-    b_ptrs = (b_ptr + (first_row.to(tl.int64) * BLOCK + rk)[:, None] * stride_bm
-              + rn[None, :] * stride_bn)
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, num_blocks * BLOCK, BLOCK_K):
-        k_in_block = kk % BLOCK
-        s_t = tl.load(s_blk + s_offs + k_in_block * BLOCK)
-        if ACT != 0:
-            s_t = _activate(s_t.to(tl.float32), ACT).to(b_ptr.dtype.element_ty)
-        if EVEN_N:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-        acc += tl.dot(s_t, b)
-        b_ptrs += BLOCK_K * stride_bm
-        s_blk += tl.where(k_in_block == BLOCK - BLOCK_K, nb * BLOCK * BLOCK, 0)
+    if USE_TMA:
+        n0 = pid_n * BLOCK_N
+        for kk in range(0, num_blocks * BLOCK, BLOCK_K):
+            blk = first + (kk // BLOCK) * nb
+            s_t = tl.trans(s_ptr.load([blk * BLOCK + kk % BLOCK, 0]))
+            if ACT != 0:
+                s_t = _activate(s_t.to(tl.float32), ACT).to(s_t.dtype)
+            b = b_ptr.load([first_row * BLOCK + kk, n0])
+            acc += tl.dot(s_t, b)
+    else:
+        s_blk = s_ptr + first.to(tl.int64) * BLOCK * BLOCK
+        s_offs = rk[None, :] * BLOCK + rm[:, None]
+        b_ptrs = (b_ptr + (first_row.to(tl.int64) * BLOCK + rk)[:, None] * stride_bm
+                  + rn[None, :] * stride_bn)
+        for kk in range(0, num_blocks * BLOCK, BLOCK_K):
+            k_in_block = kk % BLOCK
+            s_t = tl.load(s_blk + s_offs + k_in_block * BLOCK)
+            if ACT != 0:
+                s_t = _activate(s_t.to(tl.float32), ACT).to(b_ptr.dtype.element_ty)
+            if EVEN_N:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            acc += tl.dot(s_t, b)
+            b_ptrs += BLOCK_K * stride_bm
+            s_blk += tl.where(k_in_block == BLOCK - BLOCK_K, nb * BLOCK * BLOCK, 0)
     f = f0 + rm
     out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + f[:, None] * stride_of
                 + rn[None, :] * stride_on)
@@ -233,7 +305,8 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, t_blocks_ptr, row_idx_ptr,
 
 _CONSTEXPR_DEFAULTS = dict(BLOCK=128, SPLIT=2, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, EVEN_F=True,
                            EVEN_N=True, EPILOGUE_ACT_GRAD=ACT_NONE, EPILOGUE_STORE_ACT=ACT_NONE,
-                           EPILOGUE_SCALE=False, ACT=ACT_NONE)
+                           EPILOGUE_SCALE=False, ACT=ACT_NONE, USE_TMA=False, W_T=False,
+                           FAST_ACT=False, PRELOAD_SCALE=False)
 
 
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
@@ -247,17 +320,20 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
                            K="i32", F="i32", nb="i32", num_n="i32", stride_am="i32",
                            stride_ak="i32", stride_we="i32", stride_wk="i32", stride_wf="i32",
                            BLOCK=c, SPLIT=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c,
-                           EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c),
+                           EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, USE_TMA=c, W_T=c,
+                           FAST_ACT=c, PRELOAD_SCALE=c),
         "dsd_kernel": dict(s_ptr=p, w_ptr=p, out_ptr=p, row_off_ptr=i, col_idx_ptr=i,
                            N="i32", F="i32", nb="i32", num_n="i32", stride_we="i32",
                            stride_wf="i32",
                            stride_wn="i32", stride_om="i32", stride_on="i32",
-                           BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_F=c, EVEN_N=c, ACT=c),
+                           BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_F=c, EVEN_N=c, ACT=c,
+                           USE_TMA=c, W_T=c),
         "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, t_blocks_ptr=i,
                             row_idx_ptr=i, N="i32", F="i32", nb="i32", num_n="i32",
                             stride_bm="i32",
                             stride_bn="i32", stride_oe="i32", stride_of="i32",
-                            stride_on="i32", BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c),
+                            stride_on="i32", BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c,
+                            USE_TMA=c),
     }
 
 

@@ -98,3 +98,61 @@ def test_operands_load_as_16_byte_async_copies_on_sm90(name):
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
     assert "cp.async" in ptx and "ld.global.b16" not in ptx
+
+
+# Tensor-descriptor (TMA) operands of each kernel: argument -> box shape, for B=128,
+# BLOCK_K=64 and a 256-wide N tile (SDD: SPLIT=2). W_T: the weight arrives transposed.
+TMA_VARIANTS = {
+    ("sdd_kernel", False): dict(a_ptr=[128, 64], w_ptr=[64, 256]),
+    ("sdd_kernel", True): dict(a_ptr=[128, 64], w_ptr=[256, 64]),
+    ("dsd_kernel", False): dict(s_ptr=[128, 64], w_ptr=[64, 256]),
+    ("dsd_kernel", True): dict(s_ptr=[128, 64], w_ptr=[256, 64]),
+    ("dstd_kernel", False): dict(s_ptr=[64, 128], b_ptr=[64, 256]),
+}
+
+
+@pytest.mark.parametrize("name,w_t", sorted(TMA_VARIANTS), ids=lambda v: str(v))
+def test_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(name, w_t):
+    # USE_TMA: the K loop must fetch every operand with bulk tensor copies feeding wgmma
+    # (no pointer loads of the operands left), and shared memory must still fit Hopper.
+    signature = dict(kernels.aot_signatures("bf16")[name])
+    for arg, box in TMA_VARIANTS[(name, w_t)].items():
+        signature[arg] = f"tensordesc<bf16[{box[0]}, {box[1]}]>"
+    constexprs = kernels.aot_constexprs(name, USE_TMA=True, W_T=w_t, BLOCK_N=256)
+    src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8, "num_stages": 3})
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    # (the pointer variant's pipelined loads are cp.async.cg copies: none may be left)
+    assert "cp.async.cg" not in ptx
+    assert compiled.metadata.shared <= 232448
+
+
+def test_fast_activation_epilogue_uses_one_special_function_per_element_on_sm90():
+    # FAST_ACT: GELU and GELU' of the forward SDD's tile share one tanh.approx per element
+    # (exp + reciprocal per element made the epilogue a third of the kernel on an H200)
+    name = "sdd_kernel"
+    constexprs = kernels.aot_constexprs(name, EPILOGUE_STORE_ACT=kernels.ACT_GELU_TANH,
+                                        FAST_ACT=True)
+    src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
+                    constexprs=constexprs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+    assert ptx.count("tanh.approx.f32") == 128  # 128 x 256 tile over 256 threads
+    assert "ex2.approx" not in ptx and "div.full.f32" not in ptx and "rcp." not in ptx
+
+
+@pytest.mark.parametrize("preload", [False, True])
+def test_preloaded_scale_is_read_before_the_k_loop_on_sm90(preload):
+    # PRELOAD_SCALE: the backward SDD's act'(h) tile is read before the products, so no
+    # global load is left after the first wgmma (without it, the epilogue reads it)
+    name = "sdd_kernel"
+    constexprs = kernels.aot_constexprs(name, EPILOGUE_SCALE=True, PRELOAD_SCALE=preload)
+    src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
+                    constexprs=constexprs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+    after_first_mma = ptx[ptx.index("wgmma.mma_async"):]
+    assert ("ld.global" in after_first_mma) != preload
+    assert ".local" not in ptx  # the preloaded tile must not spill

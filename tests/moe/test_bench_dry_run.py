@@ -29,3 +29,14 @@ def test_benchmark_breakdown_times_the_kernels_of_the_configured_fusion(capsys):
     # act_fusion="store" (the default): the forward SDD writes GELU(h), DSD/DSᵀD run plain
     assert {"sdd_fwd_store_gelu", "dsd_fwd", "dstd_dw2", "sdd_bwd_scale", "dsd_dx",
             "dstd_dw1"} == kernels
+
+
+def test_interleaved_timing_samples_every_case_each_round_after_its_setup():
+    log = []
+    cases = {name: (lambda name=name: log.append(("setup", name)),
+                    lambda name=name: log.append(("call", name))) for name in ("a", "b")}
+    times = bench_moe.interleaved_ms(cases, rounds=3, calls=2)
+    assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
+    one_round = [("setup", "a"), ("call", "a"), ("call", "a"),
+                 ("setup", "b"), ("call", "b"), ("call", "b")]
+    assert log == one_round * 3
