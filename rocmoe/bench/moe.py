@@ -17,6 +17,8 @@ means rocmoe is faster), both measured in the same run on the same routing:
 * ``permute_topology_share``: time of sort + histogram + pad + topology + permute over the
   layer's fwd+bwd time.
 * ``peak_memory_vs_capacity_padded``: peak allocated bytes of one fwd+bwd, ours over theirs.
+* ``layer_host_time_share``: host (Python + launch) time per layer, measured while launching
+  layers back to back, over the layer's time: near 1 means the layer is host-bound.
 
 Times are medians of CUDA-event timings after warm-up. Needs a CUDA/ROCm device.
 """
@@ -361,6 +363,21 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
                   baseline_ms=round(t_layer, 4), ratio=round(t_prep_gpu / t_layer, 4)))
     except Exception as exc:  # noqa: BLE001 - reported, not hidden
         emit(dict(common, metric="permute_topology_share_device_time", error=repr(exc)[:300]))
+
+    # Host work per layer: launching `calls` layers back to back, without waiting for the
+    # GPU, against the layer's time. Below 1, the host runs ahead of the GPU (launch cost
+    # hidden behind the kernels); near or above 1, the layer is host-bound.
+    if x.is_cuda:
+        calls = 5
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            ours_layer()
+        host_ms = (time.perf_counter() - t0) * 1e3 / calls
+        torch.cuda.synchronize()
+        emit(dict(common, metric="layer_host_time_share", baseline="layer fwd+bwd",
+                  ours_ms=round(host_ms, 4), baseline_ms=round(t_layer, 4),
+                  ratio=round(host_ms / t_layer, 4)))
 
     n_drop = int(dropped["n"])
     record("layer_fwdbwd_vs_capacity_padded", "padded bmm, capacity factor 1.0", t_layer, t_cf,

@@ -133,29 +133,33 @@ def _dstd_torch(s, b, topo):
 # reload of the sparse operand competes with the matrix units), for one extra write of act(h).
 #
 # Tiles: the H200 sweep with interleaved timing (benchmarks/results/moe_kernels_h200_sweep3.jsonl,
-# `rocmoe bench moe_kernels`) found 128x128 tiles, 4 warps, 3 stages best for every kernel but
-# one on the six benchmark shapes (+3 to +22 % over 128x256 / 8 warps, harmonic over the six
+# `rocmoe bench moe_kernels`) found 128x128 tiles, 4 warps, 3 stages best for most kernels
+# on the six benchmark shapes (+3 to +22 % over 128x256 / 8 warps, harmonic over the six
 # kernels): two such programs fit on an SM, so one's epilogue overlaps the other's products,
 # which matters where K is short (SDD's K is the hidden size; DSᵀD's the rows per expert).
 # DSD with W as stored (the forward's W2) keeps 128x256 / 8 warps / 4 stages (+8 % there);
 # DSD with transposed W (the backward's W1ᵀ, "dsd_wt") does better with the narrow tile.
+# DSᵀD over experts of 2048 rows or more on average ("dstd_long": its K is the rows per
+# expert) is the other exception: 128x256 / 8 warps / 3 stages, +4 to +10 % there.
 KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
                      tma=True, fast_act=True, preload_scale=True, sdd={},
-                     dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={}, dstd={})
+                     dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={}, dstd={},
+                     dstd_long=dict(block_n=256, num_warps=8, num_stages=3))
+LONG_EXPERT_ROWS = 2048
 if torch.version.hip:
     # CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
     # (Untested on MI-series hardware so far: a starting point, not a tuned choice.)
-    KERNEL_CONFIG.update(block_n=128, num_warps=8, num_stages=2, dsd={})
+    KERNEL_CONFIG.update(block_n=128, num_warps=8, num_stages=2, dsd={}, dstd_long={})
 # "tma": load tiles with the Tensor Memory Accelerator through tensor descriptors where the
 # GPU has one (Hopper and later) and the operands' layout allows (16-byte aligned rows, K and
 # ffn multiples of the tile); elsewhere, and always on AMD, the kernels use pointer loads.
 # "fast_act" (NVIDIA, 16-bit types): the SDD epilogue's sigmoids use tanh.approx (+10 % for
 # the forward SDD that writes GELU and GELU' on the 65536x1024x4096 shape).
 # "preload_scale": the backward SDD loads its act'(h) tile before the K loop, not after.
-# "sdd" / "dsd" / "dsd_wt" / "dstd": per-kernel overrides of the tile keys, e.g.
-# {"dstd": {"block_n": 256, "num_warps": 8}}; each overrides the global keys on its own.
+# "sdd" / "dsd" / "dsd_wt" / "dstd" / "dstd_long": per-kernel overrides of the tile keys,
+# e.g. {"dstd": {"block_n": 256, "num_warps": 8}}; each overrides the global keys on its own.
 TILE_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "tma", "fast_act", "preload_scale")
-OPS = ("sdd", "dsd", "dsd_wt", "dstd")
+OPS = ("sdd", "dsd", "dsd_wt", "dstd", "dstd_long")
 
 
 def set_kernel_config(**kw) -> None:
@@ -291,7 +295,8 @@ def _sdd_split(b: int, nb: int, cfg: dict) -> int:
     return max(1, min(split, 1 << (max(nb, 1) - 1).bit_length()))
 
 
-def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None):
+def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
+                act_only=False):
     from . import kernels
     cfg = op_config("sdd")
     b = topo.block_size
@@ -315,8 +320,8 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
             a_arg, (w_arg, w_t), tma = a_desc, w_desc, True
     h = act_grad_of if act_grad_of is not None else scale_by if scale_by is not None else out
     kernels.get("sdd_kernel")[(topo.num_row_blocks * num_n,)](
-        a_arg, w_arg, out, h, out if act_out is None else act_out, topo.row_offsets,
-        topo.column_indices, k, f, nb, num_n,
+        a_arg, w_arg, out, h, out if act_out is None else act_out, topo.column_indices,
+        k, f, nb, num_n,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f,
         EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0,
@@ -324,7 +329,7 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
         EPILOGUE_SCALE=scale_by is not None, USE_TMA=tma, W_T=w_t,
         FAST_ACT=bool(cfg["fast_act"]) and _nvidia_compiled(a) and a.element_size() == 2,
         PRELOAD_SCALE=bool(cfg["preload_scale"]) and scale_by is not None,
-        **_launch(b, stages, cfg))
+        EPILOGUE_ACT=ACT_CODES[act] if act_only else 0, **_launch(b, stages, cfg))
     return out
 
 
@@ -348,8 +353,7 @@ def _dsd_triton(s, w, topo, act="none"):
         if s_desc is not None and w_desc is not None:
             s_arg, (w_arg, w_t), tma = s_desc, w_desc, True
     kernels.get("dsd_kernel")[(topo.num_row_blocks * num_n,)](
-        s_arg, w_arg, out, topo.row_offsets, topo.column_indices,
-        n, f, topo.blocks_per_expert, num_n,
+        s_arg, w_arg, out, topo.column_indices, n, f, topo.blocks_per_expert, num_n,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_F=f % b == 0,
         EVEN_N=n % bn == 0, ACT=ACT_CODES[act], USE_TMA=tma, W_T=w_t,
@@ -359,7 +363,9 @@ def _dsd_triton(s, w, topo, act="none"):
 
 def _dstd_triton(s, b_dense, topo, act="none", out=None):
     from . import kernels
-    cfg = op_config("dstd")
+    # (rows per expert from the static padded row count: no device read)
+    long_k = topo.num_rows >= LONG_EXPERT_ROWS * max(topo.num_experts, 1)
+    cfg = op_config("dstd_long" if long_k else "dstd")
     b = topo.block_size
     n = b_dense.shape[1]
     if out is None:
@@ -376,8 +382,8 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
         if s_desc is not None and b_desc is not None:
             s_arg, b_arg, tma = s_desc, b_desc, True
     kernels.get("dstd_kernel")[(topo.num_column_blocks * num_n,)](
-        s_arg, b_arg, out, topo.column_offsets, topo.transpose_blocks, topo.row_indices,
-        n, topo.ffn_size, topo.blocks_per_expert, num_n,
+        s_arg, b_arg, out, topo.column_offsets, n, topo.ffn_size, topo.blocks_per_expert,
+        num_n,
         b_dense.stride(0), b_dense.stride(1), out.stride(0), out.stride(1), out.stride(2),
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
         USE_TMA=tma, **_launch(b, stages, cfg))
@@ -410,12 +416,15 @@ def _act_grad_torch(h, act):
     return torch.ones_like(h)
 
 
-def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None):
-    """SDD S; epilogue options: times act'(act_grad_of); times scale_by; or (act_out) write
-    act(S) to act_out and return act'(S) instead of S."""
+def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
+         act_only=False):
+    """SDD S; epilogue options: times act'(act_grad_of); times scale_by; (act_out) write
+    act(S) to act_out and return act'(S) instead of S; or (act_only) return act(S)."""
     if _use_triton(a):
-        return _sdd_triton(a, w, topo, act_grad_of, act, act_out, scale_by)
+        return _sdd_triton(a, w, topo, act_grad_of, act, act_out, scale_by, act_only)
     out = _sdd_torch(a, w, topo)
+    if act_only:
+        return _act_torch(out, act)
     if act_grad_of is not None:
         out = (out.float() * _act_grad_torch(act_grad_of, act)).to(out.dtype)
     if scale_by is not None:
@@ -451,11 +460,15 @@ class _FusedExpertFFN(torch.autograd.Function):
     run plain: MegaBlocks' memory, and no exp/rcp next to the matrix units ("load"
     recomputes act once per N tile, and its backward epilogue act'). Backward:
     dh = SDD(dy, W2ᵀ) * act'(h) (epilogue); dW2 = DSᵀD(act(h), dy); dx = DSD(dh, W1ᵀ);
-    dW1 = DSᵀD(dh, x)ᵀ written straight into a [E, K, F] tensor.
+    dW1 = DSᵀD(dh, x)ᵀ written straight into a [E, K, F] tensor. When no input needs a
+    gradient (inference), the SDD epilogue writes act(h) alone and nothing is saved.
     """
 
     @staticmethod
     def forward(ctx, x, w1, w2, topo, act):
+        if not any(ctx.needs_input_grad[:3]):
+            # no backward will follow (inference, no_grad): only act(x W1) is needed
+            return _dsd(_sdd(x, w1, topo, act=act, act_only=True), w2, topo)
         store = KERNEL_CONFIG["act_fusion"] == "store"
         a = torch.empty(topo.nnz, topo.block_size, topo.block_size, device=x.device,
                         dtype=x.dtype) if store else None

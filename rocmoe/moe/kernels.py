@@ -6,11 +6,12 @@ device memory; programs whose blocks are empty (row blocks past the real token c
 zero-trip loop and store zeros, so the launch grid is static and the host never needs the
 real count.
 
-They rely on two properties of every topology ``build_topology`` makes (block-diagonal by
-expert): the blocks of a row are consecutive column blocks of one expert, stored
-consecutively; and the valid blocks of a column are consecutive row blocks. So after reading
-the first block's indices, the K loops walk memory linearly, with no index loads inside
-the loop (which would stall the software pipeline).
+They rely on the layout of every topology ``build_topology`` and the routing kernels make
+(block-diagonal by expert): row block r holds blocks r*nb ... r*nb + nb - 1, consecutive
+column blocks of one expert; the valid blocks of a column are consecutive row blocks; and the
+CSC view is expert-major, column-major inside an expert. So a program finds its first block
+with at most one index load, and the K loops walk memory linearly, with no index loads
+inside the loop (which would stall the software pipeline).
 
 Activations can be fused: DSD and DSᵀD apply ``ACT`` to the sparse operand as they load it
 (so the forward never writes act(h)), and SDD can multiply its result by ``act'(h)`` in the
@@ -81,7 +82,7 @@ def _activate_grad(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
 
 
 @_kernel
-def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, row_off_ptr, col_idx_ptr,
+def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
                K, F, nb, num_n,
                stride_am, stride_ak,
                stride_we, stride_wk, stride_wf,
@@ -89,13 +90,15 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, row_off_ptr, col_idx_p
                EVEN_K: tl.constexpr, EVEN_F: tl.constexpr, EPILOGUE_ACT_GRAD: tl.constexpr,
                EPILOGUE_STORE_ACT: tl.constexpr, EPILOGUE_SCALE: tl.constexpr,
                USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False,
-               FAST_ACT: tl.constexpr = False, PRELOAD_SCALE: tl.constexpr = False):
+               FAST_ACT: tl.constexpr = False, PRELOAD_SCALE: tl.constexpr = False,
+               EPILOGUE_ACT: tl.constexpr = 0):
     # out[blk] = a[rows of row block r] @ w[e, :, cols of blk] for SPLIT consecutive blocks blk
     # of row r (a B x SPLIT*B tile per program: wider tiles feed the matrix units better).
     # With EPILOGUE_ACT_GRAD: out[blk] *= act'(h[blk]).
     # With EPILOGUE_SCALE: out[blk] *= h[blk] (h holds act'(.) already: no transcendental).
     # With EPILOGUE_STORE_ACT: act_out[blk] = act(p) and out[blk] = act'(p) for the product p
     # (the forward of act_fusion="store": the backward then only multiplies by act'(p)).
+    # With EPILOGUE_ACT: out[blk] = act(p) (a forward that no backward will follow).
     # USE_TMA (Hopper; the launcher checks alignment, EVEN_K and EVEN_F): a_ptr describes
     # A [P, K] in [BLOCK, BLOCK_K] boxes; w_ptr describes W as [E*K, F] in [BLOCK_K, SPLIT*B]
     # boxes, or with W_T (W is the transpose of a contiguous [E, F, K], as in the backward's
@@ -105,8 +108,9 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, row_off_ptr, col_idx_p
     # the products instead of stalling the epilogue.
     pid = tl.program_id(0)
     row_block = pid // num_n
-    first = tl.load(row_off_ptr + row_block) + (pid % num_n) * SPLIT
-    end = tl.load(row_off_ptr + row_block + 1)
+    # row r's blocks are r*nb ... r*nb + nb - 1 (row_offsets = r * nb): no index load
+    first = row_block * nb + (pid % num_n) * SPLIT
+    end = (row_block + 1) * nb
     col = tl.load(col_idx_ptr + first)
     valid = col >= 0
     col = tl.where(valid, col, 0)
@@ -165,11 +169,13 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, row_off_ptr, col_idx_p
         act = _activate(hr, EPILOGUE_STORE_ACT, FAST_ACT).to(out_ptr.dtype.element_ty)
         tl.store(act_out_ptr + offs, act, mask=in_row[None, :])
         acc = _activate_grad(hr, EPILOGUE_STORE_ACT, FAST_ACT)
+    if EPILOGUE_ACT != 0:
+        acc = _activate(acc.to(out_ptr.dtype.element_ty).to(tl.float32), EPILOGUE_ACT, FAST_ACT)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
 
 
 @_kernel
-def dsd_kernel(s_ptr, w_ptr, out_ptr, row_off_ptr, col_idx_ptr,
+def dsd_kernel(s_ptr, w_ptr, out_ptr, col_idx_ptr,
                N, F, nb, num_n,
                stride_we, stride_wf, stride_wn,
                stride_om, stride_on,
@@ -187,8 +193,8 @@ def dsd_kernel(s_ptr, w_ptr, out_ptr, row_off_ptr, col_idx_ptr,
     pid = tl.program_id(0)
     row_block = pid // num_n
     pid_n = pid % num_n
-    start = tl.load(row_off_ptr + row_block)
-    end = tl.load(row_off_ptr + row_block + 1)
+    start = row_block * nb  # row_offsets[r] = r * nb (see the module docstring)
+    end = start + nb
     first_col = tl.load(col_idx_ptr + start, mask=start < end, other=-1)
     # An empty row block (past the real token count) gets a zero-trip loop and stores zeros.
     num_blocks = tl.where(first_col >= 0, end - start, 0)
@@ -244,7 +250,7 @@ def dsd_kernel(s_ptr, w_ptr, out_ptr, row_off_ptr, col_idx_ptr,
 
 
 @_kernel
-def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, t_blocks_ptr, row_idx_ptr,
+def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
                 N, F, nb, num_n,
                 stride_bm, stride_bn,
                 stride_oe, stride_of, stride_on,
@@ -259,11 +265,17 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, t_blocks_ptr, row_idx_ptr,
     pid_n = pid % num_n
     start = tl.load(col_off_ptr + c)
     end = tl.load(col_off_ptr + c + 1)
-    first = tl.load(t_blocks_ptr + start, mask=start < end, other=0)
-    first_row = tl.load(row_idx_ptr + first, mask=start < end, other=0)
     num_blocks = end - start
     expert = c // nb
-    f0 = (c % nb) * BLOCK
+    j = c % nb
+    # The CSC view is expert-major and column-major inside an expert: column j of expert e
+    # starts at start_e * nb + j * blocks_e, start_e being e's first row block. So the first
+    # row block follows from the two offsets alone, where reading transpose_blocks and then
+    # row_indices cost two more dependent loads per program (a third of a program's time for
+    # experts of 2-3 row blocks).
+    first_row = (start - j * num_blocks) // nb
+    first = first_row * nb + j
+    f0 = j * BLOCK
     rm = tl.arange(0, BLOCK)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -306,7 +318,7 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, t_blocks_ptr, row_idx_ptr,
 _CONSTEXPR_DEFAULTS = dict(BLOCK=128, SPLIT=2, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, EVEN_F=True,
                            EVEN_N=True, EPILOGUE_ACT_GRAD=ACT_NONE, EPILOGUE_STORE_ACT=ACT_NONE,
                            EPILOGUE_SCALE=False, ACT=ACT_NONE, USE_TMA=False, W_T=False,
-                           FAST_ACT=False, PRELOAD_SCALE=False)
+                           FAST_ACT=False, PRELOAD_SCALE=False, EPILOGUE_ACT=ACT_NONE)
 
 
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
@@ -315,25 +327,22 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
     i = "*i32"
     c = "constexpr"
     return {
-        "sdd_kernel": dict(a_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, act_out_ptr=p, row_off_ptr=i,
-                           col_idx_ptr=i,
+        "sdd_kernel": dict(a_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, act_out_ptr=p, col_idx_ptr=i,
                            K="i32", F="i32", nb="i32", num_n="i32", stride_am="i32",
                            stride_ak="i32", stride_we="i32", stride_wk="i32", stride_wf="i32",
                            BLOCK=c, SPLIT=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c,
                            EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, USE_TMA=c, W_T=c,
-                           FAST_ACT=c, PRELOAD_SCALE=c),
-        "dsd_kernel": dict(s_ptr=p, w_ptr=p, out_ptr=p, row_off_ptr=i, col_idx_ptr=i,
+                           FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c),
+        "dsd_kernel": dict(s_ptr=p, w_ptr=p, out_ptr=p, col_idx_ptr=i,
                            N="i32", F="i32", nb="i32", num_n="i32", stride_we="i32",
                            stride_wf="i32",
                            stride_wn="i32", stride_om="i32", stride_on="i32",
                            BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_F=c, EVEN_N=c, ACT=c,
                            USE_TMA=c, W_T=c),
-        "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, t_blocks_ptr=i,
-                            row_idx_ptr=i, N="i32", F="i32", nb="i32", num_n="i32",
-                            stride_bm="i32",
-                            stride_bn="i32", stride_oe="i32", stride_of="i32",
-                            stride_on="i32", BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c,
-                            USE_TMA=c),
+        "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, N="i32", F="i32",
+                            nb="i32", num_n="i32", stride_bm="i32", stride_bn="i32",
+                            stride_oe="i32", stride_of="i32", stride_on="i32", BLOCK=c,
+                            BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c, USE_TMA=c),
     }
 
 

@@ -196,6 +196,21 @@ def descriptor_kernels_equal_torch_path():
 CHECKS["descriptors"] = descriptor_kernels_equal_torch_path
 
 
+def inference_forward_equals_torch_path():
+    # no gradient needed: the SDD epilogue writes act(x W1) alone (EPILOGUE_ACT)
+    topo, g = _topo(16, 24)
+    x = torch.randn(topo.num_rows, 20, generator=g)
+    w1 = torch.randn(3, 20, 24, generator=g)
+    w2 = torch.randn(3, 24, 18, generator=g)
+    for act in ("gelu", "silu", "relu"):
+        with torch.no_grad():
+            ref, got = _both(lambda: bs.fused_expert_ffn(x, w1, w2, topo, act))
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)
+
+
+CHECKS["inference"] = inference_forward_equals_torch_path
+
+
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()
     print("INTERPRET_OK", sys.argv[1])

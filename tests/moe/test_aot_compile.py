@@ -129,12 +129,14 @@ def test_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(name, w_t):
     assert compiled.metadata.shared <= 232448
 
 
-def test_fast_activation_epilogue_uses_one_special_function_per_element_on_sm90():
+@pytest.mark.parametrize("epilogue", ["EPILOGUE_STORE_ACT", "EPILOGUE_ACT"])
+def test_fast_activation_epilogue_uses_one_special_function_per_element_on_sm90(epilogue):
     # FAST_ACT: GELU and GELU' of the forward SDD's tile share one tanh.approx per element
-    # (exp + reciprocal per element made the epilogue a third of the kernel on an H200)
+    # (exp + reciprocal per element made the epilogue a third of the kernel on an H200);
+    # the inference epilogue (GELU alone) needs one as well
     name = "sdd_kernel"
-    constexprs = kernels.aot_constexprs(name, EPILOGUE_STORE_ACT=kernels.ACT_GELU_TANH,
-                                        FAST_ACT=True)
+    constexprs = kernels.aot_constexprs(name, FAST_ACT=True,
+                                        **{epilogue: kernels.ACT_GELU_TANH})
     src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
                     constexprs=constexprs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -124,3 +124,17 @@ def test_wrong_sparse_shape_is_rejected():
     topo, g = _setup()
     with pytest.raises(InvalidArgumentError, match="sparse values must have shape"):
         bs.dsd(torch.randn(3, 16, 16), torch.randn(4, 40, 9), topo)
+
+
+@pytest.mark.parametrize("act", ["gelu", "relu", "silu", "none"])
+def test_fused_ffn_without_gradients_equals_the_training_forward(act):
+    # with no input requiring grad, the forward takes the act-only epilogue and saves nothing
+    topo, g = _setup()
+    x = torch.randn(topo.num_rows, 12, generator=g, dtype=torch.float64)
+    w1 = torch.randn(topo.num_experts, 12, topo.ffn_size, generator=g, dtype=torch.float64)
+    w2 = torch.randn(topo.num_experts, topo.ffn_size, 10, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        inference = bs.fused_expert_ffn(x, w1, w2, topo, act)
+    training = bs.fused_expert_ffn(x, w1.requires_grad_(True), w2, topo, act)
+    assert training.requires_grad and not inference.requires_grad
+    torch.testing.assert_close(inference, training.detach())
