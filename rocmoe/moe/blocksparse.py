@@ -466,9 +466,6 @@ class _FusedExpertFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, w2, topo, act):
-        if not any(ctx.needs_input_grad[:3]):
-            # no backward will follow (inference, no_grad): only act(x W1) is needed
-            return _dsd(_sdd(x, w1, topo, act=act, act_only=True), w2, topo)
         store = KERNEL_CONFIG["act_fusion"] == "store"
         a = torch.empty(topo.nnz, topo.block_size, topo.block_size, device=x.device,
                         dtype=x.dtype) if store else None
@@ -505,6 +502,10 @@ def fused_expert_ffn(x, w1, w2, topo, act="gelu"):
         raise ConfigurationError(
             f"fused activation must be one of {sorted(ACT_CODES)}, got {act!r}")
     _check_same_dtype(x, w1, w2)
+    if not (torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad
+                                         or w2.requires_grad)):
+        # no backward will follow (inference, torch.no_grad): only act(x W1) is needed
+        return _dsd(_sdd(x, w1, topo, act=act, act_only=True), w2, topo)
     return _FusedExpertFFN.apply(x, w1, w2, topo, act)
 
 

@@ -133,8 +133,25 @@ def test_fused_ffn_without_gradients_equals_the_training_forward(act):
     x = torch.randn(topo.num_rows, 12, generator=g, dtype=torch.float64)
     w1 = torch.randn(topo.num_experts, 12, topo.ffn_size, generator=g, dtype=torch.float64)
     w2 = torch.randn(topo.num_experts, topo.ffn_size, 10, generator=g, dtype=torch.float64)
-    with torch.no_grad():
+    w1.requires_grad_(True)
+    with torch.no_grad():  # (the weights still require grad, as in a model's eval step)
         inference = bs.fused_expert_ffn(x, w1, w2, topo, act)
-    training = bs.fused_expert_ffn(x, w1.requires_grad_(True), w2, topo, act)
+    training = bs.fused_expert_ffn(x, w1, w2, topo, act)
     assert training.requires_grad and not inference.requires_grad
     torch.testing.assert_close(inference, training.detach())
+
+
+def test_fused_ffn_under_no_grad_writes_only_the_activation(monkeypatch):
+    topo, g = _setup()
+    x = torch.randn(topo.num_rows, 12, generator=g)
+    w1 = torch.randn(topo.num_experts, 12, topo.ffn_size, generator=g, requires_grad=True)
+    w2 = torch.randn(topo.num_experts, topo.ffn_size, 10, generator=g, requires_grad=True)
+    seen = []
+    real_sdd = bs._sdd
+    monkeypatch.setattr(bs, "_sdd", lambda *a, **kw: seen.append(kw) or real_sdd(*a, **kw))
+    with torch.no_grad():
+        bs.fused_expert_ffn(x, w1, w2, topo, "gelu")
+    assert [kw.get("act_only") for kw in seen] == [True]
+    seen.clear()
+    bs.fused_expert_ffn(x, w1, w2, topo, "gelu")
+    assert [kw.get("act_only", False) for kw in seen] == [False]
