@@ -13,6 +13,8 @@ means rocmoe is faster), both measured in the same run on the same routing:
 * ``layer_fwdbwd_vs_capacity_padded``: whole layer (permute, FFN, combine; the router is the
   same for all and left out) against a capacity-factor-1.0 padded-bmm layer; the record
   says how many (token, slot) pairs that layer drops.
+* ``layer_fwdbwd_vs_capacity_padded_cuda_graphs``: the same two layers, each replayed from
+  a CUDA graph (no launch work: what launch-bound small shapes gain under graphs).
 * ``layer_fwdbwd_vs_max_padded``: against padding every expert to the largest load (no drops).
 * ``permute_topology_share``: time of sort + histogram + pad + topology + permute over the
   layer's fwd+bwd time.
@@ -94,19 +96,26 @@ def interleaved_ms(cases: dict, rounds: int = 10, calls: int = 3) -> dict:
     return {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
 
 
-def graph_time_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    """Median device time of ``fn`` replayed from a CUDA graph (no host launch work)."""
+def captured(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream, where Triton
+    compiles): returns the replay. Fails if ``fn`` syncs with the host. Without a GPU, ``fn``."""
     if not torch.cuda.is_available():
-        return time_ms(fn, reps, warmup=1)
+        return fn
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the capture (Triton compiles here)
-        fn()
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_ms(graph.replay, reps)
+    return graph.replay
+
+
+def graph_time_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """Median device time of ``fn`` replayed from a CUDA graph (no host launch work)."""
+    return time_ms(captured(fn), reps)
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:
@@ -382,6 +391,18 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
     n_drop = int(dropped["n"])
     record("layer_fwdbwd_vs_capacity_padded", "padded bmm, capacity factor 1.0", t_layer, t_cf,
            baseline_dropped_pairs=n_drop, baseline_dropped_fraction=round(n_drop / pairs, 4))
+    # Both layers' fwd+bwd captured in CUDA graphs (possible because neither syncs with the
+    # host): the launch work is gone, which is what small, launch-bound shapes gain from
+    # running under graphs (torch.cuda.graph, make_graphed_callables, torch.compile).
+    try:
+        t = interleaved_ms({"layer": (none, captured(ours_layer)),
+                            "cf": (none, captured(cf_layer))}, rounds=reps, calls=1)
+        record("layer_fwdbwd_vs_capacity_padded_cuda_graphs",
+               "padded bmm, capacity factor 1.0, both replayed from CUDA graphs",
+               t["layer"], t["cf"])
+    except Exception as exc:  # noqa: BLE001 - reported, not hidden
+        emit(dict(common, metric="layer_fwdbwd_vs_capacity_padded_cuda_graphs",
+                  error=repr(exc)[:300]))
 
     mem_ours = peak_bytes(ours_layer)
     mem_cf = peak_bytes(cf_layer)
@@ -415,7 +436,8 @@ def tune(shape, block, dtype, device, emit, candidates) -> dict:
     g = torch.randn(topo.num_rows, hidden, device=device, dtype=dtype, generator=gen)
     best, best_ms = None, float("inf")
     start = dict(bs.KERNEL_CONFIG)
-    candidates = [dict(start, **{op: {} for op in bs.OPS}, **cand) for cand in candidates]
+    from .moe_kernels import sweep_config
+    candidates = [sweep_config(start, cand, bs.OPS) for cand in candidates]
     for cand in candidates:
         bs.set_kernel_config(**cand)
         try:

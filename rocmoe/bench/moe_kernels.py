@@ -65,6 +65,15 @@ def dump_compiled(directory: str) -> int:
     return count
 
 
+def sweep_config(start: dict, cfg: dict, ops) -> dict:
+    """A sweep entry as a whole kernel config: the startup config without its per-kernel
+    overrides (`ops`), then the entry (which names any per-kernel overrides it wants)."""
+    merged = dict(start)
+    merged.update({op: {} for op in ops})
+    merged.update(cfg)
+    return merged
+
+
 def emit(out, rec: dict) -> None:
     line = json.dumps(rec)
     print(line, flush=True)
@@ -114,9 +123,7 @@ def main(argv=None) -> int:
         with torch.no_grad():
             for ci, cfg in enumerate(configs):
                 def select(cfg=cfg):
-                    # on top of the startup config, without its per-kernel overrides (a
-                    # config names any it wants itself)
-                    bs.set_kernel_config(**dict(start, **{op: {} for op in bs.OPS}, **cfg))
+                    bs.set_kernel_config(**sweep_config(start, cfg, bs.OPS))
                 select()
                 try:
                     calls = kernel_calls(bs, topo, x_perm, w1.detach(), w2.detach(), grad)

@@ -14,6 +14,7 @@ def test_benchmark_dry_run_reports_every_metric_with_its_baseline(capsys):
     metrics = {r["metric"] for r in records}
     assert {"ffn_fwd_vs_dense_matmul", "ffn_fwdbwd_vs_grouped_mm",
             "layer_fwdbwd_vs_capacity_padded", "layer_fwdbwd_vs_max_padded",
+            "layer_fwdbwd_vs_capacity_padded_cuda_graphs",
             "permute_topology_share", "permute_topology_share_device_time"} <= metrics
     for r in records:
         if "ratio" in r:
@@ -40,3 +41,17 @@ def test_interleaved_timing_samples_every_case_each_round_after_its_setup():
     one_round = [("setup", "a"), ("call", "a"), ("call", "a"),
                  ("setup", "b"), ("call", "b"), ("call", "b")]
     assert log == one_round * 3
+
+
+def test_sweep_entries_replace_the_per_kernel_overrides_they_name():
+    from rocmoe.bench.moe_kernels import DEFAULT_CONFIGS, sweep_config
+    from rocmoe.moe import blocksparse as bs
+    start = dict(bs.KERNEL_CONFIG)
+    plain = sweep_config(start, dict(block_n=256), bs.OPS)
+    assert plain["block_n"] == 256 and all(plain[op] == {} for op in bs.OPS)
+    shipped = sweep_config(start, dict(dsd=dict(block_n=256)), bs.OPS)
+    assert shipped["dsd"] == dict(block_n=256) and shipped["block_n"] == start["block_n"]
+    for entry in DEFAULT_CONFIGS:  # every built-in entry is a valid config
+        bs.set_kernel_config(**sweep_config(start, entry, bs.OPS))
+    bs.set_kernel_config(**start)
+    assert bs.KERNEL_CONFIG == start

@@ -1,0 +1,56 @@
+"""Where the MoE layer's host time goes (GPU machine): cProfile of layer fwd+bwd launches.
+
+    python benchmarks/profile_moe_host.py [T,H,F,E] [--calls N]
+
+Launches N layer steps back to back (the GPU runs behind) under cProfile and prints the
+functions with the most cumulative and own host time, plus host ms per layer next to the
+layer's GPU time. A layer whose host time approaches its GPU time is launch-bound.
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from rocmoe.bench.moe import expert_inputs, make_routing, time_ms
+from rocmoe.moe import blocksparse as bs
+from rocmoe.moe import route_and_permute, unpermute_combine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shape", nargs="?", default="8192,1024,4096,64")
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args()
+    tokens, hidden, ffn, experts = (int(v) for v in args.shape.split(","))
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    gen, x, w1, w2 = expert_inputs((tokens, hidden, ffn, experts), device, dtype)
+    ids, weights = make_routing(tokens, experts, 2, "uniform", device, dtype, gen)
+    x_g = x.clone().requires_grad_(True)
+    gy = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
+
+    def layer():
+        p, t, xp = route_and_permute(x_g, ids, experts, 128, ffn)
+        y = unpermute_combine(bs.fused_expert_ffn(xp, w1, w2, t, "gelu"), weights, p)
+        torch.autograd.grad(y, [x_g, w1, w2], gy)
+
+    gpu_ms = time_ms(layer, 7)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(args.calls):
+        layer()
+    prof.disable()
+    host_ms = (time.perf_counter() - t0) * 1e3 / args.calls
+    torch.cuda.synchronize()
+    print(f"host ms per layer (under cProfile) {host_ms:.3f}; layer time {gpu_ms:.3f} ms")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("cumulative").print_stats(35)
+    stats.sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
