@@ -141,18 +141,10 @@ def _dstd_torch(s, b, topo):
 # DSD with transposed W (the backward's W1ᵀ, "dsd_wt") does better with the narrow tile.
 # DSᵀD over experts of 2048 rows or more on average ("dstd_long": its K is the rows per
 # expert) is the other exception: 128x256 / 8 warps / 3 stages, +4 to +10 % there.
-#
-# TMA loads (results/moe_kernels_h200_tma_onoff.jsonl) gave SDD +5 to +29 % but DSD and DSᵀD
-# only -3 to +8 %, while each launch with tensor descriptors costs ~67 µs more host time
-# (results/moe_host_profile_h200.txt: descriptors are encoded on the host at every launch).
-# Small layers are launch-bound, so DSD and DSᵀD take descriptors only from 500 GFLOP up
-# ("tma_min_gflop": 2 x rows x K x N of the product), where the host runs far ahead.
-_LARGE_ONLY = dict(tma_min_gflop=500)
 KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
-                     tma=True, tma_min_gflop=0, fast_act=True, preload_scale=True, sdd={},
-                     dsd=dict(block_n=256, num_warps=8, num_stages=4, **_LARGE_ONLY),
-                     dsd_wt=dict(_LARGE_ONLY), dstd=dict(_LARGE_ONLY),
-                     dstd_long=dict(block_n=256, num_warps=8, num_stages=3, **_LARGE_ONLY))
+                     tma=True, fast_act=True, preload_scale=True, sdd={},
+                     dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={}, dstd={},
+                     dstd_long=dict(block_n=256, num_warps=8, num_stages=3))
 LONG_EXPERT_ROWS = 2048
 if torch.version.hip:
     # CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
@@ -166,8 +158,7 @@ if torch.version.hip:
 # "preload_scale": the backward SDD loads its act'(h) tile before the K loop, not after.
 # "sdd" / "dsd" / "dsd_wt" / "dstd" / "dstd_long": per-kernel overrides of the tile keys,
 # e.g. {"dstd": {"block_n": 256, "num_warps": 8}}; each overrides the global keys on its own.
-TILE_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "tma", "tma_min_gflop", "fast_act",
-             "preload_scale")
+TILE_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "tma", "fast_act", "preload_scale")
 OPS = ("sdd", "dsd", "dsd_wt", "dstd", "dstd_long")
 
 
@@ -256,12 +247,9 @@ _TMA_DEVICE = {}
 TMA_IN_INTERPRETER = False
 
 
-def _tma_device(t: torch.Tensor, cfg: dict, flop: float) -> bool:
-    """Whether a product of `flop` useful FLOPs may take tensor descriptors for operands
-    like `t`."""
+def _tma_device(t: torch.Tensor, cfg: dict) -> bool:
+    """Whether the kernels may take tensor descriptors for operands like `t`."""
     if not cfg.get("tma") or t.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if flop < cfg.get("tma_min_gflop", 0) * 1e9:
         return False
     if _interpreting():
         return TMA_IN_INTERPRETER
@@ -325,8 +313,7 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
     even_k = k % bk == 0
     even_f = f % (b * split) == 0 and nb % split == 0
     a_arg, w_arg, tma, w_t = a, w, False, False
-    if even_k and even_f and a.stride(1) == 1 \
-            and _tma_device(a, cfg, 2.0 * topo.num_rows * k * topo.ffn_padded):
+    if even_k and even_f and a.stride(1) == 1 and _tma_device(a, cfg):
         a_desc = _desc(a, a.shape[0], k, a.stride(0), [b, bk])
         w_desc = _grouped_desc(w, bk, tile_n)
         if a_desc is not None and w_desc is not None:
@@ -360,8 +347,7 @@ def _dsd_triton(s, w, topo, act="none"):
     num_n = -(-n // bn)
     f = w.shape[1]
     s_arg, w_arg, tma, w_t = s, w, False, False
-    if f % b == 0 and s.is_contiguous() \
-            and _tma_device(s, cfg, 2.0 * topo.num_rows * topo.ffn_padded * n):
+    if f % b == 0 and s.is_contiguous() and _tma_device(s, cfg):
         s_desc = _desc(s, topo.nnz * b, b, b, [b, bk])
         w_desc = _grouped_desc(w, bk, bn)
         if s_desc is not None and w_desc is not None:
@@ -390,8 +376,7 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
     bn, stages = _fit(s.device, b, _tile_n(n, cfg), bk, s.element_size(), 16, cfg)
     num_n = -(-n // bn)
     s_arg, b_arg, tma = s, b_dense, False
-    if s.is_contiguous() and b_dense.stride(1) == 1 \
-            and _tma_device(s, cfg, 2.0 * topo.num_rows * topo.ffn_padded * n):
+    if s.is_contiguous() and b_dense.stride(1) == 1 and _tma_device(s, cfg):
         s_desc = _desc(s, topo.nnz * b, b, b, [bk, b])
         b_desc = _desc(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn])
         if s_desc is not None and b_desc is not None:

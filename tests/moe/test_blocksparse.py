@@ -155,16 +155,3 @@ def test_fused_ffn_under_no_grad_writes_only_the_activation(monkeypatch):
     seen.clear()
     bs.fused_expert_ffn(x, w1, w2, topo, "gelu")
     assert [kw.get("act_only", False) for kw in seen] == [False]
-
-
-def test_small_products_skip_tensor_descriptors_where_configured(monkeypatch):
-    # descriptors cost host time at every launch: DSD / DSᵀD take them only for big products
-    monkeypatch.setattr(bs, "_interpreting", lambda: True)
-    monkeypatch.setattr(bs, "TMA_IN_INTERPRETER", True)
-    t = torch.empty(2, dtype=torch.bfloat16)
-    dsd = bs.op_config("dsd")
-    assert dsd["tma_min_gflop"] > 0
-    assert not bs._tma_device(t, dsd, dsd["tma_min_gflop"] * 1e9 / 2)
-    assert bs._tma_device(t, dsd, dsd["tma_min_gflop"] * 1e9)
-    assert bs._tma_device(t, bs.op_config("sdd"), 1.0)  # SDD: always (it gains the most)
-    assert not bs._tma_device(t.float(), bs.op_config("sdd"), 1e15)  # 16-bit types only
