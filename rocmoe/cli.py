@@ -31,7 +31,7 @@ ENV_KNOBS = (
     ("ROCMOE_SLURM_DIR", "/tmp/rocmoe-slurm", "config and logs of slurm/local-cluster.sh"),
     # tuning knobs (benchmarks/gpu_sweep.sh sweeps them; the defaults are the measured best)
     ("ROCMOE_MOE_KERNEL_CONFIG", "", "JSON overrides of the block-sparse kernel tiles, e.g. "
-                                     '{"block_n": 128, "act_fusion": "load"}'),
+                                     '{"tma": false, "dstd": {"block_n": 256, "num_warps": 8}}'),
     ("ROCMOE_GEMM_CONFIG", "", "JSON overrides of the GEMM+A2A tile config, e.g. "
                                '{"BLOCK_N": 128, "USE_TMA": false, "PROGRAMS_PER_SM": 1}'),
     ("ROCMOE_GPU_WORKGROUPS", "0", "workgroups of the HIP fused kernels (0: per the GPU)"),

@@ -155,3 +155,23 @@ def test_fused_ffn_under_no_grad_writes_only_the_activation(monkeypatch):
     seen.clear()
     bs.fused_expert_ffn(x, w1, w2, topo, "gelu")
     assert [kw.get("act_only", False) for kw in seen] == [False]
+
+
+@pytest.mark.parametrize("bad", [dict(blockn=64), dict(act_fusion="both"),
+                                 dict(dsd=dict(block_m=64)), dict(dstd=128)])
+def test_bad_kernel_config_is_rejected_and_changes_nothing(bad):
+    from rocmoe.errors import ConfigurationError
+    before = dict(bs.KERNEL_CONFIG)
+    with pytest.raises(ConfigurationError):
+        bs.set_kernel_config(**bad)
+    assert bs.KERNEL_CONFIG == before
+
+
+def test_per_kernel_overrides_apply_to_their_kernel_only():
+    before = dict(bs.KERNEL_CONFIG)
+    try:
+        bs.set_kernel_config(dstd=dict(block_n=32, tma=False))
+        assert bs.op_config("dstd")["block_n"] == 32 and not bs.op_config("dstd")["tma"]
+        assert bs.op_config("sdd")["block_n"] == before["block_n"]
+    finally:
+        bs.set_kernel_config(**before)
