@@ -271,7 +271,7 @@ def _desc(base: torch.Tensor, rows: int, cols: int, row_stride: int, block: list
     return TensorDescriptor(base, [rows, cols], [row_stride, 1], block)
 
 
-def _grouped_desc(w: torch.Tensor, block_rows: int, block_cols: int, transposed_block=False):
+def _grouped_desc(w: torch.Tensor, block_rows: int, block_cols: int):
     """Descriptor of grouped weights W [E, R, C] as a 2-D [E*R, C] matrix (W_T False), or,
     when W is the transpose of a contiguous-row [E, C, R] tensor, of that tensor as [E*C, R]
     (W_T True, boxes transposed); None when neither layout fits TMA."""
