@@ -1,13 +1,47 @@
-"""Lazy registry of Triton kernels shared by the MoE kernels and the fused GEMM+All-to-All.
+"""Triton plumbing shared by the MoE kernels and the fused GEMM+All-to-All.
 
 Kernels are written as plain functions and jitted on first use, once per interpreter mode:
 TRITON_INTERPRET=1 (the CPU interpreter the tests use) must get a fresh jit, since Triton reads
-the variable when a kernel is decorated.
+the variable when a kernel is decorated. The launchers decide alike whether a GPU takes
+tensor descriptors (TMA) and build them with the same alignment checks.
 """
 
 from __future__ import annotations
 
 import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels on its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_TMA_CAPABLE: dict = {}
+
+
+def tma_capable(device: torch.device) -> bool:
+    """Whether kernels compiled for `device` can load tiles through tensor descriptors: an
+    NVIDIA GPU of compute capability 9 (Hopper) or later, not the interpreter. Cached per
+    device (launchers ask at every call)."""
+    if device.type != "cuda" or torch.version.hip or interpreting():
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _TMA_CAPABLE:
+        _TMA_CAPABLE[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _TMA_CAPABLE[idx]
+
+
+def tensor_descriptor(base: torch.Tensor, rows: int, cols: int, row_stride: int,
+                      block: list[int]):
+    """A 2-D descriptor of `base`'s memory as [rows, cols] with unit column stride, or None
+    when TMA cannot address it (16-byte aligned start and rows; non-empty)."""
+    elsize = base.element_size()
+    if rows <= 0 or cols <= 0 or base.data_ptr() % 16 or (row_stride * elsize) % 16:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    return TensorDescriptor(base, [rows, cols], [row_stride, 1], block)
 
 
 class KernelRegistry:
@@ -23,8 +57,7 @@ class KernelRegistry:
     def get(self, name: str):
         import triton
 
-        interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        key = (name, interpret)
+        key = (name, interpreting())
         if key not in self._jitted:
             self._jitted[key] = triton.jit(self._raw[name])
         return self._jitted[key]

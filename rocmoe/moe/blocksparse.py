@@ -24,6 +24,8 @@ import os
 import torch
 import torch.nn.functional as F_
 
+from .._triton import interpreting as _interpreting
+from .._triton import tensor_descriptor, tma_capable
 from ..errors import ConfigurationError, DTypeError, InvalidArgumentError
 from .topology import Topology
 
@@ -242,7 +244,6 @@ def _nvidia_compiled(t: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------ TMA tensor descriptors
-_TMA_DEVICE = {}
 # Tests set this to run the descriptor variants under the CPU interpreter.
 TMA_IN_INTERPRETER = False
 
@@ -253,22 +254,7 @@ def _tma_device(t: torch.Tensor, cfg: dict) -> bool:
         return False
     if _interpreting():
         return TMA_IN_INTERPRETER
-    if not t.is_cuda or torch.version.hip:
-        return False
-    idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if idx not in _TMA_DEVICE:
-        _TMA_DEVICE[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return _TMA_DEVICE[idx]
-
-
-def _desc(base: torch.Tensor, rows: int, cols: int, row_stride: int, block: list[int]):
-    """A 2-D descriptor of `base`'s memory as [rows, cols] with unit column stride, or None
-    when TMA cannot address it (16-byte aligned start and rows; non-empty)."""
-    elsize = base.element_size()
-    if rows <= 0 or cols <= 0 or base.data_ptr() % 16 or (row_stride * elsize) % 16:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor(base, [rows, cols], [row_stride, 1], block)
+    return tma_capable(t.device)
 
 
 def _grouped_desc(w: torch.Tensor, block_rows: int, block_cols: int):
@@ -277,16 +263,12 @@ def _grouped_desc(w: torch.Tensor, block_rows: int, block_cols: int):
     (W_T True, boxes transposed); None when neither layout fits TMA."""
     e, r, c = w.shape
     if w.stride(2) == 1 and w.stride(0) == r * w.stride(1):
-        d = _desc(w, e * r, c, w.stride(1), [block_rows, block_cols])
+        d = tensor_descriptor(w, e * r, c, w.stride(1), [block_rows, block_cols])
         return (d, False) if d is not None else None
     if w.stride(1) == 1 and w.stride(0) == c * w.stride(2):
-        d = _desc(w, e * c, r, w.stride(2), [block_cols, block_rows])
+        d = tensor_descriptor(w, e * c, r, w.stride(2), [block_cols, block_rows])
         return (d, True) if d is not None else None
     return None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _sdd_split(b: int, nb: int, cfg: dict) -> int:
@@ -314,7 +296,7 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
     even_f = f % (b * split) == 0 and nb % split == 0
     a_arg, w_arg, tma, w_t = a, w, False, False
     if even_k and even_f and a.stride(1) == 1 and _tma_device(a, cfg):
-        a_desc = _desc(a, a.shape[0], k, a.stride(0), [b, bk])
+        a_desc = tensor_descriptor(a, a.shape[0], k, a.stride(0), [b, bk])
         w_desc = _grouped_desc(w, bk, tile_n)
         if a_desc is not None and w_desc is not None:
             a_arg, (w_arg, w_t), tma = a_desc, w_desc, True
@@ -348,7 +330,7 @@ def _dsd_triton(s, w, topo, act="none"):
     f = w.shape[1]
     s_arg, w_arg, tma, w_t = s, w, False, False
     if f % b == 0 and s.is_contiguous() and _tma_device(s, cfg):
-        s_desc = _desc(s, topo.nnz * b, b, b, [b, bk])
+        s_desc = tensor_descriptor(s, topo.nnz * b, b, b, [b, bk])
         w_desc = _grouped_desc(w, bk, bn)
         if s_desc is not None and w_desc is not None:
             s_arg, (w_arg, w_t), tma = s_desc, w_desc, True
@@ -377,8 +359,8 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
     num_n = -(-n // bn)
     s_arg, b_arg, tma = s, b_dense, False
     if s.is_contiguous() and b_dense.stride(1) == 1 and _tma_device(s, cfg):
-        s_desc = _desc(s, topo.nnz * b, b, b, [bk, b])
-        b_desc = _desc(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn])
+        s_desc = tensor_descriptor(s, topo.nnz * b, b, b, [bk, b])
+        b_desc = tensor_descriptor(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn])
         if s_desc is not None and b_desc is not None:
             s_arg, b_arg, tma = s_desc, b_desc, True
     kernels.get("dstd_kernel")[(topo.num_column_blocks * num_n,)](

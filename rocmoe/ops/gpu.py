@@ -39,6 +39,8 @@ import numpy as np
 import torch
 
 from .. import errors
+from .._triton import interpreting as _interpreting
+from .._triton import tensor_descriptor, tma_capable
 
 ALIGN = 256
 
@@ -331,10 +333,6 @@ class Workspace:
         return self.slots[self.arena.world:2 * self.arena.world]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _wait_budget(timeout_s: float) -> int:
     # Iterations of an acquire-polling loop (no device clock in Triton): a system-scope
     # atomic takes about a microsecond on a GPU; the interpreter needs milliseconds per poll.
@@ -450,24 +448,19 @@ def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> di
     return cfg
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    return (t.stride(1) == 1 and t.data_ptr() % 16 == 0
-            and (t.stride(0) * t.element_size()) % 16 == 0 and t.shape[0] > 0 and t.shape[1] > 0)
-
-
 def gemm_operands(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> tuple:
     """(X argument, W argument, USE_TMA) of the GEMM kernel: tensor descriptors for the
     copy engine where the config asks for them and the GPU (Hopper or later) and the
     operands' alignment allow; the tensors themselves otherwise."""
-    use = (bool(cfg.get("USE_TMA")) and x.is_cuda and torch.version.hip is None
-           and torch.cuda.get_device_capability(x.device)[0] >= 9 and not _interpreting()
-           and x.dtype != torch.float32 and _tma_ok(x) and _tma_ok(w))
-    if not use:
+    if not (cfg.get("USE_TMA") and tma_capable(x.device) and x.dtype != torch.float32
+            and x.stride(1) == 1 and w.stride(1) == 1):
         return x, w, False
-    from triton.tools.tensor_descriptor import TensorDescriptor
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    return (TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [bm, bk]),
-            TensorDescriptor(w, list(w.shape), [w.stride(0), 1], [bk, bn]), True)
+    x_desc = tensor_descriptor(x, x.shape[0], x.shape[1], x.stride(0), [bm, bk])
+    w_desc = tensor_descriptor(w, w.shape[0], w.shape[1], w.stride(0), [bk, bn])
+    if x_desc is None or w_desc is None:
+        return x, w, False
+    return x_desc, w_desc, True
 
 
 def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts: Sequence[int], *,

@@ -161,14 +161,14 @@ def descriptor_kernels_equal_torch_path():
     # a multiple of the tile (the transposed-weight boxes then reach into the next expert).
     bs.TMA_IN_INTERPRETER = True
     used = []
-    real_desc = bs._desc
+    real_desc = bs.tensor_descriptor
 
     def counting_desc(*args, **kw):
         d = real_desc(*args, **kw)
         used.append(d is not None)
         return d
 
-    bs._desc = counting_desc
+    bs.tensor_descriptor = counting_desc
     before = {k: bs.KERNEL_CONFIG[k] for k in ("block_n", "block_k") + bs.OPS}
     bs.set_kernel_config(block_n=32, block_k=16, **{op: {} for op in bs.OPS})
     try:
@@ -190,7 +190,7 @@ def descriptor_kernels_equal_torch_path():
         torch.testing.assert_close(e_got.float(), e_ref.float(), **tol)
         assert used and all(used), used  # every operand went through a descriptor
     finally:
-        bs._desc = real_desc
+        bs.tensor_descriptor = real_desc
         bs.TMA_IN_INTERPRETER = False
         bs.set_kernel_config(**before)
 
