@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from rocmoe.bench.moe import expert_inputs, make_routing, time_ms
+from rocmoe.bench.moe import expert_inputs, make_routing
+from rocmoe.bench.timing import time_ms
 from rocmoe.moe import blocksparse as bs
 from rocmoe.moe import route_and_permute, unpermute_combine
 

@@ -36,6 +36,7 @@ import time
 import torch
 
 from . import emit, inside_mpi_job, relaunch_under_mpiexec
+from .timing import time_ms
 
 
 def _bench(fn, rep_ms=200, warmup_ms=50):
@@ -47,19 +48,7 @@ def _bench_steady(fn, calls=25, repeats=7):
     """Steady-state time per call: `calls` back-to-back calls between two CUDA events (the
     host runs ahead, as in a training step), median over `repeats`. _bench's per-call timing
     (L2 flushed, each call alone) also counts host launch work the GPU waits for."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / calls)
-    return sorted(times)[len(times) // 2]
+    return time_ms(fn, reps=repeats, warmup=3, calls=calls)
 
 
 def _device_name():

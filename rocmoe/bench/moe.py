@@ -37,85 +37,14 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F_
 
+from .timing import captured, graph_time_ms, interleaved_ms, time_ms
+
 DEFAULT_SHAPES = [(65536, 512, 2048, 64), (32768, 768, 3072, 64), (8192, 1024, 4096, 64),
                   (8192, 4096, 16384, 4), (65536, 1024, 4096, 64), (8192, 4096, 1408, 64)]
 
 
 def _gelu(t):
     return F_.gelu(t, approximate="tanh")
-
-
-# ------------------------------------------------------------------------------ timing
-def time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> float:
-    """Median of ``reps`` CUDA-event timings of ``fn`` after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():  # --device cpu: a dry run of the code paths
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return sorted(times)[len(times) // 2]
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def interleaved_ms(cases: dict, rounds: int = 10, calls: int = 3) -> dict:
-    """Median ms per call of each case, timed round-robin: every round times every case once
-    (``calls`` back-to-back calls between two events), so a drift of the GPU's clocks over
-    the run shifts all cases alike instead of favouring whichever ran first. ``cases`` maps a
-    key to ``(setup, fn)``: ``setup()`` runs untimed before each sample (e.g. selecting a
-    kernel configuration). Callers warm every case up first."""
-    samples = {key: [] for key in cases}
-    for _ in range(rounds):
-        for key, (setup, fn) in cases.items():
-            setup()
-            if not torch.cuda.is_available():
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                samples[key].append((time.perf_counter() - t0) * 1e3 / calls)
-                continue
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            stop.record()
-            torch.cuda.synchronize()
-            samples[key].append(start.elapsed_time(stop) / calls)
-    return {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
-
-
-def captured(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured in a CUDA graph (after a warm-up on a side stream, where Triton
-    compiles): returns the replay. Fails if ``fn`` syncs with the host. Without a GPU, ``fn``."""
-    if not torch.cuda.is_available():
-        return fn
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def graph_time_ms(fn: Callable[[], object], reps: int = 10) -> float:
-    """Median device time of ``fn`` replayed from a CUDA graph (no host launch work)."""
-    return time_ms(captured(fn), reps)
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:

@@ -20,7 +20,8 @@ import sys
 
 import torch
 
-from .moe import expert_inputs, interleaved_ms, kernel_calls, make_routing
+from .moe import expert_inputs, kernel_calls, make_routing
+from .timing import interleaved_ms
 
 DEFAULT_CONFIGS = [
     # the shipped default (128x128 tiles, 4 warps, 3 stages; DSD with W as stored 128x256)

@@ -36,7 +36,8 @@ def test_interleaved_timing_samples_every_case_each_round_after_its_setup():
     log = []
     cases = {name: (lambda name=name: log.append(("setup", name)),
                     lambda name=name: log.append(("call", name))) for name in ("a", "b")}
-    times = bench_moe.interleaved_ms(cases, rounds=3, calls=2)
+    from rocmoe.bench.timing import interleaved_ms
+    times = interleaved_ms(cases, rounds=3, calls=2)
     assert set(times) == {"a", "b"} and all(t >= 0 for t in times.values())
     one_round = [("setup", "a"), ("call", "a"), ("call", "a"),
                  ("setup", "b"), ("call", "b"), ("call", "b")]

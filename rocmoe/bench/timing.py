@@ -1,0 +1,73 @@
+"""CUDA-event timing shared by the benchmarks (CPU wall time where there is no GPU).
+
+Every helper reports a median: over rounds of ``interleaved_ms``, which time several cases
+round-robin so that clock drift shifts them alike, and over repetitions of ``time_ms`` (one
+case). ``captured`` replays a function from a CUDA graph, leaving out host launch work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+def interleaved_ms(cases: dict, rounds: int = 10, calls: int = 3) -> dict:
+    """Median ms per call of each case, timed round-robin: every round times every case once
+    (``calls`` back-to-back calls between two events), so a drift of the GPU's clocks over
+    the run shifts all cases alike instead of favouring whichever ran first. ``cases`` maps a
+    key to ``(setup, fn)``: ``setup()`` runs untimed before each sample (e.g. selecting a
+    kernel configuration). Callers warm every case up first."""
+    samples = {key: [] for key in cases}
+    for _ in range(rounds):
+        for key, (setup, fn) in cases.items():
+            setup()
+            if not torch.cuda.is_available():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[key].append((time.perf_counter() - t0) * 1e3 / calls)
+                continue
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            stop.record()
+            torch.cuda.synchronize()
+            samples[key].append(start.elapsed_time(stop) / calls)
+    return {key: sorted(v)[len(v) // 2] for key, v in samples.items()}
+
+
+def time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, calls: int = 1) -> float:
+    """Median ms per call of ``fn`` over ``reps`` samples of ``calls`` back-to-back calls
+    between two events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return interleaved_ms({0: (lambda: None, fn)}, rounds=reps, calls=calls)[0]
+
+
+def captured(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream, where Triton
+    compiles): returns the replay. Fails if ``fn`` syncs with the host. Without a GPU, ``fn``."""
+    if not torch.cuda.is_available():
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def graph_time_ms(fn: Callable[[], object], reps: int = 10) -> float:
+    """Median device time of ``fn`` replayed from a CUDA graph (no host launch work)."""
+    return time_ms(captured(fn), reps)
+
+
