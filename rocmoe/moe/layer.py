@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F_
 from torch import nn
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, RocmoeError
 from . import blocksparse as bs
 from .permute import check_block_size, unpermute_combine
 from .router import Router, _check_config, check_tokens
@@ -106,7 +106,13 @@ class DroplessMoE(nn.Module):
         shape = x.shape
         if x.dim() == 3:
             x = x.reshape(-1, shape[-1])
-        check_tokens(x, self.hidden_size)
+        try:
+            check_tokens(x, self.hidden_size)
+        except RocmoeError as exc:
+            if self.world_size > 1:  # the peers must learn of it, or they wait for rows
+                from .parallel import reject_input
+                reject_input(self, exc)
+            raise
         expert_ids, weights = self.router.route(x)
         self.aux_loss = self.router.aux_loss
         self.tokens_per_expert = self.router.tokens_per_expert

@@ -23,7 +23,7 @@ import abc
 import numpy as np
 import torch
 
-from ..errors import CollectiveMismatchError, ConfigurationError
+from ..errors import CollectiveMismatchError, ConfigurationError, InvalidArgumentError
 from .router import expert_histogram
 
 
@@ -203,12 +203,26 @@ def all_to_all(rows, transport, send_splits, recv_splits):
     return _AllToAll.apply(rows, transport, list(send_splits), list(recv_splits))
 
 
-def expert_parallel_forward(layer, x, expert_ids, weights):
+def _layer_transport(layer) -> ExpertTransport:
     transport = transport_for(layer.ctx)
-    world, e_local = transport.world_size, layer.num_local_experts
-    if world != layer.world_size:
+    if transport.world_size != layer.world_size:
         raise ConfigurationError(f"the layer was built for {layer.world_size} ranks but the "
-                                 f"context's communicator has {world}")
+                                 f"context's communicator has {transport.world_size}")
+    return transport
+
+
+def reject_input(layer, error: Exception) -> None:
+    """This rank's input was rejected (`error`): take part in the count exchange with counts
+    of -1, so that the peers raise too instead of waiting in the exchange, then raise."""
+    transport = _layer_transport(layer)
+    transport.exchange_counts(torch.full((transport.world_size, layer.num_local_experts), -1,
+                                         dtype=torch.int64))
+    raise error
+
+
+def expert_parallel_forward(layer, x, expert_ids, weights):
+    transport = _layer_transport(layer)
+    world, e_local = transport.world_size, layer.num_local_experts
     num_tokens, top_k = expert_ids.shape
     flat = expert_ids.reshape(-1).long()
     # 1. sort pairs by global expert (stable: deterministic order within an expert)
@@ -216,8 +230,14 @@ def expert_parallel_forward(layer, x, expert_ids, weights):
     counts = expert_histogram(expert_ids, layer.num_experts).view(world, e_local)
     # 2. counts each way; the split sizes go to the host for the transport's buffers
     recv_counts = transport.exchange_counts(counts)
+    received_from = recv_counts.tolist()
+    rejected = [r for r, row in enumerate(received_from) if min(row, default=0) < 0]
+    if rejected:  # a peer's input failed its checks (reject_input): nobody exchanges rows
+        raise InvalidArgumentError(
+            f"expert-parallel layer: rank(s) {rejected} rejected their input (see the error "
+            f"there); rank {transport.rank} stops before exchanging rows")
     send_splits = counts.sum(dim=1).tolist()
-    recv_splits = recv_counts.sum(dim=1).tolist()
+    recv_splits = [sum(row) for row in received_from]
     # 3. dispatch
     token_of_pair = order // top_k
     sent = x.index_select(0, token_of_pair)
@@ -237,4 +257,4 @@ def expert_parallel_forward(layer, x, expert_ids, weights):
 
 
 __all__ = ["ExpertTransport", "MPITransport", "HeapTransport", "transport_for", "all_to_all",
-           "expert_parallel_forward"]
+           "expert_parallel_forward", "reject_input"]

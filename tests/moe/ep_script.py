@@ -39,6 +39,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=29)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--glu", action="store_true")
+    ap.add_argument("--bad-rank", type=int, default=None,
+                    help="this rank passes an input the layer rejects (--bad says how); every "
+                         "rank must raise a RocmoeError, none may hang")
+    ap.add_argument("--bad", choices=("width", "dtype"), default="width")
     args = ap.parse_args(argv)
 
     ctx = make_context(args.ctx)
@@ -72,6 +76,9 @@ def main(argv=None) -> int:
     y_ref = ref(x_ref)
     (y_ref * torch.cat(gs)).sum().backward()
 
+    if args.bad_rank is not None:
+        return reject(ep, xs[rank], rank, world, args, ctx)
+
     x = xs[rank].clone().requires_grad_(True)
     y = ep(x)
     (y * gs[rank]).sum().backward()
@@ -102,6 +109,22 @@ def main(argv=None) -> int:
     if args.ctx == "runtime":
         ctx.finalize()
     return 1 if worst else 0
+
+
+def reject(ep, x, rank, world, args, ctx) -> int:
+    from rocmoe.errors import RocmoeError
+    if rank == args.bad_rank:
+        x = x[:, :-1] if args.bad == "width" else x.to(torch.int64)
+    try:
+        ep(x)
+    except RocmoeError as exc:
+        print(f"EP_REJECTED rank={rank} world={world} error={type(exc).__name__}: {exc}",
+              flush=True)
+        if args.ctx == "runtime":
+            ctx.finalize()
+        return 0
+    print(f"EP_FAIL rank={rank}: no error", flush=True)
+    return 1
 
 
 if __name__ == "__main__":

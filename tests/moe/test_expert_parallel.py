@@ -23,7 +23,7 @@ def _mpiexec():
     return exe
 
 
-def _run(ranks, *args):
+def _run(ranks, *args, expect="EP_OK"):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1",
                # one thread per rank: CI has 2 cores for up to 4 ranks
@@ -33,7 +33,7 @@ def _run(ranks, *args):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert out.count("EP_OK") == ranks, out
+    assert out.count(expect) == ranks, out
     return out
 
 
@@ -62,3 +62,21 @@ def test_expert_parallel_at_four_ranks_over_symmetric_heap_with_glu_and_top3():
     _require_runtime()
     out = _run(4, "--ctx", "runtime", "--glu", "--block-size", "32", "--top-k", "3")
     assert out.count("transport=HeapTransport") == 4, out
+
+
+@pytest.mark.parametrize("bad,error", [("width", "InvalidArgumentError"),
+                                       ("dtype", "DTypeError")])
+def test_bad_input_on_one_rank_raises_on_every_rank_over_mpi(bad, error):
+    # rank 1's input is rejected; rank 0 must raise too, not wait in the exchange
+    out = _run(2, "--bad-rank", "1", "--bad", bad, expect="EP_REJECTED")
+    assert f"EP_REJECTED rank=1 world=2 error={error}" in out, out
+    assert "EP_REJECTED rank=0 world=2 error=InvalidArgumentError: expert-parallel layer: " \
+           "rank(s) [1] rejected their input" in out, out
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank_over_symmetric_heap():
+    _require_runtime()
+    out = _run(2, "--ctx", "runtime", "--bad-rank", "0", expect="EP_REJECTED")
+    assert "EP_REJECTED rank=0 world=2 error=InvalidArgumentError: input must have shape" in out
+    assert "EP_REJECTED rank=1 world=2 error=InvalidArgumentError: expert-parallel layer: " \
+           "rank(s) [0] rejected their input" in out, out
