@@ -33,6 +33,20 @@ def tma_capable(device: torch.device) -> bool:
     return _TMA_CAPABLE[idx]
 
 
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors (compute units on AMD) of `device`, cached; 4 for the CPU
+    interpreter, so persistent grids still take several tiles per program there."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
 def tensor_descriptor(base: torch.Tensor, rows: int, cols: int, row_stride: int,
                       block: list[int]):
     """A 2-D descriptor of `base`'s memory as [rows, cols] with unit column stride, or None

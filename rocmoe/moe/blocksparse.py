@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F_
 
 from .._triton import interpreting as _interpreting
-from .._triton import tensor_descriptor, tma_capable
+from .._triton import sm_count, tensor_descriptor, tma_capable
 from ..errors import ConfigurationError, DTypeError, InvalidArgumentError
 from .topology import Topology
 
@@ -144,7 +144,8 @@ def _dstd_torch(s, b, topo):
 # DSᵀD over experts of 2048 rows or more on average ("dstd_long": its K is the rows per
 # expert) is the other exception: 128x256 / 8 warps / 3 stages, +4 to +10 % there.
 KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
-                     tma=True, fast_act=True, preload_scale=True, sdd={},
+                     tma=True, fast_act=True, preload_scale=True, tma_store=False,
+                     persistent=0, sdd={},
                      dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={}, dstd={},
                      dstd_long=dict(block_n=256, num_warps=8, num_stages=3))
 LONG_EXPERT_ROWS = 2048
@@ -160,7 +161,11 @@ if torch.version.hip:
 # "preload_scale": the backward SDD loads its act'(h) tile before the K loop, not after.
 # "sdd" / "dsd" / "dsd_wt" / "dstd" / "dstd_long": per-kernel overrides of the tile keys,
 # e.g. {"dstd": {"block_n": 256, "num_warps": 8}}; each overrides the global keys on its own.
-TILE_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "tma", "fast_act", "preload_scale")
+# "tma_store" (DSᵀD, with TMA loads): the output tile goes out through a tensor descriptor.
+# "persistent" (DSᵀD, with TMA loads): 0 launches a program per output tile; k > 0 launches k
+# programs per SM that loop over the tiles in one flat, software-pipelined loop.
+TILE_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "tma", "fast_act", "preload_scale",
+             "tma_store", "persistent")
 OPS = ("sdd", "dsd", "dsd_wt", "dstd", "dstd_long")
 
 
@@ -363,13 +368,42 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
         b_desc = tensor_descriptor(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn])
         if s_desc is not None and b_desc is not None:
             s_arg, b_arg, tma = s_desc, b_desc, True
-    kernels.get("dstd_kernel")[(topo.num_column_blocks * num_n,)](
-        s_arg, b_arg, out, topo.column_offsets, n, topo.ffn_size, topo.blocks_per_expert,
+    out_arg, out_t = out, False
+    if tma and cfg["tma_store"]:
+        out_arg, out_t = _dstd_out_desc(out, topo, b, bn)
+    num_tiles = topo.num_column_blocks * num_n
+    strides = (out.stride(0), out.stride(1), out.stride(2))
+    if tma and cfg["persistent"] > 0:
+        grid = max(1, min(num_tiles, sm_count(s.device) * int(cfg["persistent"])))
+        kernels.get("dstd_persistent_kernel")[(grid,)](
+            s_arg, b_arg, out_arg, topo.column_offsets, n, topo.ffn_size,
+            topo.blocks_per_expert, num_n, num_tiles, *strides,
+            BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, ACT=ACT_CODES[act], TMA_STORE=out_arg is not out,
+            OUT_T=out_t, **_launch(b, stages, cfg))
+        return out
+    kernels.get("dstd_kernel")[(num_tiles,)](
+        s_arg, b_arg, out_arg, topo.column_offsets, n, topo.ffn_size, topo.blocks_per_expert,
         num_n,
-        b_dense.stride(0), b_dense.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        b_dense.stride(0), b_dense.stride(1), *strides,
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
-        USE_TMA=tma, **_launch(b, stages, cfg))
+        USE_TMA=tma, TMA_STORE=out_arg is not out, OUT_T=out_t, **_launch(b, stages, cfg))
     return out
+
+
+def _dstd_out_desc(out: torch.Tensor, topo, b: int, bn: int):
+    """(descriptor, OUT_T) for DSᵀD's [E, F, N] output, or (out, False) when a box could
+    cross into the next expert's rows (TMA clips only at the tensor's edge) or the layout
+    does not fit: [E*F, N] when rows are contiguous (F a multiple of the block), or, for the
+    transpose of a contiguous [E, N, F] (dW1), that tensor as [E*N, F] (N a multiple of
+    the N tile)."""
+    e, f, n = out.shape
+    if out.stride(2) == 1 and out.stride(0) == f * out.stride(1) and f % b == 0:
+        d = tensor_descriptor(out, e * f, n, out.stride(1), [b, bn])
+        return (d, False) if d is not None else (out, False)
+    if out.stride(1) == 1 and out.stride(0) == n * out.stride(2) and n % bn == 0:
+        d = tensor_descriptor(out, e * n, f, out.stride(2), [bn, b])
+        return (d, True) if d is not None else (out, False)
+    return out, False
 
 
 # ------------------------------------------------------------------------ raw dispatch

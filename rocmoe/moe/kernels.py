@@ -249,24 +249,11 @@ def dsd_kernel(s_ptr, w_ptr, out_ptr, col_idx_ptr,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
-@_kernel
-def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
-                N, F, nb, num_n,
-                stride_bm, stride_bn,
-                stride_oe, stride_of, stride_on,
-                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_N: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr = False):
-    # out[e, cols of column block c, tile] = sum over blocks of c: act(s[blk])^T @ b[rows of blk]
-    # USE_TMA (Hopper; the launcher checks alignment): s_ptr describes the values as
-    # [nnz*B, B] in [BLOCK_K, B] boxes (transposed in shared memory), b_ptr describes B [P, N]
-    # in [BLOCK_K, BLOCK_N] boxes.
-    pid = tl.program_id(0)
-    c = pid // num_n      # N tiles of one column block run side by side (L2 reuse of s)
-    pid_n = pid % num_n
+@triton.jit
+def _dstd_column(c, col_off_ptr, nb):
+    """(first row block, first block, valid blocks) of column block c in the CSC view."""
     start = tl.load(col_off_ptr + c)
-    end = tl.load(col_off_ptr + c + 1)
-    num_blocks = end - start
-    expert = c // nb
+    num_blocks = tl.load(col_off_ptr + c + 1) - start
     j = c % nb
     # The CSC view is expert-major and column-major inside an expert: column j of expert e
     # starts at start_e * nb + j * blocks_e, start_e being e's first row block. So the first
@@ -274,17 +261,59 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
     # row_indices cost two more dependent loads per program (a third of a program's time for
     # experts of 2-3 row blocks).
     first_row = (start - j * num_blocks) // nb
-    first = first_row * nb + j
-    f0 = j * BLOCK
+    return first_row, first_row * nb + j, num_blocks
+
+
+@triton.jit
+def _dstd_store(acc, out_ptr, expert, f0, n0, N, F, stride_oe, stride_of, stride_on,
+                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, TMA_STORE: tl.constexpr,
+                OUT_T: tl.constexpr):
+    if TMA_STORE:
+        # out_ptr describes the output as [E*F, N] in [BLOCK, BLOCK_N] boxes, or with OUT_T
+        # (the output is the transpose of a contiguous [E, N, F], as dW1) that tensor as
+        # [E*N, F] in [BLOCK_N, BLOCK] boxes; the launcher checks that no box crosses into
+        # the next expert. The copy engine writes the tile from shared memory, in bulk.
+        val = acc.to(out_ptr.dtype)
+        if OUT_T:
+            out_ptr.store([expert * N + n0, f0], tl.trans(val))
+        else:
+            out_ptr.store([expert * F + f0, n0], val)
+    else:
+        f = f0 + tl.arange(0, BLOCK)
+        rn = n0 + tl.arange(0, BLOCK_N)
+        out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + f[:, None] * stride_of
+                    + rn[None, :] * stride_on)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+                 mask=(f[:, None] < F) & (rn < N)[None, :])
+
+
+@_kernel
+def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
+                N, F, nb, num_n,
+                stride_bm, stride_bn,
+                stride_oe, stride_of, stride_on,
+                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EVEN_N: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr = False,
+                TMA_STORE: tl.constexpr = False, OUT_T: tl.constexpr = False):
+    # out[e, cols of column block c, tile] = sum over blocks of c: act(s[blk])^T @ b[rows of blk]
+    # USE_TMA (Hopper; the launcher checks alignment): s_ptr describes the values as
+    # [nnz*B, B] in [BLOCK_K, B] boxes (transposed in shared memory), b_ptr describes B [P, N]
+    # in [BLOCK_K, BLOCK_N] boxes. TMA_STORE: see _dstd_store.
+    pid = tl.program_id(0)
+    c = pid // num_n      # N tiles of one column block run side by side (L2 reuse of s)
+    pid_n = pid % num_n
+    first_row, first, num_blocks = _dstd_column(c, col_off_ptr, nb)
+    expert = c // nb
+    f0 = (c % nb) * BLOCK
+    n0 = pid_n * BLOCK_N
     rm = tl.arange(0, BLOCK)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = n0 + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     # Valid blocks of a column are consecutive row blocks: block ids step by nb, rows by B.
     # act(s[blk])^T tile: element (m, k) is s[blk, kk % B + k, m]
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
-        n0 = pid_n * BLOCK_N
         for kk in range(0, num_blocks * BLOCK, BLOCK_K):
             blk = first + (kk // BLOCK) * nb
             s_t = tl.trans(s_ptr.load([blk * BLOCK + kk % BLOCK, 0]))
@@ -309,16 +338,69 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
             acc += tl.dot(s_t, b)
             b_ptrs += BLOCK_K * stride_bm
             s_blk += tl.where(k_in_block == BLOCK - BLOCK_K, nb * BLOCK * BLOCK, 0)
-    f = f0 + rm
-    out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + f[:, None] * stride_of
-                + rn[None, :] * stride_on)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(f[:, None] < F) & n_ok[None, :])
+    _dstd_store(acc, out_ptr, expert, f0, n0, N, F, stride_oe, stride_of, stride_on,
+                BLOCK, BLOCK_N, TMA_STORE, OUT_T)
+
+
+@_kernel
+def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
+                           N, F, nb, num_n, num_tiles,
+                           stride_oe, stride_of, stride_on,
+                           BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           ACT: tl.constexpr, TMA_STORE: tl.constexpr = False,
+                           OUT_T: tl.constexpr = False, COUNT_TILE: tl.constexpr = 64):
+    # DSᵀD as dstd_kernel computes it, by a grid of a few programs per SM that each take the
+    # tiles pid, pid + grid, ... (tensor-descriptor operands only). Its K, an expert's rows,
+    # is often 2-3 steps of BLOCK_K: one program per tile then spends most of its time
+    # waiting for its first loads and writing its tile. Here one flat loop runs over the k
+    # steps of all of the program's tiles, so the software pipeline keeps loading across tile
+    # boundaries: the next tile's first operands arrive while this one finishes and is stored.
+    # (Triton's flatten=True cannot fuse the nested form: the inner trip count is loaded.)
+    # An empty column (an expert with no tokens) takes one step whose product is discarded,
+    # so that its zero tile is still written.
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    STEPS: tl.constexpr = BLOCK // BLOCK_K  # k steps per row block
+    total = 0
+    for t0 in range(pid, num_tiles, grid * COUNT_TILE):
+        t = t0 + tl.arange(0, COUNT_TILE) * grid
+        ok = t < num_tiles
+        c = t // num_n
+        nblk = tl.load(col_off_ptr + c + 1, mask=ok, other=0) \
+            - tl.load(col_off_ptr + c, mask=ok, other=0)
+        total += tl.sum(tl.where(ok, tl.maximum(nblk * STEPS, 1), 0))
+    tile = pid - grid
+    ki = -1
+    k_steps = 0
+    first_row = 0
+    first = 0
+    num_blocks = 0
+    acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, total):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        if ki == 0:
+            tile += grid
+            first_row, first, num_blocks = _dstd_column(tile // num_n, col_off_ptr, nb)
+            k_steps = tl.maximum(num_blocks * STEPS, 1)
+        kk = ki * BLOCK_K
+        s_t = tl.trans(s_ptr.load([(first + (kk // BLOCK) * nb) * BLOCK + kk % BLOCK, 0]))
+        if ACT != 0:
+            s_t = _activate(s_t.to(tl.float32), ACT).to(s_t.dtype)
+        b = b_ptr.load([first_row * BLOCK + kk, (tile % num_n) * BLOCK_N])
+        acc = tl.dot(s_t, b, acc)
+        if ki == k_steps - 1:
+            c = tile // num_n
+            acc = tl.where(num_blocks > 0, acc, 0.0)
+            _dstd_store(acc, out_ptr, c // nb, (c % nb) * BLOCK, (tile % num_n) * BLOCK_N, N, F,
+                        stride_oe, stride_of, stride_on, BLOCK, BLOCK_N, TMA_STORE, OUT_T)
+            acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
 
 
 _CONSTEXPR_DEFAULTS = dict(BLOCK=128, SPLIT=2, BLOCK_N=128, BLOCK_K=64, EVEN_K=True, EVEN_F=True,
                            EVEN_N=True, EPILOGUE_ACT_GRAD=ACT_NONE, EPILOGUE_STORE_ACT=ACT_NONE,
                            EPILOGUE_SCALE=False, ACT=ACT_NONE, USE_TMA=False, W_T=False,
-                           FAST_ACT=False, PRELOAD_SCALE=False, EPILOGUE_ACT=ACT_NONE)
+                           FAST_ACT=False, PRELOAD_SCALE=False, EPILOGUE_ACT=ACT_NONE,
+                           TMA_STORE=False, OUT_T=False, COUNT_TILE=64)
 
 
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
@@ -342,7 +424,14 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
         "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, N="i32", F="i32",
                             nb="i32", num_n="i32", stride_bm="i32", stride_bn="i32",
                             stride_oe="i32", stride_of="i32", stride_on="i32", BLOCK=c,
-                            BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c, USE_TMA=c),
+                            BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c, USE_TMA=c, TMA_STORE=c,
+                            OUT_T=c),
+        "dstd_persistent_kernel": dict(s_ptr="tensordesc<%s[64, 128]>" % dtype,
+                                       b_ptr="tensordesc<%s[64, 128]>" % dtype, out_ptr=p,
+                                       col_off_ptr=i, N="i32", F="i32", nb="i32",
+                                       num_n="i32", num_tiles="i32", stride_oe="i32",
+                                       stride_of="i32", stride_on="i32", BLOCK=c, BLOCK_N=c,
+                                       BLOCK_K=c, ACT=c, TMA_STORE=c, OUT_T=c, COUNT_TILE=c),
     }
 
 

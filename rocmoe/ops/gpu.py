@@ -40,7 +40,7 @@ import torch
 
 from .. import errors
 from .._triton import interpreting as _interpreting
-from .._triton import tensor_descriptor, tma_capable
+from .._triton import sm_count, tensor_descriptor, tma_capable
 
 ALIGN = 256
 
@@ -379,7 +379,7 @@ def _num_programs(device: torch.device, total_tasks: int, per_sm: Optional[float
     persistent; with many (8192^3: 15.5) persistent won, 0.84 against 0.75."""
     if device.type == "cpu":
         return min(total_tasks, 4)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     if per_sm is None:
         per_sm = 0 if total_tasks <= 8 * sms else 1
     if per_sm <= 0:

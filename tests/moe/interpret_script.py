@@ -198,6 +198,56 @@ def descriptor_kernels_equal_torch_path():
 CHECKS["descriptors"] = descriptor_kernels_equal_torch_path
 
 
+def dstd_store_and_persistent_variants_equal_torch_path():
+    # DSᵀD's TMA output store (both output layouts: dW2 as [E*F, N], dW1 written through a
+    # transposed view as [E*N, F]) and its persistent flat loop (several tiles per program,
+    # a variable number of k steps per tile, an expert with no tokens whose tile must still
+    # be written as zeros), under the interpreter with descriptors.
+    from rocmoe.moe import kernels
+    bs.TMA_IN_INTERPRETER = True
+    launched = []
+    real_get = kernels.get
+
+    def recording_get(name):
+        launched.append(name)
+        return real_get(name)
+
+    kernels.get = recording_get
+    before = {k: bs.KERNEL_CONFIG[k] for k in ("block_n", "block_k") + bs.OPS}
+    try:
+        g = torch.Generator().manual_seed(3)
+        # expert 1 gets no tokens; expert 0 gets three row blocks, expert 2 one
+        ids = torch.tensor([[0, 2]] * 9 + [[0, 3]] * 30 + [[3, 2]] * 4, dtype=torch.int32)
+        topo = build_topology(plan_routing(ids, 4, 16), 32)
+        dt = torch.float16
+        s = torch.randn(topo.nnz, 16, 16, generator=g).to(dt)
+        b = torch.randn(topo.num_rows, 64, generator=g).to(dt)
+        tol = dict(rtol=2e-2, atol=5e-2)
+        for variant in (dict(tma_store=True), dict(persistent=1), dict(persistent=2),
+                        dict(persistent=1, tma_store=True)):
+            bs.set_kernel_config(block_n=32, block_k=16,
+                                 **{op: ({} if op != "dstd" else variant) for op in bs.OPS})
+            ref, got = _both(lambda: bs._dstd(s, b, topo))
+            torch.testing.assert_close(got.float(), ref.float(), **tol)
+            assert got[1].abs().max() == 0  # the idle expert's gradient is written as zeros
+            # dW1's layout: the output is the transpose of a contiguous [E, N, F]
+            outs = [torch.full((4, 64, 32), float("nan"), dtype=dt) for _ in range(2)]
+            bs.set_backend("torch")
+            bs._dstd(s, b, topo, out=outs[0].transpose(1, 2))
+            bs.set_backend("triton")
+            bs._dstd(s, b, topo, out=outs[1].transpose(1, 2))
+            bs.set_backend("auto")
+            torch.testing.assert_close(outs[1].float(), outs[0].float(), **tol)
+        assert "dstd_persistent_kernel" in launched and "dstd_kernel" in launched
+    finally:
+        kernels.get = real_get
+        bs.TMA_IN_INTERPRETER = False
+        bs.set_kernel_config(**before)
+
+
+CHECKS["dstd_variants"] = dstd_store_and_persistent_variants_equal_torch_path
+
+
 def inference_forward_equals_torch_path():
     # no gradient needed: the SDD epilogue writes act(x W1) alone (EPILOGUE_ACT)
     topo, g = _topo(16, 24)

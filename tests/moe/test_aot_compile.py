@@ -26,7 +26,7 @@ def compiled_not_interpreted(monkeypatch):
                          ids=["gfx942", "gfx90a", "sm90"])
 @pytest.mark.parametrize("name,fused", [("sdd_kernel", False), ("sdd_kernel", True),
                                         ("dsd_kernel", False), ("dsd_kernel", True),
-                                        ("dstd_kernel", True)])
+                                        ("dstd_kernel", True), ("dstd_persistent_kernel", False)])
 def test_kernel_compiles_with_matrix_instructions(name, fused, target, asm_key, instruction):
     signature = kernels.aot_signatures("bf16")[name]
     # fused: the GELU prologue (DSD, DSᵀD) or the act' epilogue (SDD) must not cost the MMAs
@@ -52,8 +52,12 @@ def test_every_kernel_is_covered_by_an_aot_test():
     assert set(kernels.names()) == covered
 
 
+# kernels whose operands may be plain pointers (the persistent DSᵀD takes descriptors only)
+POINTER_KERNELS = ["dsd_kernel", "dstd_kernel", "sdd_kernel"]
+
+
 @pytest.mark.parametrize("dtype,elsize", [("bf16", 2), ("fp32", 4)])
-@pytest.mark.parametrize("name", sorted(kernels.aot_signatures()))
+@pytest.mark.parametrize("name", POINTER_KERNELS)
 def test_chosen_tiles_fit_hopper_shared_memory(name, dtype, elsize):
     # The launcher picks the N tile and the stages from the operand size; compile that choice
     # with the same alignment/unit-stride specialisation a JIT launch gets, and check the
@@ -79,7 +83,7 @@ def test_chosen_tiles_fit_hopper_shared_memory(name, dtype, elsize):
     assert compiled.metadata.shared <= 232448, (tile, stages, compiled.metadata.shared)
 
 
-@pytest.mark.parametrize("name", sorted(kernels.aot_signatures()))
+@pytest.mark.parametrize("name", POINTER_KERNELS)
 def test_operands_load_as_16_byte_async_copies_on_sm90(name):
     # With the alignment a JIT launch sees, no operand may fall back to 2-byte scalar loads:
     # on the H200's Triton 3.6 DSD's sparse operand did (its offset came from a pointer
@@ -108,6 +112,7 @@ TMA_VARIANTS = {
     ("dsd_kernel", False): dict(s_ptr=[128, 64], w_ptr=[64, 256]),
     ("dsd_kernel", True): dict(s_ptr=[128, 64], w_ptr=[256, 64]),
     ("dstd_kernel", False): dict(s_ptr=[64, 128], b_ptr=[64, 256]),
+    ("dstd_persistent_kernel", False): dict(s_ptr=[64, 128], b_ptr=[64, 256]),
 }
 
 
@@ -118,7 +123,8 @@ def test_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(name, w_t):
     signature = dict(kernels.aot_signatures("bf16")[name])
     for arg, box in TMA_VARIANTS[(name, w_t)].items():
         signature[arg] = f"tensordesc<bf16[{box[0]}, {box[1]}]>"
-    constexprs = kernels.aot_constexprs(name, USE_TMA=True, W_T=w_t, BLOCK_N=256)
+    constexprs = kernels.aot_constexprs(name, W_T=w_t, BLOCK_N=256,
+                                        **({"USE_TMA": True} if "USE_TMA" in signature else {}))
     src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 8, "num_stages": 3})
@@ -158,3 +164,36 @@ def test_preloaded_scale_is_read_before_the_k_loop_on_sm90(preload):
     after_first_mma = ptx[ptx.index("wgmma.mma_async"):]
     assert ("ld.global" in after_first_mma) != preload
     assert ".local" not in ptx  # the preloaded tile must not spill
+
+
+@pytest.mark.parametrize("out_t", [False, True], ids=["dW2_layout", "dW1_layout"])
+@pytest.mark.parametrize("name", ["dstd_kernel", "dstd_persistent_kernel"])
+def test_tma_store_writes_the_output_tile_with_the_copy_engine_on_sm90(name, out_t):
+    # TMA_STORE: DSᵀD's tile leaves through one bulk tensor store (in both output layouts),
+    # with no per-thread global stores left
+    signature = dict(kernels.aot_signatures("bf16")[name])
+    signature.update(s_ptr="tensordesc<bf16[64, 128]>", b_ptr="tensordesc<bf16[64, 128]>",
+                     out_ptr="tensordesc<bf16[128, 128]>")
+    extra = {"USE_TMA": True} if "USE_TMA" in signature else {}
+    constexprs = kernels.aot_constexprs(name, BLOCK_N=128, TMA_STORE=True, OUT_T=out_t, **extra)
+    src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    assert "cp.async.bulk.tensor.2d.global.shared" in ptx
+    assert "st.global" not in ptx
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_persistent_dstd_is_one_software_pipelined_loop_on_sm90(stages):
+    # The flat loop over all of a program's k steps is pipelined as one loop: its prologue
+    # issues the first stages - 1 steps' two operand copies and the loop body one step's, so
+    # loads run ahead across tile boundaries. (A nested tile/k loop would leave each tile's
+    # first loads exposed; Triton's own flatten cannot fuse it, its inner trip count being
+    # loaded.)
+    name = "dstd_persistent_kernel"
+    src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
+                    constexprs=kernels.aot_constexprs(name, BLOCK_N=128))
+    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 4, "num_stages": stages}).asm["ttgir"]
+    assert ttgir.count("async_tma_copy_global_to_local") == 2 * stages
+    assert ttgir.count("warp_group_dot ") >= 1
