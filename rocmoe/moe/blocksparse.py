@@ -141,13 +141,16 @@ def _dstd_torch(s, b, topo):
 # which matters where K is short (SDD's K is the hidden size; DSᵀD's the rows per expert).
 # DSD with W as stored (the forward's W2) keeps 128x256 / 8 warps / 4 stages (+8 % there);
 # DSD with transposed W (the backward's W1ᵀ, "dsd_wt") does better with the narrow tile.
-# DSᵀD over experts of 2048 rows or more on average ("dstd_long": its K is the rows per
-# expert) is the other exception: 128x256 / 8 warps / 3 stages, +4 to +10 % there.
+# DSᵀD (K = an expert's rows) runs persistent, two programs per SM ("persistent": 2): on the
+# 8192-token shapes (2-3 k steps per tile) +6 to +17 % over a program per tile, within noise
+# elsewhere (benchmarks/results/moe_kernels_h200_dstd_variants.jsonl). Over experts of 2048
+# rows or more on average ("dstd_long") a program per tile with 2 stages does best (three
+# programs fit on an SM): +3 to +7 % over 3 stages there, ahead of 128x256 / 8 warps.
 KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
                      tma=True, fast_act=True, preload_scale=True, tma_store=False,
                      persistent=0, sdd={},
-                     dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={}, dstd={},
-                     dstd_long=dict(block_n=256, num_warps=8, num_stages=3))
+                     dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={},
+                     dstd=dict(persistent=2), dstd_long=dict(num_stages=2))
 LONG_EXPERT_ROWS = 2048
 if torch.version.hip:
     # CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
