@@ -165,8 +165,8 @@ if torch.version.hip:
 # "sdd" / "dsd" / "dsd_wt" / "dstd" / "dstd_long": per-kernel overrides of the tile keys,
 # e.g. {"dstd": {"block_n": 256, "num_warps": 8}}; each overrides the global keys on its own.
 # "tma_store" (DSᵀD, with TMA loads): the output tile goes out through a tensor descriptor.
-# "persistent" (DSᵀD, with TMA loads): 0 launches a program per output tile; k > 0 launches k
-# programs per SM that loop over the tiles in one flat, software-pipelined loop.
+# "persistent" (SDD and DSᵀD, with TMA loads): 0 launches a program per output tile; k > 0
+# launches k programs per SM that loop over the tiles in one flat, software-pipelined loop.
 TILE_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "tma", "fast_act", "preload_scale",
              "tma_store", "persistent")
 OPS = ("sdd", "dsd", "dsd_wt", "dstd", "dstd_long")
@@ -309,17 +309,26 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
         if a_desc is not None and w_desc is not None:
             a_arg, (w_arg, w_t), tma = a_desc, w_desc, True
     h = act_grad_of if act_grad_of is not None else scale_by if scale_by is not None else out
-    kernels.get("sdd_kernel")[(topo.num_row_blocks * num_n,)](
-        a_arg, w_arg, out, h, out if act_out is None else act_out, topo.column_indices,
-        k, f, nb, num_n,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f,
+    epilogue = dict(
         EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0,
         EPILOGUE_STORE_ACT=ACT_CODES[act] if act_out is not None else 0,
-        EPILOGUE_SCALE=scale_by is not None, USE_TMA=tma, W_T=w_t,
+        EPILOGUE_SCALE=scale_by is not None, W_T=w_t,
         FAST_ACT=bool(cfg["fast_act"]) and _nvidia_compiled(a) and a.element_size() == 2,
         PRELOAD_SCALE=bool(cfg["preload_scale"]) and scale_by is not None,
-        EPILOGUE_ACT=ACT_CODES[act] if act_only else 0, **_launch(b, stages, cfg))
+        EPILOGUE_ACT=ACT_CODES[act] if act_only else 0)
+    num_tiles = topo.num_row_blocks * num_n
+    act_out = out if act_out is None else act_out
+    if tma and cfg["persistent"] > 0:
+        grid = max(1, min(num_tiles, sm_count(a.device) * int(cfg["persistent"])))
+        kernels.get("sdd_persistent_kernel")[(grid,)](
+            a_arg, w_arg, out, h, act_out, topo.column_indices, k, f, nb, num_n, num_tiles,
+            BLOCK=b, SPLIT=split, BLOCK_K=bk, **epilogue, **_launch(b, stages, cfg))
+        return out
+    kernels.get("sdd_kernel")[(num_tiles,)](
+        a_arg, w_arg, out, h, act_out, topo.column_indices, k, f, nb, num_n,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f, USE_TMA=tma,
+        **epilogue, **_launch(b, stages, cfg))
     return out
 
 

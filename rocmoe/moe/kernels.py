@@ -108,23 +108,15 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
     # the products instead of stalling the epilogue.
     pid = tl.program_id(0)
     row_block = pid // num_n
-    # row r's blocks are r*nb ... r*nb + nb - 1 (row_offsets = r * nb): no index load
-    first = row_block * nb + (pid % num_n) * SPLIT
-    end = (row_block + 1) * nb
-    col = tl.load(col_idx_ptr + first)
-    valid = col >= 0
-    col = tl.where(valid, col, 0)
-    expert = col // nb
-    f0 = (col % nb) * BLOCK
+    first, end, valid, expert, f0 = _sdd_tile(pid, col_idx_ptr, nb, num_n, BLOCK, SPLIT)
     k_end = tl.where(valid, K, 0)
     rm = tl.arange(0, BLOCK)
     rn = tl.arange(0, SPLIT * BLOCK)
-    # tile column c lives in block first + c // B at column c % B
-    offs = ((first + rn // BLOCK).to(tl.int64) * (BLOCK * BLOCK))[None, :] \
-        + rm[:, None] * BLOCK + (rn % BLOCK)[None, :]
-    in_row = (first + rn // BLOCK) < end  # a row whose block count is not a multiple of SPLIT
+    offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT)
     if EPILOGUE_SCALE and PRELOAD_SCALE:
         scale = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0)
+    else:
+        scale = 0.0
     acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
     if USE_TMA:
         for k in range(0, k_end, BLOCK_K):
@@ -155,6 +147,43 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
             acc += tl.dot(a, w)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
+    _sdd_finish(acc, scale, offs, in_row, out_ptr, h_ptr, act_out_ptr, EPILOGUE_ACT_GRAD,
+                EPILOGUE_STORE_ACT, EPILOGUE_SCALE, FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT)
+
+
+@triton.jit
+def _sdd_tile(tile, col_idx_ptr, nb, num_n, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    """SDD output tile `tile`: (first block, end of its row's blocks, whether it holds real
+    rows, expert, first ffn column)."""
+    row_block = tile // num_n
+    # row r's blocks are r*nb ... r*nb + nb - 1 (row_offsets = r * nb): no index load
+    first = row_block * nb + (tile % num_n) * SPLIT
+    end = (row_block + 1) * nb
+    col = tl.load(col_idx_ptr + first)
+    valid = col >= 0
+    col = tl.where(valid, col, 0)
+    return first, end, valid, col // nb, (col % nb) * BLOCK
+
+
+@triton.jit
+def _sdd_offsets(first, end, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    """Element offsets of a B x SPLIT*B tile in the [nnz, B, B] values, and which of its
+    columns exist (a row whose block count is not a multiple of SPLIT)."""
+    rm = tl.arange(0, BLOCK)
+    rn = tl.arange(0, SPLIT * BLOCK)
+    # tile column c lives in block first + c // B at column c % B
+    offs = ((first + rn // BLOCK).to(tl.int64) * (BLOCK * BLOCK))[None, :] \
+        + rm[:, None] * BLOCK + (rn % BLOCK)[None, :]
+    return offs, (first + rn // BLOCK) < end
+
+
+@triton.jit
+def _sdd_finish(acc, scale, offs, in_row, out_ptr, h_ptr, act_out_ptr,
+                EPILOGUE_ACT_GRAD: tl.constexpr, EPILOGUE_STORE_ACT: tl.constexpr,
+                EPILOGUE_SCALE: tl.constexpr, FAST_ACT: tl.constexpr,
+                PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr):
+    """SDD's epilogue (see sdd_kernel) and store; `scale` is the preloaded tile when
+    PRELOAD_SCALE."""
     if EPILOGUE_ACT_GRAD != 0:
         h = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0).to(tl.float32)
         acc = acc * _activate_grad(h, EPILOGUE_ACT_GRAD, FAST_ACT)
@@ -172,6 +201,66 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
     if EPILOGUE_ACT != 0:
         acc = _activate(acc.to(out_ptr.dtype.element_ty).to(tl.float32), EPILOGUE_ACT, FAST_ACT)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
+
+
+@_kernel
+def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
+                          K, F, nb, num_n, num_tiles,
+                          BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+                          EPILOGUE_ACT_GRAD: tl.constexpr, EPILOGUE_STORE_ACT: tl.constexpr,
+                          EPILOGUE_SCALE: tl.constexpr, W_T: tl.constexpr = False,
+                          FAST_ACT: tl.constexpr = False, PRELOAD_SCALE: tl.constexpr = False,
+                          EPILOGUE_ACT: tl.constexpr = 0, COUNT_TILE: tl.constexpr = 64):
+    # SDD as sdd_kernel computes it (tensor-descriptor operands, K a multiple of BLOCK_K),
+    # by a few programs per SM that take the tiles pid, pid + grid, ... in one flat loop over
+    # all their k steps, as dstd_persistent_kernel does: SDD's K is the hidden size, 8-16
+    # steps on the small-hidden shapes, so a tile's first loads and its two-tile epilogue
+    # are a large share of a program per tile. A tile of padding rows (past the real token
+    # count) takes one step whose product is discarded and stores zeros.
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    k_full = K // BLOCK_K
+    total = 0
+    for t0 in range(pid, num_tiles, grid * COUNT_TILE):
+        t = t0 + tl.arange(0, COUNT_TILE) * grid
+        ok = t < num_tiles
+        first = (t // num_n) * nb + (t % num_n) * SPLIT
+        col = tl.load(col_idx_ptr + first, mask=ok, other=-1)
+        total += tl.sum(tl.where(ok, tl.where(col >= 0, k_full, 1), 0))
+    tile = pid - grid
+    ki = -1
+    k_steps = 0
+    first = 0
+    end = 0
+    valid = False
+    expert = 0
+    f0 = 0
+    scale = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=out_ptr.dtype.element_ty)
+    acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
+    for _ in range(0, total):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        if ki == 0:
+            tile += grid
+            first, end, valid, expert, f0 = _sdd_tile(tile, col_idx_ptr, nb, num_n, BLOCK,
+                                                      SPLIT)
+            k_steps = tl.where(valid, k_full, 1)
+            if EPILOGUE_SCALE and PRELOAD_SCALE:
+                offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT)
+                scale = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0)
+        k = ki * BLOCK_K
+        a = a_ptr.load([(tile // num_n) * BLOCK, k])
+        if W_T:
+            w = tl.trans(w_ptr.load([expert * F + f0, k]))
+        else:
+            w = w_ptr.load([expert * K + k, f0])
+        acc = tl.dot(a, w, acc)
+        if ki == k_steps - 1:
+            acc = tl.where(valid, acc, 0.0)
+            offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT)
+            _sdd_finish(acc, scale, offs, in_row, out_ptr, h_ptr, act_out_ptr,
+                        EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, FAST_ACT,
+                        PRELOAD_SCALE, EPILOGUE_ACT)
+            acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
 
 
 @_kernel
@@ -415,6 +504,14 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
                            BLOCK=c, SPLIT=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c,
                            EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, USE_TMA=c, W_T=c,
                            FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c),
+        "sdd_persistent_kernel": dict(a_ptr="tensordesc<%s[128, 64]>" % dtype,
+                                      w_ptr="tensordesc<%s[64, 256]>" % dtype, out_ptr=p,
+                                      h_ptr=p, act_out_ptr=p, col_idx_ptr=i, K="i32",
+                                      F="i32", nb="i32", num_n="i32", num_tiles="i32",
+                                      BLOCK=c, SPLIT=c, BLOCK_K=c, EPILOGUE_ACT_GRAD=c,
+                                      EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, W_T=c,
+                                      FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c,
+                                      COUNT_TILE=c),
         "dsd_kernel": dict(s_ptr=p, w_ptr=p, out_ptr=p, col_idx_ptr=i,
                            N="i32", F="i32", nb="i32", num_n="i32", stride_we="i32",
                            stride_wf="i32",

@@ -248,6 +248,61 @@ def dstd_store_and_persistent_variants_equal_torch_path():
 CHECKS["dstd_variants"] = dstd_store_and_persistent_variants_equal_torch_path
 
 
+def sdd_persistent_equals_torch_path():
+    # The persistent SDD (descriptors, several tiles per program, padding row blocks that
+    # must come out as zeros) with every epilogue: plain, the forward's act/act' store, the
+    # backward's preloaded or late act'(h) scale, act' from h, act alone; W as stored and
+    # transposed (W_T).
+    from rocmoe.moe import kernels
+    bs.TMA_IN_INTERPRETER = True
+    launched = []
+    real_get = kernels.get
+
+    def recording_get(name):
+        launched.append(name)
+        return real_get(name)
+
+    kernels.get = recording_get
+    before = {k: bs.KERNEL_CONFIG[k] for k in ("block_n", "block_k", "preload_scale") + bs.OPS}
+    try:
+        topo, g = _topo(16, 32, e=4, t=29)
+        assert int(topo.num_valid_blocks) < topo.num_row_blocks  # padding row blocks
+        dt = torch.float16
+        a = torch.randn(topo.num_rows, 32, generator=g).to(dt)
+        w = torch.randn(4, 32, 32, generator=g).to(dt)
+        w_t = torch.randn(4, 32, 32, generator=g).to(dt).transpose(1, 2)
+        h = (torch.rand(topo.nnz, 16, 16, generator=g) + 0.5).to(dt)
+        tol = dict(rtol=2e-2, atol=5e-2)
+        for persistent, preload in ((2, True), (1, False)):
+            bs.set_kernel_config(block_n=32, block_k=16, preload_scale=preload,
+                                 **{op: ({} if op != "sdd" else dict(persistent=persistent))
+                                    for op in bs.OPS})
+            for weight in (w, w_t):
+                runs = [lambda: bs._sdd(a, weight, topo),
+                        lambda: bs._sdd(a, weight, topo, scale_by=h),
+                        lambda: bs._sdd(a, weight, topo, act_grad_of=h, act="gelu"),
+                        lambda: bs._sdd(a, weight, topo, act="silu", act_only=True)]
+                for run in runs:
+                    ref, got = _both(run)
+                    torch.testing.assert_close(got.float(), ref.float(), **tol)
+                acts = [torch.full((topo.nnz, 16, 16), float("nan"), dtype=dt) for _ in range(2)]
+                bs.set_backend("torch")
+                ref = bs._sdd(a, weight, topo, act="gelu", act_out=acts[0])
+                bs.set_backend("triton")
+                got = bs._sdd(a, weight, topo, act="gelu", act_out=acts[1])
+                bs.set_backend("auto")
+                torch.testing.assert_close(got.float(), ref.float(), **tol)
+                torch.testing.assert_close(acts[1].float(), acts[0].float(), **tol)
+        assert "sdd_persistent_kernel" in launched and "sdd_kernel" not in launched
+    finally:
+        kernels.get = real_get
+        bs.TMA_IN_INTERPRETER = False
+        bs.set_kernel_config(**before)
+
+
+CHECKS["sdd_persistent"] = sdd_persistent_equals_torch_path
+
+
 def inference_forward_equals_torch_path():
     # no gradient needed: the SDD epilogue writes act(x W1) alone (EPILOGUE_ACT)
     topo, g = _topo(16, 24)

@@ -26,7 +26,9 @@ def compiled_not_interpreted(monkeypatch):
                          ids=["gfx942", "gfx90a", "sm90"])
 @pytest.mark.parametrize("name,fused", [("sdd_kernel", False), ("sdd_kernel", True),
                                         ("dsd_kernel", False), ("dsd_kernel", True),
-                                        ("dstd_kernel", True), ("dstd_persistent_kernel", False)])
+                                        ("dstd_kernel", True), ("dstd_persistent_kernel", False),
+                                        ("sdd_persistent_kernel", False),
+                                        ("sdd_persistent_kernel", True)])
 def test_kernel_compiles_with_matrix_instructions(name, fused, target, asm_key, instruction):
     signature = kernels.aot_signatures("bf16")[name]
     # fused: the GELU prologue (DSD, DSᵀD) or the act' epilogue (SDD) must not cost the MMAs
@@ -113,6 +115,8 @@ TMA_VARIANTS = {
     ("dsd_kernel", True): dict(s_ptr=[128, 64], w_ptr=[256, 64]),
     ("dstd_kernel", False): dict(s_ptr=[64, 128], b_ptr=[64, 256]),
     ("dstd_persistent_kernel", False): dict(s_ptr=[64, 128], b_ptr=[64, 256]),
+    ("sdd_persistent_kernel", False): dict(a_ptr=[128, 64], w_ptr=[64, 256]),
+    ("sdd_persistent_kernel", True): dict(a_ptr=[128, 64], w_ptr=[256, 64]),
 }
 
 
@@ -184,16 +188,25 @@ def test_tma_store_writes_the_output_tile_with_the_copy_engine_on_sm90(name, out
 
 
 @pytest.mark.parametrize("stages", [2, 3])
-def test_persistent_dstd_is_one_software_pipelined_loop_on_sm90(stages):
+@pytest.mark.parametrize("name", ["dstd_persistent_kernel", "sdd_persistent_kernel"])
+def test_persistent_kernel_is_one_software_pipelined_loop_on_sm90(name, stages):
     # The flat loop over all of a program's k steps is pipelined as one loop: its prologue
     # issues the first stages - 1 steps' two operand copies and the loop body one step's, so
     # loads run ahead across tile boundaries. (A nested tile/k loop would leave each tile's
     # first loads exposed; Triton's own flatten cannot fuse it, its inner trip count being
-    # loaded.)
-    name = "dstd_persistent_kernel"
-    src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
-                    constexprs=kernels.aot_constexprs(name, BLOCK_N=128))
-    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "num_stages": stages}).asm["ttgir"]
+    # loaded.) The SDD variant here carries the forward's act/act' epilogue.
+    extra = dict(EPILOGUE_STORE_ACT=kernels.ACT_GELU_TANH, FAST_ACT=True, SPLIT=1) \
+        if name == "sdd_persistent_kernel" else dict(BLOCK_N=128)
+    signature = dict(kernels.aot_signatures("bf16")[name])
+    if name == "sdd_persistent_kernel":
+        signature["w_ptr"] = "tensordesc<bf16[64, 128]>"
+    src = ASTSource(fn=kernels.get(name), signature=signature,
+                    constexprs=kernels.aot_constexprs(name, **extra))
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": stages})
+    ttgir = compiled.asm["ttgir"]
     assert ttgir.count("async_tma_copy_global_to_local") == 2 * stages
     assert ttgir.count("warp_group_dot ") >= 1
+    assert ".local" not in compiled.asm["ptx"]  # nothing spills
+    # two programs fit on an SM (228 KiB of shared memory)
+    assert compiled.metadata.shared <= 228 * 1024 // 2 - 1024
