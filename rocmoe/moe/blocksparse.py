@@ -320,6 +320,7 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
     act_out = out if act_out is None else act_out
     if tma and cfg["persistent"] > 0:
         grid = max(1, min(num_tiles, sm_count(a.device) * int(cfg["persistent"])))
+        epilogue.pop("PRELOAD_SCALE")  # (the persistent kernel reads the scale late)
         kernels.get("sdd_persistent_kernel")[(grid,)](
             a_arg, w_arg, out, h, act_out, topo.column_indices, k, f, nb, num_n, num_tiles,
             BLOCK=b, SPLIT=split, BLOCK_K=bk, **epilogue, **_launch(b, stages, cfg))

@@ -209,8 +209,8 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
                           BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                           EPILOGUE_ACT_GRAD: tl.constexpr, EPILOGUE_STORE_ACT: tl.constexpr,
                           EPILOGUE_SCALE: tl.constexpr, W_T: tl.constexpr = False,
-                          FAST_ACT: tl.constexpr = False, PRELOAD_SCALE: tl.constexpr = False,
-                          EPILOGUE_ACT: tl.constexpr = 0, COUNT_TILE: tl.constexpr = 64):
+                          FAST_ACT: tl.constexpr = False, EPILOGUE_ACT: tl.constexpr = 0,
+                          COUNT_TILE: tl.constexpr = 64):
     # SDD as sdd_kernel computes it (tensor-descriptor operands, K a multiple of BLOCK_K),
     # by a few programs per SM that take the tiles pid, pid + grid, ... in one flat loop over
     # all their k steps, as dstd_persistent_kernel does: SDD's K is the hidden size, 8-16
@@ -235,7 +235,6 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
     valid = False
     expert = 0
     f0 = 0
-    scale = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=out_ptr.dtype.element_ty)
     acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
     for _ in range(0, total):
         ki = tl.where(ki == k_steps - 1, 0, ki + 1)
@@ -244,9 +243,6 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
             first, end, valid, expert, f0 = _sdd_tile(tile, col_idx_ptr, nb, num_n, BLOCK,
                                                       SPLIT)
             k_steps = tl.where(valid, k_full, 1)
-            if EPILOGUE_SCALE and PRELOAD_SCALE:
-                offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT)
-                scale = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0)
         k = ki * BLOCK_K
         a = a_ptr.load([(tile // num_n) * BLOCK, k])
         if W_T:
@@ -257,9 +253,11 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
         if ki == k_steps - 1:
             acc = tl.where(valid, acc, 0.0)
             offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT)
-            _sdd_finish(acc, scale, offs, in_row, out_ptr, h_ptr, act_out_ptr,
+            # (the scale tile is read here: carried across the loop from a load at the
+            # tile's first step, it made the backward SDD 5x slower on the H200)
+            _sdd_finish(acc, 0.0, offs, in_row, out_ptr, h_ptr, act_out_ptr,
                         EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, FAST_ACT,
-                        PRELOAD_SCALE, EPILOGUE_ACT)
+                        False, EPILOGUE_ACT)
             acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
 
 
@@ -510,8 +508,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
                                       F="i32", nb="i32", num_n="i32", num_tiles="i32",
                                       BLOCK=c, SPLIT=c, BLOCK_K=c, EPILOGUE_ACT_GRAD=c,
                                       EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, W_T=c,
-                                      FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c,
-                                      COUNT_TILE=c),
+                                      FAST_ACT=c, EPILOGUE_ACT=c, COUNT_TILE=c),
         "dsd_kernel": dict(s_ptr=p, w_ptr=p, out_ptr=p, col_idx_ptr=i,
                            N="i32", F="i32", nb="i32", num_n="i32", stride_we="i32",
                            stride_wf="i32",

@@ -251,7 +251,7 @@ CHECKS["dstd_variants"] = dstd_store_and_persistent_variants_equal_torch_path
 def sdd_persistent_equals_torch_path():
     # The persistent SDD (descriptors, several tiles per program, padding row blocks that
     # must come out as zeros) with every epilogue: plain, the forward's act/act' store, the
-    # backward's preloaded or late act'(h) scale, act' from h, act alone; W as stored and
+    # backward's act'(h) scale, act' from h, act alone; W as stored and
     # transposed (W_T).
     from rocmoe.moe import kernels
     bs.TMA_IN_INTERPRETER = True
