@@ -540,7 +540,7 @@ def aot_routing_signatures() -> dict[str, dict[str, str]]:
                                     num_valid_ptr=i, row_off_ptr=i, col_idx_ptr=i,
                                     row_idx_ptr=i, col_off_ptr=i, t_blocks_ptr=i,
                                     num_chunks="i32", E="i32", R="i32", nb="i32",
-                                    BLOCK=c, E_POW2=c, CHUNK_TILE=c, TILE=c, OWNER_TILE=c),
+                                    BLOCK=c, E_POW2=c, CHUNK_TILE=c, TILE=c),
         "combine_kernel": dict(y_ptr="*bf16", w_ptr="*bf16", dest_ptr="*i64", out_ptr="*bf16",
                                T="i32", H="i32", top_k="i32", stride_y="i32", stride_o="i32",
                                BLOCK_T=c, BLOCK_H=c),
@@ -560,7 +560,7 @@ ROUTING_AOT_CONSTEXPRS = {
     "combine_kernel": dict(BLOCK_T=32, BLOCK_H=128),
     "combine_backward_kernel": dict(BLOCK_T=32, BLOCK_H=128),
     "chunk_histogram_kernel": dict(CHUNK=256, E_POW2=64),
-    "routing_scan_kernel": dict(BLOCK=128, E_POW2=64, CHUNK_TILE=64, TILE=1024, OWNER_TILE=256),
+    "routing_scan_kernel": dict(BLOCK=128, E_POW2=64, CHUNK_TILE=64, TILE=1024),
     "scatter_rows_kernel": dict(CHUNK=256, E_POW2=64, BLOCK_H=64, COPY=True),
 }
 
@@ -594,9 +594,8 @@ def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scr
                         row_idx_ptr, col_off_ptr, t_blocks_ptr,
                         num_chunks, E, R, nb,
                         BLOCK: tl.constexpr, E_POW2: tl.constexpr, CHUNK_TILE: tl.constexpr,
-                        TILE: tl.constexpr, OWNER_TILE: tl.constexpr):
-    # One program: everything here is O(chunks * E + R * nb) small vector work, with no
-    # loop over experts (OWNER_TILE * E_POW2 elements per step of the per-block loops).
+                        TILE: tl.constexpr):
+    # One program: everything here is O(chunks * E + R * nb) small vector work.
     experts = tl.arange(0, E_POW2)
     e_ok = experts < E
     # 1. exclusive prefix of the chunk histograms over chunks: where each chunk's pairs of
@@ -619,16 +618,19 @@ def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scr
     tl.store(scratch_ptr + E + experts, blocks, mask=e_ok)
     tl.store(num_valid_ptr, num_valid)
     tl.debug_barrier()  # scratch is read back below by other threads of this program
-    # 3. row blocks: owning expert (-1 past the real count) and BCSR row offsets. The owner
-    #    of row block r is the number of experts whose blocks end at or before r: one
-    #    [OWNER_TILE, E] comparison per tile, not a serial loop over experts (each of whose
-    #    steps waited on loads, in this single program).
-    block_end = tl.where(e_ok, block_start + blocks, 1 << 30)
-    for r0 in range(0, R + 1, OWNER_TILE):
-        rb = r0 + tl.arange(0, OWNER_TILE)
-        owner = tl.sum((block_end[None, :] <= rb[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + rb, tl.where(rb < num_valid, owner, -1), mask=rb < R)
+    # 3. row blocks: owning expert (-1 past the real count) and BCSR row offsets
+    for r0 in range(0, R + 1, TILE):
+        rb = r0 + tl.arange(0, TILE)
+        tl.store(block_expert_ptr + rb, tl.full((TILE,), -1, tl.int32),
+                 mask=(rb < R) & (rb >= num_valid))
         tl.store(row_off_ptr + rb, rb * nb, mask=rb <= R)
+    for e in range(0, E):
+        start_e = tl.load(scratch_ptr + e)
+        nblk = tl.load(scratch_ptr + E + e)
+        for l0 in range(0, nblk, TILE):
+            local = l0 + tl.arange(0, TILE)
+            tl.store(block_expert_ptr + start_e + local, tl.full((TILE,), 0, tl.int32) + e,
+                     mask=local < nblk)
     tl.debug_barrier()  # block_expert is gathered below
     # 4. blocks in BCSR order: row and global column (-1 in empty row blocks)
     nnz = R * nb
@@ -642,17 +644,15 @@ def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scr
         tl.store(col_idx_ptr + t, tl.where(owner >= 0, owner * nb + t % nb, -1), mask=t_ok)
         # empty blocks are parked after every column, in block order
         tl.store(t_blocks_ptr + t, t, mask=t_ok & (t >= valid_nnz))
-    # 5. CSC view: expert e's blocks occupy positions [nb*start_e, nb*end_e), column-major.
-    #    Position p lies in the range of the expert whose row blocks contain p // nb.
-    for p0 in range(0, valid_nnz, OWNER_TILE):
-        p = p0 + tl.arange(0, OWNER_TILE)
-        rbp = (p // nb)[:, None]
-        mine = (block_start[None, :] <= rbp) & (rbp < block_end[None, :])
-        start_p = tl.sum(tl.where(mine, block_start[None, :], 0), axis=1)
-        nblk_p = tl.maximum(tl.sum(tl.where(mine, blocks[None, :], 0), axis=1), 1)
-        local = p - start_p * nb
-        blk = (start_p + local % nblk_p) * nb + local // nblk_p
-        tl.store(t_blocks_ptr + p, blk, mask=p < valid_nnz)
+    # 5. CSC view: expert e's blocks occupy positions [nb*start_e, nb*end_e), column-major
+    for e in range(0, E):
+        start_e = tl.load(scratch_ptr + e)
+        nblk = tl.load(scratch_ptr + E + e)
+        for l0 in range(0, nblk * nb, TILE):
+            local = l0 + tl.arange(0, TILE)
+            nblk_safe = tl.maximum(nblk, 1)
+            blk = (start_e + local % nblk_safe) * nb + local // nblk_safe
+            tl.store(t_blocks_ptr + start_e * nb + local, blk, mask=local < nblk * nb)
     num_cols = E * nb
     for c0 in range(0, num_cols + 1, TILE):
         c = c0 + tl.arange(0, TILE)

@@ -74,7 +74,7 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size):
         column_indices, row_indices, column_offsets, transpose_blocks,
         num_chunks, e, num_rb, nb,
         BLOCK=block, E_POW2=e_pow2, CHUNK_TILE=max(1, min(64, 4096 // e_pow2)), TILE=1024,
-        OWNER_TILE=max(16, min(1024, 16384 // e_pow2)), num_warps=8)
+        num_warps=8)
     dest = torch.empty(n, dtype=torch.int64, device=device)
     hidden = x.shape[1]
     block_h = min(256, _pow2(hidden), max(16, 16384 // chunk))

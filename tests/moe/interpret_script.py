@@ -82,7 +82,7 @@ def routing_kernels_equal_torch_ops():
     cases = [  # (tokens, k, experts, block, ffn, how)
         (37, 2, 6, 16, 40, "random"), (50, 1, 4, 32, 32, "one_expert"),
         (1, 3, 5, 128, 24, "random"), (300, 2, 8, 16, 48, "skewed"), (20, 2, 3, 64, 64, "random"),
-        # 64 experts, more row blocks and CSC positions than one step of the scan's tiles
+        # 64 experts, more row blocks and blocks than one step of the scan's tiles
         (2000, 2, 64, 16, 64, "random")]
     for t, k, e, b, f, how in cases:
         g = torch.Generator().manual_seed(t)
