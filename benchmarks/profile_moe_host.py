@@ -1,10 +1,12 @@
-"""Where the MoE layer's host time goes (GPU machine): cProfile of layer fwd+bwd launches.
+"""Where the MoE layer's time goes (GPU machine): host launches, or GPU time per kernel.
 
-    python benchmarks/profile_moe_host.py [T,H,F,E] [--calls N]
+    python benchmarks/profile_moe_host.py [T,H,F,E] [--calls N] [--kernels]
 
 Launches N layer steps back to back (the GPU runs behind) under cProfile and prints the
 functions with the most cumulative and own host time, plus host ms per layer next to the
 layer's GPU time. A layer whose host time approaches its GPU time is launch-bound.
+With --kernels it instead runs them under torch.profiler and prints the GPU time of every
+kernel per layer step (routing, the block-sparse products, combine, the optimizer-free rest).
 """
 
 import argparse
@@ -24,6 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", nargs="?", default="8192,1024,4096,64")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--kernels", action="store_true", help="GPU time per kernel instead")
     args = ap.parse_args()
     tokens, hidden, ffn, experts = (int(v) for v in args.shape.split(","))
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -39,6 +42,18 @@ def main() -> None:
 
     gpu_ms = time_ms(layer, 7)
     torch.cuda.synchronize()
+    if args.kernels:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as kprof:
+            for _ in range(args.calls):
+                layer()
+            torch.cuda.synchronize()
+        rows = [(e.key, e.device_time_total / args.calls / 1e3, e.count // args.calls)
+                for e in kprof.key_averages() if e.device_time_total > 0]
+        print(f"layer time {gpu_ms:.3f} ms; GPU ms per layer step by kernel:")
+        for name, ms, n in sorted(rows, key=lambda r: -r[1])[:30]:
+            print(f"{ms:9.4f} ms  x{n:<3d} {name[:110]}")
+        return
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
