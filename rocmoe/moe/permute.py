@@ -50,6 +50,7 @@ class RoutingPlan:
     dest_row: torch.Tensor          # [T, k] int64: padded row of each pair
     block_expert: torch.Tensor      # [num_rows // block] int32, -1 for blocks past the end
     num_valid_blocks: torch.Tensor  # [1] int32
+    expert_row_start: torch.Tensor  # [E] int32: each expert's first padded row
 
     @property
     def num_row_blocks(self) -> int:
@@ -92,7 +93,8 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int, block_size: int,
                        block_size=block_size, num_rows=num_rows, tokens_per_expert=counts,
                        dest_row=dest.view(num_tokens, top_k),
                        block_expert=block_expert.to(torch.int32),
-                       num_valid_blocks=num_valid)
+                       num_valid_blocks=num_valid,
+                       expert_row_start=padded_starts.to(torch.int32))
 
 
 class _PermutePad(torch.autograd.Function):
@@ -126,9 +128,40 @@ def permute_pad(x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     return _PermutePad.apply(x, plan.dest_row, plan.num_rows)
 
 
+def zero_padding_rows(buf: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """Zero, in place, the rows of a padded [num_rows, H] GPU buffer that no pair maps to
+    (one Triton launch over the row blocks); returns `buf`."""
+    from . import kernels
+    h = buf.shape[1]
+    if plan.num_row_blocks == 0 or h == 0:
+        return buf
+    block_h = min(256, 1 << max(0, (h - 1).bit_length()))
+    kernels.get("zero_padding_rows_kernel")[(plan.num_row_blocks, -(-h // block_h))](
+        buf, plan.block_expert, plan.tokens_per_expert, plan.expert_row_start, h,
+        buf.stride(0), BLOCK=plan.block_size, BLOCK_H=block_h)
+    return buf
+
+
+def gather_sum_rows(rows: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j rows[dest[t, j]] for dest [T, k] int64 (GPU, one Triton launch)."""
+    from . import kernels
+    rows = rows if rows.stride(1) == 1 else rows.contiguous()
+    dest = dest.contiguous()
+    t, k = dest.shape
+    h = rows.shape[1]
+    out = rows.new_empty(t, h)
+    if t == 0 or h == 0:
+        return out
+    block_h = min(128, 1 << max(0, (h - 1).bit_length()))
+    kernels.get("combine_kernel")[(-(-t // 32), -(-h // block_h))](
+        rows, rows, dest, out, t, h, k, rows.stride(0), out.stride(0),
+        BLOCK_T=32, BLOCK_H=block_h, WEIGHTED=False)
+    return out
+
+
 class _CombineTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, weights, dest):
+    def forward(ctx, y, weights, dest, plan):
         from . import kernels
         t, k = dest.shape
         h = y.shape[1]
@@ -138,6 +171,7 @@ class _CombineTriton(torch.autograd.Function):
             y, weights, dest, out, t, h, k, y.stride(0), out.stride(0),
             BLOCK_T=32, BLOCK_H=block_h)
         ctx.save_for_backward(y, weights, dest)
+        ctx.plan = plan
         return out
 
     @staticmethod
@@ -147,14 +181,14 @@ class _CombineTriton(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         t, k = dest.shape
         h = y.shape[1]
-        # rows no pair maps to (padding) must hold zeros: the FFN backward reads every row
-        grad_y = torch.zeros_like(y)
+        # rows no pair maps to (padding) must hold zeros: the FFN backward reads them
+        grad_y = zero_padding_rows(torch.empty_like(y), ctx.plan)
         grad_w = torch.empty_like(weights)
         block_h = min(128, 1 << max(0, (h - 1).bit_length()))
         kernels.get("combine_backward_kernel")[(-(-t // 32),)](
             grad_out, y, weights, dest, grad_y, grad_w, t, h, k,
             grad_out.stride(0), y.stride(0), grad_y.stride(0), BLOCK_T=32, BLOCK_H=block_h)
-        return grad_y, grad_w, None
+        return grad_y, grad_w, None, None
 
 
 def unpermute_combine(y: torch.Tensor, weights: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
@@ -162,7 +196,7 @@ def unpermute_combine(y: torch.Tensor, weights: torch.Tensor, plan: RoutingPlan)
     from . import blocksparse as bs
     if bs._use_triton(y) and plan.num_tokens > 0 and y.stride(1) == 1:
         return _CombineTriton.apply(y, weights.to(y.dtype).contiguous(),
-                                    plan.dest_row.contiguous())
+                                    plan.dest_row.contiguous(), plan)
     out = None
     for slot in range(plan.top_k):
         term = y.index_select(0, plan.dest_row[:, slot]) * weights[:, slot:slot + 1].to(y.dtype)

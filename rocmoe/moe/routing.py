@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from . import blocksparse as bs
-from .permute import (RoutingPlan, check_block_size, padded_rows_bound, permute_pad,
-                      plan_routing)
+from .permute import (RoutingPlan, check_block_size, gather_sum_rows, padded_rows_bound,
+                      permute_pad, plan_routing, zero_padding_rows)
 from .topology import Topology, build_topology
 
 
@@ -23,25 +23,22 @@ def _pow2(n: int) -> int:
 
 
 class _ScatterRows(torch.autograd.Function):
-    """Forward: the counting-sort scatter kernel (writes dest rows and the permuted copy).
-    Backward: each token's gradient is the sum of its k rows' gradients."""
+    """Forward: the counting-sort scatter kernel (writes dest rows and the permuted copy) and
+    zeros in the padding rows. Backward: each token's gradient is the sum of its k rows'
+    gradients (one gather-sum launch)."""
 
     @staticmethod
-    def forward(ctx, x, launch, dest, num_rows, top_k):
-        out = x.new_zeros(num_rows, x.shape[1])
+    def forward(ctx, x, launch, dest, plan):
+        out = zero_padding_rows(x.new_empty(plan.num_rows, x.shape[1]), plan)
         launch(x, out)
         ctx.save_for_backward(dest)
-        ctx.top_k = top_k
+        ctx.top_k = plan.top_k
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         (dest,) = ctx.saved_tensors
-        dest = dest.view(-1, ctx.top_k)
-        grad_x = grad_out.index_select(0, dest[:, 0])
-        for slot in range(1, ctx.top_k):
-            grad_x = grad_x + grad_out.index_select(0, dest[:, slot])
-        return grad_x, None, None, None, None
+        return gather_sum_rows(grad_out, dest.view(-1, ctx.top_k)), None, None, None
 
 
 def _route_triton(x, expert_ids, num_experts, block, ffn_size):
@@ -86,11 +83,11 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size):
             CHUNK=chunk, E_POW2=e_pow2, BLOCK_H=block_h, COPY=True)
 
     x = x if x.stride(1) == 1 else x.contiguous()
-    x_perm = _ScatterRows.apply(x, launch, dest, num_rows, top_k)
     plan = RoutingPlan(num_tokens=num_tokens, top_k=top_k, num_experts=e, block_size=block,
                        num_rows=num_rows, tokens_per_expert=counts,
                        dest_row=dest.view(num_tokens, top_k), block_expert=block_expert,
-                       num_valid_blocks=num_valid)
+                       num_valid_blocks=num_valid, expert_row_start=row_start)
+    x_perm = _ScatterRows.apply(x, launch, dest, plan)
     topo = Topology(block_size=block, num_experts=e, ffn_size=ffn_size, blocks_per_expert=nb,
                     num_row_blocks=num_rb, row_offsets=row_offsets,
                     column_indices=column_indices, row_indices=row_indices,

@@ -100,7 +100,8 @@ def routing_kernels_equal_torch_ops():
         bs.set_backend("triton")
         got = route_and_permute(x, ids, e, b, f)
         bs.set_backend("auto")
-        for name in ("tokens_per_expert", "dest_row", "block_expert", "num_valid_blocks"):
+        for name in ("tokens_per_expert", "dest_row", "block_expert", "num_valid_blocks",
+                     "expert_row_start"):
             a, c = getattr(ref[0], name), getattr(got[0], name)
             assert torch.equal(a.long(), c.long()), (how, name, a, c)
         for name in ("row_offsets", "column_indices", "row_indices", "column_offsets",
@@ -139,6 +140,30 @@ def combine_kernels_equal_torch_ops():
 
 
 CHECKS["combine"] = combine_kernels_equal_torch_ops
+
+
+def padding_rows_and_gather_sum_kernels():
+    # zero_padding_rows zeroes exactly the rows no pair maps to (tails of experts' last
+    # blocks, whole blocks past the count, an idle expert) and leaves the pairs' rows alone;
+    # gather_sum_rows (the permutation's backward) sums each token's k rows.
+    from rocmoe.moe import plan_routing
+    from rocmoe.moe.permute import gather_sum_rows, zero_padding_rows
+    g = torch.Generator().manual_seed(5)
+    for t, k, e, block, hdim in [(37, 2, 5, 16, 40), (70, 3, 6, 32, 300), (1, 1, 3, 16, 8)]:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
+        ids[ids == 1] = 0  # expert 1 idle
+        plan = plan_routing(ids, e, block)
+        buf = torch.full((plan.num_rows, hdim), float("nan"))
+        zero_padding_rows(buf, plan)
+        used = torch.zeros(plan.num_rows, dtype=torch.bool)
+        used[plan.dest_row.reshape(-1)] = True
+        assert torch.isnan(buf[used]).all() and (buf[~used] == 0).all(), (t, k, e)
+        rows = torch.randn(plan.num_rows, hdim, generator=g)
+        expect = sum(rows[plan.dest_row[:, j]] for j in range(k))
+        torch.testing.assert_close(gather_sum_rows(rows, plan.dest_row), expect)
+
+
+CHECKS["padding_rows"] = padding_rows_and_gather_sum_kernels
 
 
 def layer_gradients_load_fusion():
