@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._triton import sm_count
 from . import blocksparse as bs
 from .permute import (RoutingPlan, check_block_size, gather_sum_rows, padded_rows_bound,
                       permute_pad, plan_routing, zero_padding_rows)
@@ -76,10 +77,15 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size):
     hidden = x.shape[1]
     block_h = min(256, _pow2(hidden), max(16, 16384 // chunk))
 
+    # split the columns so that the copy has about four programs per SM
+    col_blocks = max(1, -(-hidden // block_h))
+    splits = max(1, min(col_blocks, -(-4 * sm_count(device) // num_chunks)))
+    cols_per_program = -(-col_blocks // splits) * block_h
+
     def launch(src, out):
-        kernels.get("scatter_rows_kernel")[(num_chunks,)](
+        kernels.get("scatter_rows_kernel")[(num_chunks, -(-hidden // cols_per_program))](
             flat, chunk_base, row_start, dest, src, out, n, e, hidden, top_k,
-            src.stride(0), out.stride(0),
+            src.stride(0), out.stride(0), cols_per_program,
             CHUNK=chunk, E_POW2=e_pow2, BLOCK_H=block_h, COPY=True)
 
     x = x if x.stride(1) == 1 else x.contiguous()

@@ -94,7 +94,8 @@ def routing_kernels_equal_torch_ops():
         else:
             ids = torch.stack([torch.randperm(e, generator=g)[:k]
                                for _ in range(t)]).to(torch.int32)
-        x = torch.randn(t, 24, generator=g, requires_grad=True)
+        # 72 columns: the copy splits them over programs (small cases) or loops (2000 tokens)
+        x = torch.randn(t, 72, generator=g, requires_grad=True)
         bs.set_backend("torch")
         ref = route_and_permute(x, ids, e, b, f)
         bs.set_backend("triton")
