@@ -148,7 +148,7 @@ def _dstd_torch(s, b, topo):
 # programs fit on an SM): +3 to +7 % over 3 stages there, ahead of 128x256 / 8 warps.
 KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
                      tma=True, fast_act=True, preload_scale=True, tma_store=False,
-                     persistent=0, sdd={},
+                     persistent=0, tail=True, sdd={},
                      dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={},
                      dstd=dict(persistent=2), dstd_long=dict(num_stages=2))
 LONG_EXPERT_ROWS = 2048
@@ -167,8 +167,11 @@ if torch.version.hip:
 # "tma_store" (DSᵀD, with TMA loads): the output tile goes out through a tensor descriptor.
 # "persistent" (SDD and DSᵀD, with TMA loads): 0 launches a program per output tile; k > 0
 # launches k programs per SM that loop over the tiles in one flat, software-pipelined loop.
+# "tail": skip padding rows where the topology knows the real ones: SDD and DSD compute
+# only the top half of a row block with at most B/2 real rows; DSᵀD reduces over an
+# expert's real rows (rounded up to block_k), not its whole last block.
 TILE_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "tma", "fast_act", "preload_scale",
-             "tma_store", "persistent")
+             "tma_store", "persistent", "tail")
 OPS = ("sdd", "dsd", "dsd_wt", "dstd", "dstd_long")
 
 
@@ -279,6 +282,12 @@ def _grouped_desc(w: torch.Tensor, block_rows: int, block_cols: int):
     return None
 
 
+def _tail(topo, cfg: dict) -> bool:
+    """Whether the kernels may skip padding rows: the topology knows its real rows, the
+    config allows it, and a half block still feeds the matrix units (at least 16 rows)."""
+    return bool(cfg["tail"]) and topo.block_rows is not None and topo.block_size >= 32
+
+
 def _sdd_split(b: int, nb: int, cfg: dict) -> int:
     """Consecutive blocks of a row per SDD program: a B x SPLIT*B tile up to block_n wide."""
     split = max(1, cfg["block_n"] // b)
@@ -302,12 +311,15 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
     num_n = -(-nb // split)
     even_k = k % bk == 0
     even_f = f % (b * split) == 0 and nb % split == 0
-    a_arg, w_arg, tma, w_t = a, w, False, False
+    a_arg, a_half, w_arg, tma, w_t = a, a, w, False, False
+    tail = _tail(topo, cfg)
     if even_k and even_f and a.stride(1) == 1 and _tma_device(a, cfg):
         a_desc = tensor_descriptor(a, a.shape[0], k, a.stride(0), [b, bk])
         w_desc = _grouped_desc(w, bk, tile_n)
         if a_desc is not None and w_desc is not None:
             a_arg, (w_arg, w_t), tma = a_desc, w_desc, True
+            a_half = tensor_descriptor(a, a.shape[0], k, a.stride(0), [b // 2, bk]) \
+                if tail else a_desc
     h = act_grad_of if act_grad_of is not None else scale_by if scale_by is not None else out
     epilogue = dict(
         EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0,
@@ -326,10 +338,11 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
             BLOCK=b, SPLIT=split, BLOCK_K=bk, **epilogue, **_launch(b, stages, cfg))
         return out
     kernels.get("sdd_kernel")[(num_tiles,)](
-        a_arg, w_arg, out, h, act_out, topo.column_indices, k, f, nb, num_n,
+        a_arg, a_half, w_arg, out, h, act_out, topo.column_indices,
+        topo.block_rows if tail else topo.column_indices, k, f, nb, num_n,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f, USE_TMA=tma,
-        **epilogue, **_launch(b, stages, cfg))
+        TAIL=tail, **epilogue, **_launch(b, stages, cfg))
     return out
 
 
@@ -346,17 +359,20 @@ def _dsd_triton(s, w, topo, act="none"):
     bn, stages = _fit(s.device, b, _tile_n(n, cfg), bk, s.element_size(), 16, cfg)
     num_n = -(-n // bn)
     f = w.shape[1]
-    s_arg, w_arg, tma, w_t = s, w, False, False
+    s_arg, s_half, w_arg, tma, w_t = s, s, w, False, False
+    tail = _tail(topo, cfg)
     if f % b == 0 and s.is_contiguous() and _tma_device(s, cfg):
         s_desc = tensor_descriptor(s, topo.nnz * b, b, b, [b, bk])
         w_desc = _grouped_desc(w, bk, bn)
         if s_desc is not None and w_desc is not None:
             s_arg, (w_arg, w_t), tma = s_desc, w_desc, True
+            s_half = tensor_descriptor(s, topo.nnz * b, b, b, [b // 2, bk]) if tail else s_desc
     kernels.get("dsd_kernel")[(topo.num_row_blocks * num_n,)](
-        s_arg, w_arg, out, topo.column_indices, n, f, topo.blocks_per_expert, num_n,
+        s_arg, s_half, w_arg, out, topo.column_indices,
+        topo.block_rows if tail else topo.column_indices, n, f, topo.blocks_per_expert, num_n,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_F=f % b == 0,
-        EVEN_N=n % bn == 0, ACT=ACT_CODES[act], USE_TMA=tma, W_T=w_t,
+        EVEN_N=n % bn == 0, ACT=ACT_CODES[act], USE_TMA=tma, W_T=w_t, TAIL=tail,
         **_launch(b, stages, cfg))
     return out
 
@@ -386,20 +402,24 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
         out_arg, out_t = _dstd_out_desc(out, topo, b, bn)
     num_tiles = topo.num_column_blocks * num_n
     strides = (out.stride(0), out.stride(1), out.stride(2))
+    # TRIM_K: reduce over an expert's real rows only (rounded up to BLOCK_K)
+    trim = bool(cfg["tail"]) and topo.expert_rows is not None
+    expert_rows = topo.expert_rows if trim else topo.column_offsets
     if tma and cfg["persistent"] > 0:
         grid = max(1, min(num_tiles, sm_count(s.device) * int(cfg["persistent"])))
         kernels.get("dstd_persistent_kernel")[(grid,)](
-            s_arg, b_arg, out_arg, topo.column_offsets, n, topo.ffn_size,
+            s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, n, topo.ffn_size,
             topo.blocks_per_expert, num_n, num_tiles, *strides,
             BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, ACT=ACT_CODES[act], TMA_STORE=out_arg is not out,
-            OUT_T=out_t, **_launch(b, stages, cfg))
+            OUT_T=out_t, TRIM_K=trim, **_launch(b, stages, cfg))
         return out
     kernels.get("dstd_kernel")[(num_tiles,)](
-        s_arg, b_arg, out_arg, topo.column_offsets, n, topo.ffn_size, topo.blocks_per_expert,
-        num_n,
+        s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, n, topo.ffn_size,
+        topo.blocks_per_expert, num_n,
         b_dense.stride(0), b_dense.stride(1), *strides,
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
-        USE_TMA=tma, TMA_STORE=out_arg is not out, OUT_T=out_t, **_launch(b, stages, cfg))
+        USE_TMA=tma, TMA_STORE=out_arg is not out, OUT_T=out_t, TRIM_K=trim,
+        **_launch(b, stages, cfg))
     return out
 
 

@@ -82,8 +82,8 @@ def _activate_grad(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
 
 
 @_kernel
-def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
-               K, F, nb, num_n,
+def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
+               block_rows_ptr, K, F, nb, num_n,
                stride_am, stride_ak,
                stride_we, stride_wk, stride_wf,
                BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -91,7 +91,7 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
                EPILOGUE_STORE_ACT: tl.constexpr, EPILOGUE_SCALE: tl.constexpr,
                USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False,
                FAST_ACT: tl.constexpr = False, PRELOAD_SCALE: tl.constexpr = False,
-               EPILOGUE_ACT: tl.constexpr = 0):
+               EPILOGUE_ACT: tl.constexpr = 0, TAIL: tl.constexpr = False):
     # out[blk] = a[rows of row block r] @ w[e, :, cols of blk] for SPLIT consecutive blocks blk
     # of row r (a B x SPLIT*B tile per program: wider tiles feed the matrix units better).
     # With EPILOGUE_ACT_GRAD: out[blk] *= act'(h[blk]).
@@ -100,24 +100,60 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
     # (the forward of act_fusion="store": the backward then only multiplies by act'(p)).
     # With EPILOGUE_ACT: out[blk] = act(p) (a forward that no backward will follow).
     # USE_TMA (Hopper; the launcher checks alignment, EVEN_K and EVEN_F): a_ptr describes
-    # A [P, K] in [BLOCK, BLOCK_K] boxes; w_ptr describes W as [E*K, F] in [BLOCK_K, SPLIT*B]
-    # boxes, or with W_T (W is the transpose of a contiguous [E, F, K], as in the backward's
-    # W2ᵀ) that tensor as [E*F, K] in [SPLIT*B, BLOCK_K] boxes, transposed in shared memory.
+    # A [P, K] in [BLOCK, BLOCK_K] boxes (a_half_ptr in [BLOCK/2, BLOCK_K] boxes); w_ptr
+    # describes W as [E*K, F] in [BLOCK_K, SPLIT*B] boxes, or with W_T (W is the transpose of
+    # a contiguous [E, F, K], as in the backward's W2ᵀ) that tensor as [E*F, K] in
+    # [SPLIT*B, BLOCK_K] boxes, transposed in shared memory.
     # FAST_ACT (NVIDIA): the epilogue's sigmoids use tanh.approx. PRELOAD_SCALE: with
     # EPILOGUE_SCALE, the scale tile is loaded before the K loop, so its latency hides behind
     # the products instead of stalling the epilogue.
+    # TAIL: a row block with at most B/2 real rows (block_rows_ptr: real rows per row block),
+    # typically an expert's last, is computed as its top half only, with zeros stored below:
+    # with 128-row blocks and ~256 tokens per expert that is a tenth of all the rows.
     pid = tl.program_id(0)
     row_block = pid // num_n
     first, end, valid, expert, f0 = _sdd_tile(pid, col_idx_ptr, nb, num_n, BLOCK, SPLIT)
+    # (the half variant is only compiled with TAIL: a TAIL-less build, such as one whose
+    # loads are descriptors for full blocks only, never references a_half_ptr)
+    if TAIL:
+        if valid & (tl.load(block_rows_ptr + row_block) <= BLOCK // 2):
+            _sdd_rows(BLOCK // 2, row_block, first, end, valid, expert, f0, a_half_ptr, w_ptr,
+                      out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
+                      stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
+                      EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
+                      FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT)
+        else:
+            _sdd_rows(BLOCK, row_block, first, end, valid, expert, f0, a_ptr, w_ptr,
+                      out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
+                      stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
+                      EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
+                      FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT)
+    else:
+        _sdd_rows(BLOCK, row_block, first, end, valid, expert, f0, a_ptr, w_ptr,
+                  out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
+                  stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
+                  EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
+                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT)
+
+
+@triton.jit
+def _sdd_rows(BM: tl.constexpr, row_block, first, end, valid, expert, f0, a_ptr, w_ptr,
+              out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we, stride_wk,
+              stride_wf, BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, EVEN_F: tl.constexpr, EPILOGUE_ACT_GRAD: tl.constexpr,
+              EPILOGUE_STORE_ACT: tl.constexpr, EPILOGUE_SCALE: tl.constexpr,
+              USE_TMA: tl.constexpr, W_T: tl.constexpr, FAST_ACT: tl.constexpr,
+              PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr):
+    """sdd_kernel's tile on the top BM rows of its row block (zeros stored below them)."""
     k_end = tl.where(valid, K, 0)
-    rm = tl.arange(0, BLOCK)
+    rm = tl.arange(0, BM)
     rn = tl.arange(0, SPLIT * BLOCK)
-    offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT)
+    offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT, BM, 0)
     if EPILOGUE_SCALE and PRELOAD_SCALE:
         scale = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0)
     else:
         scale = 0.0
-    acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
+    acc = tl.zeros((BM, SPLIT * BLOCK), dtype=tl.float32)
     if USE_TMA:
         for k in range(0, k_end, BLOCK_K):
             a = a_ptr.load([row_block * BLOCK, k])
@@ -149,6 +185,16 @@ def sdd_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
             w_ptrs += BLOCK_K * stride_wk
     _sdd_finish(acc, scale, offs, in_row, out_ptr, h_ptr, act_out_ptr, EPILOGUE_ACT_GRAD,
                 EPILOGUE_STORE_ACT, EPILOGUE_SCALE, FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT)
+    if BM < BLOCK:
+        # the lower rows are padding (zero in A): what the epilogue makes of a zero product
+        z_offs, z_in_row = _sdd_offsets(first, end, BLOCK, SPLIT, BLOCK - BM, BM)
+        zero = tl.zeros((BLOCK - BM, SPLIT * BLOCK), dtype=tl.float32)
+        if EPILOGUE_STORE_ACT != 0:
+            # act(0) = 0; act'(0) is 1/2 for GELU and SiLU
+            tl.store(act_out_ptr + z_offs, zero.to(out_ptr.dtype.element_ty),
+                     mask=z_in_row[None, :])
+            zero = _activate_grad(zero, EPILOGUE_STORE_ACT, FAST_ACT)
+        tl.store(out_ptr + z_offs, zero.to(out_ptr.dtype.element_ty), mask=z_in_row[None, :])
 
 
 @triton.jit
@@ -166,10 +212,12 @@ def _sdd_tile(tile, col_idx_ptr, nb, num_n, BLOCK: tl.constexpr, SPLIT: tl.const
 
 
 @triton.jit
-def _sdd_offsets(first, end, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
-    """Element offsets of a B x SPLIT*B tile in the [nnz, B, B] values, and which of its
-    columns exist (a row whose block count is not a multiple of SPLIT)."""
-    rm = tl.arange(0, BLOCK)
+def _sdd_offsets(first, end, BLOCK: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+                 ROW0: tl.constexpr):
+    """Element offsets of rows ROW0 ... ROW0 + ROWS - 1 of a B x SPLIT*B tile in the
+    [nnz, B, B] values, and which of its columns exist (a row whose block count is not a
+    multiple of SPLIT)."""
+    rm = ROW0 + tl.arange(0, ROWS)
     rn = tl.arange(0, SPLIT * BLOCK)
     # tile column c lives in block first + c // B at column c % B
     offs = ((first + rn // BLOCK).to(tl.int64) * (BLOCK * BLOCK))[None, :] \
@@ -252,7 +300,7 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
         acc = tl.dot(a, w, acc)
         if ki == k_steps - 1:
             acc = tl.where(valid, acc, 0.0)
-            offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT)
+            offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT, BLOCK, 0)
             # (the scale tile is read here: carried across the loop from a load at the
             # tile's first step, it made the backward SDD 5x slower on the H200)
             _sdd_finish(acc, 0.0, offs, in_row, out_ptr, h_ptr, act_out_ptr,
@@ -262,21 +310,24 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
 
 
 @_kernel
-def dsd_kernel(s_ptr, w_ptr, out_ptr, col_idx_ptr,
+def dsd_kernel(s_ptr, s_half_ptr, w_ptr, out_ptr, col_idx_ptr, block_rows_ptr,
                N, F, nb, num_n,
                stride_we, stride_wf, stride_wn,
                stride_om, stride_on,
                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_F: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr,
-               USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False):
+               USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False,
+               TAIL: tl.constexpr = False):
     # out[rows of row block r, tile] = sum over blocks of r: act(s[blk]) @ w[e, cols of blk, tile]
     # USE_TMA (Hopper; the launcher checks alignment and EVEN_F): s_ptr describes the values
-    # as [nnz*B, B] in [B, BLOCK_K] boxes; w_ptr describes W as [E*F, N] in [BLOCK_K, BLOCK_N]
-    # boxes, or with W_T (W is the transpose of a contiguous [E, N, F], as W1ᵀ in the
-    # backward) that tensor as [E*N, F] in [BLOCK_N, BLOCK_K] boxes (rows past N belong to the
-    # next expert: they only reach output columns the store masks off).
+    # as [nnz*B, B] in [B, BLOCK_K] boxes (s_half_ptr in [B/2, BLOCK_K] boxes); w_ptr
+    # describes W as [E*F, N] in [BLOCK_K, BLOCK_N] boxes, or with W_T (W is the transpose of
+    # a contiguous [E, N, F], as W1ᵀ in the backward) that tensor as [E*N, F] in
+    # [BLOCK_N, BLOCK_K] boxes (rows past N belong to the next expert: they only reach output
+    # columns the store masks off).
     # Output tiles of one row block are neighbours in launch order, so the row block's
     # sparse values are read from HBM once and hit L2 for the other N tiles.
+    # TAIL: as in sdd_kernel, a row block with at most B/2 real rows computes its top half.
     pid = tl.program_id(0)
     row_block = pid // num_n
     pid_n = pid % num_n
@@ -288,7 +339,32 @@ def dsd_kernel(s_ptr, w_ptr, out_ptr, col_idx_ptr,
     first_col = tl.where(first_col >= 0, first_col, 0)
     expert = first_col // nb
     f_first = (first_col % nb) * BLOCK
-    rm = tl.arange(0, BLOCK)
+    if TAIL:
+        if (num_blocks > 0) & (tl.load(block_rows_ptr + row_block) <= BLOCK // 2):
+            _dsd_rows(BLOCK // 2, row_block, pid_n, start, num_blocks, expert, f_first,
+                      s_half_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
+                      stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
+                      USE_TMA, W_T)
+        else:
+            _dsd_rows(BLOCK, row_block, pid_n, start, num_blocks, expert, f_first,
+                      s_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
+                      stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
+                      USE_TMA, W_T)
+    else:
+        _dsd_rows(BLOCK, row_block, pid_n, start, num_blocks, expert, f_first,
+                  s_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
+                  stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
+                  USE_TMA, W_T)
+
+
+@triton.jit
+def _dsd_rows(BM: tl.constexpr, row_block, pid_n, start, num_blocks, expert, f_first,
+              s_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn, stride_om,
+              stride_on, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_F: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr,
+              USE_TMA: tl.constexpr, W_T: tl.constexpr):
+    """dsd_kernel's tile on the top BM rows of its row block (zeros stored below them)."""
+    rm = tl.arange(0, BM)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
@@ -296,7 +372,7 @@ def dsd_kernel(s_ptr, w_ptr, out_ptr, col_idx_ptr,
     # so the K loop is linear in the ffn index; the sparse operand jumps by one B x B block
     # each time kk crosses a block boundary. A flat loop (not blocks x static sub-steps)
     # keeps one BLOCK_K slice per pipeline stage, so 3-4 stages fit in shared memory.
-    acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
         n0 = pid_n * BLOCK_N
         for kk in range(0, num_blocks * BLOCK, BLOCK_K):
@@ -334,13 +410,25 @@ def dsd_kernel(s_ptr, w_ptr, out_ptr, col_idx_ptr,
     rows = (row_block * BLOCK + rm).to(tl.int64)
     out_ptrs = out_ptr + rows[:, None] * stride_om + rn[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
+    if BM < BLOCK:
+        z_rows = (row_block * BLOCK + BM + tl.arange(0, BLOCK - BM)).to(tl.int64)
+        tl.store(out_ptr + z_rows[:, None] * stride_om + rn[None, :] * stride_on,
+                 tl.zeros((BLOCK - BM, BLOCK_N), dtype=out_ptr.dtype.element_ty),
+                 mask=n_ok[None, :])
 
 
 @triton.jit
-def _dstd_column(c, col_off_ptr, nb):
-    """(first row block, first block, valid blocks) of column block c in the CSC view."""
+def _dstd_column(c, col_off_ptr, expert_rows_ptr, nb, BLOCK: tl.constexpr,
+                 BLOCK_K: tl.constexpr, TRIM_K: tl.constexpr):
+    """(first row block, first block, rows to reduce over) of column block c in the CSC
+    view: its valid blocks' rows or, with TRIM_K, the expert's real rows rounded up to
+    BLOCK_K (the rest of its last block is padding, zero in both operands)."""
     start = tl.load(col_off_ptr + c)
     num_blocks = tl.load(col_off_ptr + c + 1) - start
+    k_len = num_blocks * BLOCK
+    if TRIM_K:
+        real = tl.load(expert_rows_ptr + c // nb)
+        k_len = tl.minimum(k_len, (real + BLOCK_K - 1) // BLOCK_K * BLOCK_K)
     j = c % nb
     # The CSC view is expert-major and column-major inside an expert: column j of expert e
     # starts at start_e * nb + j * blocks_e, start_e being e's first row block. So the first
@@ -348,7 +436,7 @@ def _dstd_column(c, col_off_ptr, nb):
     # row_indices cost two more dependent loads per program (a third of a program's time for
     # experts of 2-3 row blocks).
     first_row = (start - j * num_blocks) // nb
-    return first_row, first_row * nb + j, num_blocks
+    return first_row, first_row * nb + j, k_len
 
 
 @triton.jit
@@ -375,13 +463,14 @@ def _dstd_store(acc, out_ptr, expert, f0, n0, N, F, stride_oe, stride_of, stride
 
 
 @_kernel
-def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
+def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
                 N, F, nb, num_n,
                 stride_bm, stride_bn,
                 stride_oe, stride_of, stride_on,
                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_N: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr = False,
-                TMA_STORE: tl.constexpr = False, OUT_T: tl.constexpr = False):
+                TMA_STORE: tl.constexpr = False, OUT_T: tl.constexpr = False,
+                TRIM_K: tl.constexpr = False):
     # out[e, cols of column block c, tile] = sum over blocks of c: act(s[blk])^T @ b[rows of blk]
     # USE_TMA (Hopper; the launcher checks alignment): s_ptr describes the values as
     # [nnz*B, B] in [BLOCK_K, B] boxes (transposed in shared memory), b_ptr describes B [P, N]
@@ -389,7 +478,8 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
     pid = tl.program_id(0)
     c = pid // num_n      # N tiles of one column block run side by side (L2 reuse of s)
     pid_n = pid % num_n
-    first_row, first, num_blocks = _dstd_column(c, col_off_ptr, nb)
+    first_row, first, k_len = _dstd_column(c, col_off_ptr, expert_rows_ptr, nb, BLOCK,
+                                           BLOCK_K, TRIM_K)
     expert = c // nb
     f0 = (c % nb) * BLOCK
     n0 = pid_n * BLOCK_N
@@ -401,7 +491,7 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
     # act(s[blk])^T tile: element (m, k) is s[blk, kk % B + k, m]
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
     if USE_TMA:
-        for kk in range(0, num_blocks * BLOCK, BLOCK_K):
+        for kk in range(0, k_len, BLOCK_K):
             blk = first + (kk // BLOCK) * nb
             s_t = tl.trans(s_ptr.load([blk * BLOCK + kk % BLOCK, 0]))
             if ACT != 0:
@@ -413,7 +503,7 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
         s_offs = rk[None, :] * BLOCK + rm[:, None]
         b_ptrs = (b_ptr + (first_row.to(tl.int64) * BLOCK + rk)[:, None] * stride_bm
                   + rn[None, :] * stride_bn)
-        for kk in range(0, num_blocks * BLOCK, BLOCK_K):
+        for kk in range(0, k_len, BLOCK_K):
             k_in_block = kk % BLOCK
             s_t = tl.load(s_blk + s_offs + k_in_block * BLOCK)
             if ACT != 0:
@@ -430,12 +520,13 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
 
 
 @_kernel
-def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
+def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
                            N, F, nb, num_n, num_tiles,
                            stride_oe, stride_of, stride_on,
                            BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            ACT: tl.constexpr, TMA_STORE: tl.constexpr = False,
-                           OUT_T: tl.constexpr = False, COUNT_TILE: tl.constexpr = 64):
+                           OUT_T: tl.constexpr = False, TRIM_K: tl.constexpr = False,
+                           COUNT_TILE: tl.constexpr = 64):
     # DSᵀD as dstd_kernel computes it, by a grid of a few programs per SM that each take the
     # tiles pid, pid + grid, ... (tensor-descriptor operands only). Its K, an expert's rows,
     # is often 2-3 steps of BLOCK_K: one program per tile then spends most of its time
@@ -447,28 +538,31 @@ def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
     # so that its zero tile is still written.
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
-    STEPS: tl.constexpr = BLOCK // BLOCK_K  # k steps per row block
     total = 0
     for t0 in range(pid, num_tiles, grid * COUNT_TILE):
         t = t0 + tl.arange(0, COUNT_TILE) * grid
         ok = t < num_tiles
         c = t // num_n
-        nblk = tl.load(col_off_ptr + c + 1, mask=ok, other=0) \
-            - tl.load(col_off_ptr + c, mask=ok, other=0)
-        total += tl.sum(tl.where(ok, tl.maximum(nblk * STEPS, 1), 0))
+        k_len = (tl.load(col_off_ptr + c + 1, mask=ok, other=0)
+                 - tl.load(col_off_ptr + c, mask=ok, other=0)) * BLOCK
+        if TRIM_K:
+            real = tl.load(expert_rows_ptr + c // nb, mask=ok, other=0)
+            k_len = tl.minimum(k_len, (real + BLOCK_K - 1) // BLOCK_K * BLOCK_K)
+        total += tl.sum(tl.where(ok, tl.maximum(k_len // BLOCK_K, 1), 0))
     tile = pid - grid
     ki = -1
     k_steps = 0
     first_row = 0
     first = 0
-    num_blocks = 0
+    k_len = 0
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
     for _ in range(0, total):
         ki = tl.where(ki == k_steps - 1, 0, ki + 1)
         if ki == 0:
             tile += grid
-            first_row, first, num_blocks = _dstd_column(tile // num_n, col_off_ptr, nb)
-            k_steps = tl.maximum(num_blocks * STEPS, 1)
+            first_row, first, k_len = _dstd_column(tile // num_n, col_off_ptr, expert_rows_ptr,
+                                                   nb, BLOCK, BLOCK_K, TRIM_K)
+            k_steps = tl.maximum(k_len // BLOCK_K, 1)
         kk = ki * BLOCK_K
         s_t = tl.trans(s_ptr.load([(first + (kk // BLOCK) * nb) * BLOCK + kk % BLOCK, 0]))
         if ACT != 0:
@@ -477,7 +571,7 @@ def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr,
         acc = tl.dot(s_t, b, acc)
         if ki == k_steps - 1:
             c = tile // num_n
-            acc = tl.where(num_blocks > 0, acc, 0.0)
+            acc = tl.where(k_len > 0, acc, 0.0)
             _dstd_store(acc, out_ptr, c // nb, (c % nb) * BLOCK, (tile % num_n) * BLOCK_N, N, F,
                         stride_oe, stride_of, stride_on, BLOCK, BLOCK_N, TMA_STORE, OUT_T)
             acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
@@ -487,7 +581,8 @@ _CONSTEXPR_DEFAULTS = dict(BLOCK=128, SPLIT=2, BLOCK_N=128, BLOCK_K=64, EVEN_K=T
                            EVEN_N=True, EPILOGUE_ACT_GRAD=ACT_NONE, EPILOGUE_STORE_ACT=ACT_NONE,
                            EPILOGUE_SCALE=False, ACT=ACT_NONE, USE_TMA=False, W_T=False,
                            FAST_ACT=False, PRELOAD_SCALE=False, EPILOGUE_ACT=ACT_NONE,
-                           TMA_STORE=False, OUT_T=False, COUNT_TILE=64)
+                           TMA_STORE=False, OUT_T=False, COUNT_TILE=64,
+                           TAIL=False, TRIM_K=False)
 
 
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
@@ -496,12 +591,13 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
     i = "*i32"
     c = "constexpr"
     return {
-        "sdd_kernel": dict(a_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, act_out_ptr=p, col_idx_ptr=i,
-                           K="i32", F="i32", nb="i32", num_n="i32", stride_am="i32",
-                           stride_ak="i32", stride_we="i32", stride_wk="i32", stride_wf="i32",
+        "sdd_kernel": dict(a_ptr=p, a_half_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, act_out_ptr=p,
+                           col_idx_ptr=i, block_rows_ptr=i, K="i32", F="i32", nb="i32",
+                           num_n="i32", stride_am="i32", stride_ak="i32", stride_we="i32",
+                           stride_wk="i32", stride_wf="i32",
                            BLOCK=c, SPLIT=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c,
                            EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, USE_TMA=c, W_T=c,
-                           FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c),
+                           FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c, TAIL=c),
         "sdd_persistent_kernel": dict(a_ptr="tensordesc<%s[128, 64]>" % dtype,
                                       w_ptr="tensordesc<%s[64, 256]>" % dtype, out_ptr=p,
                                       h_ptr=p, act_out_ptr=p, col_idx_ptr=i, K="i32",
@@ -509,23 +605,26 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
                                       BLOCK=c, SPLIT=c, BLOCK_K=c, EPILOGUE_ACT_GRAD=c,
                                       EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, W_T=c,
                                       FAST_ACT=c, EPILOGUE_ACT=c, COUNT_TILE=c),
-        "dsd_kernel": dict(s_ptr=p, w_ptr=p, out_ptr=p, col_idx_ptr=i,
-                           N="i32", F="i32", nb="i32", num_n="i32", stride_we="i32",
-                           stride_wf="i32",
-                           stride_wn="i32", stride_om="i32", stride_on="i32",
+        "dsd_kernel": dict(s_ptr=p, s_half_ptr=p, w_ptr=p, out_ptr=p, col_idx_ptr=i,
+                           block_rows_ptr=i, N="i32", F="i32", nb="i32", num_n="i32",
+                           stride_we="i32", stride_wf="i32", stride_wn="i32", stride_om="i32",
+                           stride_on="i32",
                            BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_F=c, EVEN_N=c, ACT=c,
-                           USE_TMA=c, W_T=c),
-        "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, N="i32", F="i32",
-                            nb="i32", num_n="i32", stride_bm="i32", stride_bn="i32",
+                           USE_TMA=c, W_T=c, TAIL=c),
+        "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, expert_rows_ptr=i,
+                            N="i32", F="i32", nb="i32", num_n="i32", stride_bm="i32",
+                            stride_bn="i32",
                             stride_oe="i32", stride_of="i32", stride_on="i32", BLOCK=c,
                             BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c, USE_TMA=c, TMA_STORE=c,
-                            OUT_T=c),
+                            OUT_T=c, TRIM_K=c),
         "dstd_persistent_kernel": dict(s_ptr="tensordesc<%s[64, 128]>" % dtype,
                                        b_ptr="tensordesc<%s[64, 128]>" % dtype, out_ptr=p,
-                                       col_off_ptr=i, N="i32", F="i32", nb="i32",
-                                       num_n="i32", num_tiles="i32", stride_oe="i32",
+                                       col_off_ptr=i, expert_rows_ptr=i, N="i32",
+                                       F="i32", nb="i32", num_n="i32", num_tiles="i32",
+                                       stride_oe="i32",
                                        stride_of="i32", stride_on="i32", BLOCK=c, BLOCK_N=c,
-                                       BLOCK_K=c, ACT=c, TMA_STORE=c, OUT_T=c, COUNT_TILE=c),
+                                       BLOCK_K=c, ACT=c, TMA_STORE=c, OUT_T=c, TRIM_K=c,
+                                       COUNT_TILE=c),
     }
 
 
@@ -539,8 +638,8 @@ def aot_routing_signatures() -> dict[str, dict[str, str]]:
                                     row_start_ptr=i, scratch_ptr=i, block_expert_ptr=i,
                                     num_valid_ptr=i, row_off_ptr=i, col_idx_ptr=i,
                                     row_idx_ptr=i, col_off_ptr=i, t_blocks_ptr=i,
-                                    num_chunks="i32", E="i32", R="i32", nb="i32",
-                                    BLOCK=c, E_POW2=c, CHUNK_TILE=c, TILE=c),
+                                    block_rows_ptr=i, num_chunks="i32", E="i32", R="i32",
+                                    nb="i32", BLOCK=c, E_POW2=c, CHUNK_TILE=c, TILE=c),
         "combine_kernel": dict(y_ptr="*bf16", w_ptr="*bf16", dest_ptr="*i64", out_ptr="*bf16",
                                T="i32", H="i32", top_k="i32", stride_y="i32", stride_o="i32",
                                BLOCK_T=c, BLOCK_H=c, WEIGHTED=c),
@@ -596,7 +695,7 @@ def chunk_histogram_kernel(ids_ptr, hist_ptr, N, E,
 @_kernel
 def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scratch_ptr,
                         block_expert_ptr, num_valid_ptr, row_off_ptr, col_idx_ptr,
-                        row_idx_ptr, col_off_ptr, t_blocks_ptr,
+                        row_idx_ptr, col_off_ptr, t_blocks_ptr, block_rows_ptr,
                         num_chunks, E, R, nb,
                         BLOCK: tl.constexpr, E_POW2: tl.constexpr, CHUNK_TILE: tl.constexpr,
                         TILE: tl.constexpr):
@@ -637,6 +736,15 @@ def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scr
             tl.store(block_expert_ptr + start_e + local, tl.full((TILE,), 0, tl.int32) + e,
                      mask=local < nblk)
     tl.debug_barrier()  # block_expert is gathered below
+    # 3b. real rows per row block (the rest of an expert's last block is padding)
+    for r0 in range(0, R, TILE):
+        rb = r0 + tl.arange(0, TILE)
+        owner = tl.load(block_expert_ptr + rb, mask=rb < R, other=-1)
+        o = tl.maximum(owner, 0)
+        real = tl.load(counts_ptr + o, mask=rb < R, other=0) \
+            - (rb * BLOCK - tl.load(row_start_ptr + o, mask=rb < R, other=0))
+        real = tl.where(owner >= 0, tl.minimum(tl.maximum(real, 0), BLOCK), 0)
+        tl.store(block_rows_ptr + rb, real, mask=rb < R)
     # 4. blocks in BCSR order: row and global column (-1 in empty row blocks)
     nnz = R * nb
     valid_nnz = num_valid * nb

@@ -64,12 +64,12 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size):
     chunk_base, counts, row_start, scratch = i32(num_chunks, e), i32(e), i32(e), i32(2 * e)
     block_expert, num_valid, row_offsets = i32(num_rb), i32(1), i32(num_rb + 1)
     column_indices, row_indices, transpose_blocks = i32(nnz), i32(nnz), i32(nnz)
-    column_offsets = i32(num_cols + 1)
+    column_offsets, block_rows = i32(num_cols + 1), i32(num_rb)
     kernels.get("chunk_histogram_kernel")[(num_chunks,)](
         flat, hist, n, e, CHUNK=chunk, E_POW2=e_pow2)
     kernels.get("routing_scan_kernel")[(1,)](
         hist, chunk_base, counts, row_start, scratch, block_expert, num_valid, row_offsets,
-        column_indices, row_indices, column_offsets, transpose_blocks,
+        column_indices, row_indices, column_offsets, transpose_blocks, block_rows,
         num_chunks, e, num_rb, nb,
         BLOCK=block, E_POW2=e_pow2, CHUNK_TILE=max(1, min(64, 4096 // e_pow2)), TILE=1024,
         num_warps=8)
@@ -98,7 +98,8 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size):
                     num_row_blocks=num_rb, row_offsets=row_offsets,
                     column_indices=column_indices, row_indices=row_indices,
                     column_offsets=column_offsets, transpose_blocks=transpose_blocks,
-                    block_expert=block_expert, num_valid_blocks=num_valid)
+                    block_expert=block_expert, num_valid_blocks=num_valid,
+                    block_rows=block_rows, expert_rows=counts)
     return plan, topo, x_perm
 
 

@@ -40,6 +40,13 @@ class Topology:
     transpose_blocks: torch.Tensor
     block_expert: torch.Tensor     # [R] int32, -1 past the end
     num_valid_blocks: torch.Tensor  # [1] int32 (row blocks in use)
+    # Real (token, slot) rows, when the routing is known (every topology this package
+    # builds): per row block [R] and per expert [E], int32. The kernels then skip padding:
+    # the empty lower half of an expert's nearly empty last block, and DSᵀD's K past the
+    # expert's rows (padding rows are zero in every operand the layer passes, so this
+    # changes no result). None (a topology built by hand) runs the kernels over whole blocks.
+    block_rows: torch.Tensor | None = None
+    expert_rows: torch.Tensor | None = None
 
     @property
     def nnz(self) -> int:
@@ -86,9 +93,16 @@ def build_topology(plan: RoutingPlan, ffn_size: int) -> Topology:
     sorted_key, transpose_blocks = torch.sort(key, stable=True)
     column_offsets = torch.searchsorted(
         sorted_key, torch.arange(num_cols + 1, device=device, dtype=torch.int32))
+    owner = plan.block_expert.long().clamp(min=0)
+    real = (plan.tokens_per_expert.long()[owner]
+            - (rows.long() * block - plan.expert_row_start.long()[owner]))
+    block_rows = torch.where(plan.block_expert >= 0, real.clamp(0, block),
+                             torch.zeros_like(real)).to(torch.int32)
     return Topology(block_size=block, num_experts=plan.num_experts, ffn_size=ffn_size,
                     blocks_per_expert=nb, num_row_blocks=num_rb, row_offsets=row_offsets,
                     column_indices=column_indices, row_indices=row_indices,
                     column_offsets=column_offsets.to(torch.int32),
                     transpose_blocks=transpose_blocks.to(torch.int32),
-                    block_expert=plan.block_expert, num_valid_blocks=plan.num_valid_blocks)
+                    block_expert=plan.block_expert, num_valid_blocks=plan.num_valid_blocks,
+                    block_rows=block_rows,
+                    expert_rows=plan.tokens_per_expert.to(torch.int32))

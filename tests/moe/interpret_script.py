@@ -21,6 +21,19 @@ def _topo(block, ffn, e=3, t=21, k=2, seed=0):
     return build_topology(plan_routing(ids, e, block), ffn), g
 
 
+def _real(t, topo):
+    """t [num_rows, X] with the padding rows (past each row block's real rows) zeroed: the
+    operands the layer passes look like this, and the kernels may skip those rows."""
+    rows = torch.arange(topo.block_size).view(1, -1) < topo.block_rows.view(-1, 1).long()
+    return t * rows.reshape(-1, 1).to(t.dtype)
+
+
+def _real_blocks(s, topo):
+    """Block values [nnz, B, B] with the padding rows of every block zeroed."""
+    rows = torch.arange(topo.block_size).view(1, -1) < topo.block_rows.view(-1, 1).long()
+    return s * rows[topo.row_indices.long()].unsqueeze(-1).to(s.dtype)
+
+
 def _both(fn):
     bs.set_backend("torch")
     ref = fn()
@@ -31,10 +44,10 @@ def _both(fn):
 
 def kernels_equal_torch_path(block, ffn):
     topo, g = _topo(block, ffn)
-    a = torch.randn(topo.num_rows, 24, generator=g)
+    a = _real(torch.randn(topo.num_rows, 24, generator=g), topo)
     w1 = torch.randn(3, 24, ffn, generator=g)
     w2 = torch.randn(3, ffn, 20, generator=g)
-    b = torch.randn(topo.num_rows, 20, generator=g)
+    b = _real(torch.randn(topo.num_rows, 20, generator=g), topo)
     s_ref, s_got = _both(lambda: bs._sdd(a, w1, topo))
     torch.testing.assert_close(s_got, s_ref, rtol=1e-4, atol=1e-4)
     d_ref, d_got = _both(lambda: bs._dsd(s_ref, w2, topo))
@@ -48,7 +61,7 @@ def kernels_take_transposed_operands_by_stride():
     topo, g = _topo(16, 24)
     w_kf = torch.randn(3, 24, 18, generator=g).transpose(1, 2)  # [E, K=18, F=24], strided
     w_fn = torch.randn(3, 20, 24, generator=g).transpose(1, 2)  # [E, F=24, N=20], strided
-    a = torch.randn(topo.num_rows, 18, generator=g)
+    a = _real(torch.randn(topo.num_rows, 18, generator=g), topo)
     s_ref, s_got = _both(lambda: bs._sdd(a, w_kf, topo))
     torch.testing.assert_close(s_got, s_ref, rtol=1e-4, atol=1e-4)
     d_ref, d_got = _both(lambda: bs._dsd(s_ref, w_fn, topo))
@@ -200,10 +213,10 @@ def descriptor_kernels_equal_torch_path():
     try:
         topo, g = _topo(16, 32)
         dt = torch.float16
-        a = torch.randn(topo.num_rows, 32, generator=g).to(dt)
+        a = _real(torch.randn(topo.num_rows, 32, generator=g), topo).to(dt)
         w1 = torch.randn(3, 32, 32, generator=g).to(dt)
         w2 = torch.randn(3, 32, 48, generator=g).to(dt)
-        b = torch.randn(topo.num_rows, 48, generator=g).to(dt)
+        b = _real(torch.randn(topo.num_rows, 48, generator=g), topo).to(dt)
         tol = dict(rtol=2e-2, atol=5e-2)
         s_ref, s_got = _both(lambda: bs._sdd(a, w1, topo))
         torch.testing.assert_close(s_got.float(), s_ref.float(), **tol)
@@ -246,8 +259,8 @@ def dstd_store_and_persistent_variants_equal_torch_path():
         ids = torch.tensor([[0, 2]] * 9 + [[0, 3]] * 30 + [[3, 2]] * 4, dtype=torch.int32)
         topo = build_topology(plan_routing(ids, 4, 16), 32)
         dt = torch.float16
-        s = torch.randn(topo.nnz, 16, 16, generator=g).to(dt)
-        b = torch.randn(topo.num_rows, 64, generator=g).to(dt)
+        s = _real_blocks(torch.randn(topo.nnz, 16, 16, generator=g), topo).to(dt)
+        b = _real(torch.randn(topo.num_rows, 64, generator=g), topo).to(dt)
         tol = dict(rtol=2e-2, atol=5e-2)
         for variant in (dict(tma_store=True), dict(persistent=1), dict(persistent=2),
                         dict(persistent=1, tma_store=True)):
@@ -294,7 +307,7 @@ def sdd_persistent_equals_torch_path():
         topo, g = _topo(16, 32, e=4, t=29)
         assert int(topo.num_valid_blocks) < topo.num_row_blocks  # padding row blocks
         dt = torch.float16
-        a = torch.randn(topo.num_rows, 32, generator=g).to(dt)
+        a = _real(torch.randn(topo.num_rows, 32, generator=g), topo).to(dt)
         w = torch.randn(4, 32, 32, generator=g).to(dt)
         w_t = torch.randn(4, 32, 32, generator=g).to(dt).transpose(1, 2)
         h = (torch.rand(topo.nnz, 16, 16, generator=g) + 0.5).to(dt)
@@ -329,10 +342,50 @@ def sdd_persistent_equals_torch_path():
 CHECKS["sdd_persistent"] = sdd_persistent_equals_torch_path
 
 
+def tail_blocks_equal_torch_path():
+    # Row blocks with at most B/2 real rows run as half blocks in SDD and DSD (zeros, or
+    # act'(0) for the forward's act' output, below), and DSᵀD reduces over real rows only:
+    # the fused FFN's output and gradients, and the forward SDD's two outputs including
+    # their padding rows, equal the torch path. Blocks 32 and 64; pointer loads (fp32) and
+    # descriptors (fp16, with the half-height boxes).
+    g = torch.Generator().manual_seed(11)
+    for block, dt, tma in ((32, torch.float32, False), (64, torch.float32, False),
+                           (32, torch.float16, True)):
+        bs.TMA_IN_INTERPRETER = tma
+        # expert 0: 3 blocks (last one 8 rows: half); expert 1: 1 block of block/2 + 1 rows
+        # (full); expert 2: block/2 rows (half); expert 3 idle
+        counts = [2 * block + 8, block // 2 + 1, block // 2, 0]
+        ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).to(torch.int32)
+        ids = ids[torch.randperm(ids.numel(), generator=g)].view(-1, 1)
+        topo = build_topology(plan_routing(ids, 4, block), 2 * block)
+        half = (topo.block_rows > 0) & (topo.block_rows <= block // 2)
+        assert int(half.sum()) == 2 and int((topo.block_rows > block // 2).sum()) == 3
+        x = _real(torch.randn(topo.num_rows, 32, generator=g), topo).to(dt)
+        w1 = (torch.randn(4, 32, 2 * block, generator=g) / 6).to(dt)
+        w2 = (torch.randn(4, 2 * block, 32, generator=g) / 8).to(dt)
+        gy = _real(torch.randn(topo.num_rows, 32, generator=g), topo).to(dt)
+        tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-2, atol=3e-2)
+        results = []
+        for backend in ("torch", "triton"):
+            bs.set_backend(backend)
+            acts = torch.full((topo.nnz, block, block), float("nan"), dtype=dt)
+            grads = bs._sdd(x, w1, topo, act="gelu", act_out=acts)
+            xg, w1g, w2g = (t.clone().requires_grad_(True) for t in (x, w1, w2))
+            y = bs.fused_expert_ffn(xg, w1g, w2g, topo, "gelu")
+            results.append((grads, acts, y) + torch.autograd.grad(y, [xg, w1g, w2g], gy))
+        bs.set_backend("auto")
+        bs.TMA_IN_INTERPRETER = False
+        for ref, got in zip(*results):
+            torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
+CHECKS["tail_blocks"] = tail_blocks_equal_torch_path
+
+
 def inference_forward_equals_torch_path():
     # no gradient needed: the SDD epilogue writes act(x W1) alone (EPILOGUE_ACT)
     topo, g = _topo(16, 24)
-    x = torch.randn(topo.num_rows, 20, generator=g)
+    x = _real(torch.randn(topo.num_rows, 20, generator=g), topo)
     w1 = torch.randn(3, 20, 24, generator=g)
     w2 = torch.randn(3, 24, 18, generator=g)
     for act in ("gelu", "silu", "relu"):

@@ -210,3 +210,41 @@ def test_persistent_kernel_is_one_software_pipelined_loop_on_sm90(name, stages):
     assert ".local" not in compiled.asm["ptx"]  # nothing spills
     # two programs fit on an SM (228 KiB of shared memory)
     assert compiled.metadata.shared <= 228 * 1024 // 2 - 1024
+
+
+TAIL_BOXES = {
+    "sdd_kernel": dict(a_ptr=[128, 64], a_half_ptr=[64, 64], w_ptr=[64, 128]),
+    "dsd_kernel": dict(s_ptr=[128, 64], s_half_ptr=[64, 64], w_ptr=[64, 128]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAIL_BOXES))
+def test_tail_variant_adds_a_half_height_loop_in_the_same_shared_memory_on_sm90(name):
+    # TAIL: a row block with at most B/2 real rows runs a 64-row K loop of its own (half-
+    # height boxes). Both loops are pipelined, and the shared memory (whose size decides how
+    # many programs share an SM) stays that of the full-height loop alone.
+    def build(tail):
+        signature = dict(kernels.aot_signatures("bf16")[name])
+        for arg, box in TAIL_BOXES[name].items():
+            signature[arg] = f"tensordesc<bf16[{box[0]}, {box[1]}]>"
+        constexprs = kernels.aot_constexprs(name, USE_TMA=True, TAIL=tail, SPLIT=1,
+                                            BLOCK_N=128)
+        src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 3})
+    full, tail = build(False), build(True)
+    copies = full.asm["ttgir"].count("async_tma_copy_global_to_local")
+    assert tail.asm["ttgir"].count("async_tma_copy_global_to_local") == 2 * copies
+    assert tail.metadata.shared == full.metadata.shared
+    assert ".local" not in tail.asm["ptx"]
+
+
+@pytest.mark.parametrize("target", [TARGETS[0][0], TARGETS[2][0]], ids=["gfx942", "sm90"])
+@pytest.mark.parametrize("name", ["dsd_kernel", "sdd_kernel"])
+def test_tail_variant_compiles_with_pointer_loads(name, target):
+    # the pointer-load build (AMD, and NVIDIA without TMA) with the half-block path
+    src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
+                    constexprs=kernels.aot_constexprs(name, TAIL=True))
+    compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 2})
+    asm = compiled.asm.get("amdgcn") or compiled.asm["ptx"]
+    assert "v_mfma" in asm or "wgmma" in asm

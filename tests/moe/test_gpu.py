@@ -116,15 +116,19 @@ def test_gpu_forward_and_backward_make_no_host_sync():
                                      dict(persistent=2, tma_store=True)],
                          ids=["tma_store", "persistent1", "persistent2_tma_store"])
 def test_gpu_dstd_variants_equal_torch_path(variant):
-    # DSᵀD's output-store and persistent variants (configs, not the default unless the
-    # sweep says so) on real hardware: both weight-gradient layouts, an idle expert, bf16.
+    # DSᵀD's output-store and persistent variants on real hardware: both weight-gradient
+    # layouts, an idle expert, bf16, K trimmed to each expert's real rows.
     from rocmoe.moe import build_topology, plan_routing
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 8, (3000, 2), generator=g, dtype=torch.int32)
     ids[ids == 5] = 6  # expert 5 idle
     topo = build_topology(plan_routing(ids.cuda(), 8, 128), 512)
-    s = torch.randn(topo.nnz, 128, 128, generator=g).to("cuda", torch.bfloat16)
-    b = torch.randn(topo.num_rows, 384, generator=g).to("cuda", torch.bfloat16)
+    # padding rows (past each row block's real rows) are zero, as in the layer
+    real = (torch.arange(128, device="cuda").view(1, -1) < topo.block_rows.view(-1, 1)).cpu()
+    s = torch.randn(topo.nnz, 128, 128, generator=g) \
+        * real[topo.row_indices.long().cpu()].unsqueeze(-1)
+    b = torch.randn(topo.num_rows, 384, generator=g) * real.reshape(-1, 1)
+    s, b = s.to("cuda", torch.bfloat16), b.to("cuda", torch.bfloat16)
     before = dict(bs.KERNEL_CONFIG["dstd"])
     try:
         bs.set_kernel_config(dstd=dict(before, **variant))
@@ -142,3 +146,33 @@ def test_gpu_dstd_variants_equal_torch_path(variant):
         bs.set_backend("auto")
     assert _rel(got, ref) < 1e-2 and _rel(got_t, ref_t) < 1e-2
     assert got[5].abs().max().item() == 0 and got_t[5].abs().max().item() == 0
+
+
+def test_gpu_tail_blocks_equal_torch_path():
+    # Nearly empty last blocks (at most 64 real rows of 128) run as half blocks: the fused
+    # FFN's output and gradients on the GPU equal the torch path on the same topology.
+    from rocmoe.moe import build_topology, plan_routing
+    g = torch.Generator().manual_seed(1)
+    counts = [2 * 128 + 9, 64, 65, 0, 300]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).to(torch.int32)
+    ids = ids[torch.randperm(ids.numel(), generator=g)].view(-1, 1)
+    topo = build_topology(plan_routing(ids.cuda(), 5, 128), 384)
+    assert int(((topo.block_rows > 0) & (topo.block_rows <= 64)).sum()) == 3
+    real = (torch.arange(128, device="cuda").view(1, -1) < topo.block_rows.view(-1, 1))
+    x = (torch.randn(topo.num_rows, 256, generator=g).cuda() * real.reshape(-1, 1)).bfloat16()
+    w1 = (torch.randn(5, 256, 384, generator=g) / 16).cuda().bfloat16()
+    w2 = (torch.randn(5, 384, 256, generator=g) / 20).cuda().bfloat16()
+    gy = (torch.randn(topo.num_rows, 256, generator=g).cuda() * real.reshape(-1, 1)).bfloat16()
+    results = []
+    try:
+        for backend in ("torch", "auto"):
+            bs.set_backend(backend)
+            args = [t.float() if backend == "torch" else t for t in (x, w1, w2)]
+            args = [t.clone().requires_grad_(True) for t in args]
+            y = bs.fused_expert_ffn(*args, topo, "gelu")
+            grads = torch.autograd.grad(y, args, gy.float() if backend == "torch" else gy)
+            results.append((y,) + grads)
+    finally:
+        bs.set_backend("auto")
+    for ref, got in zip(*results):
+        assert _rel(got, ref) < 2e-2
