@@ -318,8 +318,6 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
         w_desc = _grouped_desc(w, bk, tile_n)
         if a_desc is not None and w_desc is not None:
             a_arg, (w_arg, w_t), tma = a_desc, w_desc, True
-            a_half = tensor_descriptor(a, a.shape[0], k, a.stride(0), [b // 2, bk]) \
-                if tail else a_desc
     h = act_grad_of if act_grad_of is not None else scale_by if scale_by is not None else out
     epilogue = dict(
         EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0,
@@ -366,7 +364,6 @@ def _dsd_triton(s, w, topo, act="none"):
         w_desc = _grouped_desc(w, bk, bn)
         if s_desc is not None and w_desc is not None:
             s_arg, (w_arg, w_t), tma = s_desc, w_desc, True
-            s_half = tensor_descriptor(s, topo.nnz * b, b, b, [b // 2, bk]) if tail else s_desc
     kernels.get("dsd_kernel")[(topo.num_row_blocks * num_n,)](
         s_arg, s_half, w_arg, out, topo.column_indices,
         topo.block_rows if tail else topo.column_indices, n, f, topo.blocks_per_expert, num_n,

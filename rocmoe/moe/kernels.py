@@ -100,7 +100,7 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
     # (the forward of act_fusion="store": the backward then only multiplies by act'(p)).
     # With EPILOGUE_ACT: out[blk] = act(p) (a forward that no backward will follow).
     # USE_TMA (Hopper; the launcher checks alignment, EVEN_K and EVEN_F): a_ptr describes
-    # A [P, K] in [BLOCK, BLOCK_K] boxes (a_half_ptr in [BLOCK/2, BLOCK_K] boxes); w_ptr
+    # A [P, K] in [BLOCK, BLOCK_K] boxes (a_half_ptr is A itself, for TAIL); w_ptr
     # describes W as [E*K, F] in [BLOCK_K, SPLIT*B] boxes, or with W_T (W is the transpose of
     # a contiguous [E, F, K], as in the backward's W2ᵀ) that tensor as [E*F, K] in
     # [SPLIT*B, BLOCK_K] boxes, transposed in shared memory.
@@ -121,19 +121,19 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
                       out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
                       stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
                       EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
-                      FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT)
+                      FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, False)
         else:
             _sdd_rows(BLOCK, row_block, first, end, valid, expert, f0, a_ptr, w_ptr,
                       out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
                       stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
                       EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
-                      FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT)
+                      FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, USE_TMA)
     else:
         _sdd_rows(BLOCK, row_block, first, end, valid, expert, f0, a_ptr, w_ptr,
                   out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
                   stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
                   EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
-                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT)
+                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, USE_TMA)
 
 
 @triton.jit
@@ -143,30 +143,37 @@ def _sdd_rows(BM: tl.constexpr, row_block, first, end, valid, expert, f0, a_ptr,
               EVEN_K: tl.constexpr, EVEN_F: tl.constexpr, EPILOGUE_ACT_GRAD: tl.constexpr,
               EPILOGUE_STORE_ACT: tl.constexpr, EPILOGUE_SCALE: tl.constexpr,
               USE_TMA: tl.constexpr, W_T: tl.constexpr, FAST_ACT: tl.constexpr,
-              PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr):
-    """sdd_kernel's tile on the top BM rows of its row block (zeros stored below them)."""
+              PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr, A_DESC: tl.constexpr):
+    """sdd_kernel's tile on the top BM rows of its row block (zeros stored below them).
+    With USE_TMA, A comes through a descriptor when A_DESC, else (the half blocks: one more
+    descriptor per launch cost more host time than their few loads gain) by pointer."""
     k_end = tl.where(valid, K, 0)
     rm = tl.arange(0, BM)
     rn = tl.arange(0, SPLIT * BLOCK)
+    rk = tl.arange(0, BLOCK_K)
     offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT, BM, 0)
     if EPILOGUE_SCALE and PRELOAD_SCALE:
         scale = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0)
     else:
         scale = 0.0
     acc = tl.zeros((BM, SPLIT * BLOCK), dtype=tl.float32)
+    if not (USE_TMA and A_DESC):
+        a_ptrs = a_ptr + (row_block * BLOCK + rm).to(tl.int64)[:, None] * stride_am \
+            + rk[None, :] * stride_ak
     if USE_TMA:
         for k in range(0, k_end, BLOCK_K):
-            a = a_ptr.load([row_block * BLOCK, k])
+            if A_DESC:
+                a = a_ptr.load([row_block * BLOCK, k])
+            else:
+                a = tl.load(a_ptrs)  # (TMA implies EVEN_K)
+                a_ptrs += BLOCK_K * stride_ak
             if W_T:
                 w = tl.trans(w_ptr.load([expert * F + f0, k]))
             else:
                 w = w_ptr.load([expert * K + k, f0])
             acc += tl.dot(a, w)
     else:
-        rk = tl.arange(0, BLOCK_K)
-        a_rows = (row_block * BLOCK + rm).to(tl.int64)
         f_cols = f0 + rn
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + rk[None, :] * stride_ak
         w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + rk[:, None] * stride_wk
                   + f_cols[None, :] * stride_wf)
         for k in range(0, k_end, BLOCK_K):
@@ -320,7 +327,7 @@ def dsd_kernel(s_ptr, s_half_ptr, w_ptr, out_ptr, col_idx_ptr, block_rows_ptr,
                TAIL: tl.constexpr = False):
     # out[rows of row block r, tile] = sum over blocks of r: act(s[blk]) @ w[e, cols of blk, tile]
     # USE_TMA (Hopper; the launcher checks alignment and EVEN_F): s_ptr describes the values
-    # as [nnz*B, B] in [B, BLOCK_K] boxes (s_half_ptr in [B/2, BLOCK_K] boxes); w_ptr
+    # as [nnz*B, B] in [B, BLOCK_K] boxes (s_half_ptr is the values, for TAIL); w_ptr
     # describes W as [E*F, N] in [BLOCK_K, BLOCK_N] boxes, or with W_T (W is the transpose of
     # a contiguous [E, N, F], as W1ᵀ in the backward) that tensor as [E*N, F] in
     # [BLOCK_N, BLOCK_K] boxes (rows past N belong to the next expert: they only reach output
@@ -344,17 +351,17 @@ def dsd_kernel(s_ptr, s_half_ptr, w_ptr, out_ptr, col_idx_ptr, block_rows_ptr,
             _dsd_rows(BLOCK // 2, row_block, pid_n, start, num_blocks, expert, f_first,
                       s_half_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
                       stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
-                      USE_TMA, W_T)
+                      USE_TMA, W_T, False)
         else:
             _dsd_rows(BLOCK, row_block, pid_n, start, num_blocks, expert, f_first,
                       s_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
                       stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
-                      USE_TMA, W_T)
+                      USE_TMA, W_T, USE_TMA)
     else:
         _dsd_rows(BLOCK, row_block, pid_n, start, num_blocks, expert, f_first,
                   s_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
                   stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
-                  USE_TMA, W_T)
+                  USE_TMA, W_T, USE_TMA)
 
 
 @triton.jit
@@ -362,8 +369,10 @@ def _dsd_rows(BM: tl.constexpr, row_block, pid_n, start, num_blocks, expert, f_f
               s_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn, stride_om,
               stride_on, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN_F: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr,
-              USE_TMA: tl.constexpr, W_T: tl.constexpr):
-    """dsd_kernel's tile on the top BM rows of its row block (zeros stored below them)."""
+              USE_TMA: tl.constexpr, W_T: tl.constexpr, S_DESC: tl.constexpr):
+    """dsd_kernel's tile on the top BM rows of its row block (zeros stored below them).
+    With USE_TMA, the sparse operand comes through a descriptor when S_DESC, else by
+    pointer (the half blocks, as in _sdd_rows)."""
     rm = tl.arange(0, BM)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -373,10 +382,17 @@ def _dsd_rows(BM: tl.constexpr, row_block, pid_n, start, num_blocks, expert, f_f
     # each time kk crosses a block boundary. A flat loop (not blocks x static sub-steps)
     # keeps one BLOCK_K slice per pipeline stage, so 3-4 stages fit in shared memory.
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    s_offs = rm[:, None] * BLOCK + rk[None, :]
+    if not (USE_TMA and S_DESC):
+        s_base = s_ptr + start.to(tl.int64) * BLOCK * BLOCK
     if USE_TMA:
         n0 = pid_n * BLOCK_N
         for kk in range(0, num_blocks * BLOCK, BLOCK_K):
-            s = s_ptr.load([(start + kk // BLOCK) * BLOCK, kk % BLOCK])
+            if S_DESC:
+                s = s_ptr.load([(start + kk // BLOCK) * BLOCK, kk % BLOCK])
+            else:
+                blk_off = tl.multiple_of((kk // BLOCK) * (BLOCK * BLOCK), BLOCK * BLOCK)
+                s = tl.load(s_base + blk_off + tl.multiple_of(kk % BLOCK, BLOCK_K) + s_offs)
             if ACT != 0:
                 s = _activate(s.to(tl.float32), ACT).to(s.dtype)
             if W_T:
@@ -385,8 +401,6 @@ def _dsd_rows(BM: tl.constexpr, row_block, pid_n, start, num_blocks, expert, f_f
                 w = w_ptr.load([expert * F + f_first + kk, n0])
             acc += tl.dot(s, w)
     else:
-        s_base = s_ptr + start.to(tl.int64) * BLOCK * BLOCK
-        s_offs = rm[:, None] * BLOCK + rk[None, :]
         w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + (f_first + rk)[:, None] * stride_wf
                   + rn[None, :] * stride_wn)
         for kk in range(0, num_blocks * BLOCK, BLOCK_K):
