@@ -125,6 +125,8 @@ def kernel_calls(bs, topo, x_perm, w1, w2, grad):
     return {
         "sdd_fwd": lambda: bs._sdd(x_perm, w1, topo),
         "sdd_fwd_store_gelu": lambda: bs._sdd(x_perm, w1, topo, act="gelu", act_out=a),
+        # the inference forward's SDD (no backward follows: GELU alone in the epilogue)
+        "sdd_fwd_act_only": lambda: bs._sdd(x_perm, w1, topo, act="gelu", act_only=True),
         "dsd_fwd_gelu_on_load": lambda: bs._dsd(h, w2, topo, "gelu"),
         "dsd_fwd": lambda: bs._dsd(a, w2, topo),
         "sdd_bwd_act_grad": lambda: bs._sdd(grad, w2.transpose(1, 2), topo, act_grad_of=h,
