@@ -657,29 +657,27 @@ def aot_routing_signatures() -> dict[str, dict[str, str]]:
         "combine_kernel": dict(y_ptr="*bf16", w_ptr="*bf16", dest_ptr="*i64", out_ptr="*bf16",
                                T="i32", H="i32", top_k="i32", stride_y="i32", stride_o="i32",
                                BLOCK_T=c, BLOCK_H=c, WEIGHTED=c),
-        "zero_padding_rows_kernel": dict(out_ptr="*bf16", block_expert_ptr=i, counts_ptr=i,
-                                         row_start_ptr=i, H="i32", stride_o="i32", BLOCK=c,
-                                         BLOCK_H=c),
         "combine_backward_kernel": dict(g_ptr="*bf16", y_ptr="*bf16", w_ptr="*bf16",
                                         dest_ptr="*i64", grad_y_ptr="*bf16",
-                                        grad_w_ptr="*bf16", T="i32", H="i32", top_k="i32",
+                                        grad_w_ptr="*bf16", block_expert_ptr=i, counts_ptr=i,
+                                        row_start_ptr=i, T="i32", H="i32", top_k="i32",
                                         stride_g="i32", stride_y="i32", stride_gy="i32",
-                                        BLOCK_T=c, BLOCK_H=c),
+                                        num_t="i32", BLOCK_T=c, BLOCK_H=c, BLOCK=c),
         "scatter_rows_kernel": dict(ids_ptr=i, chunk_base_ptr=i, row_start_ptr=i,
-                                    dest_ptr="*i64", x_ptr="*bf16", out_ptr="*bf16", N="i32",
-                                    E="i32", H="i32", top_k="i32", stride_x="i32",
-                                    stride_o="i32", cols_per_program="i32", CHUNK=c,
-                                    E_POW2=c, BLOCK_H=c, COPY=c),
+                                    dest_ptr="*i64", x_ptr="*bf16", out_ptr="*bf16",
+                                    block_expert_ptr=i, counts_ptr=i, N="i32", E="i32",
+                                    H="i32", top_k="i32", stride_x="i32", stride_o="i32",
+                                    cols_per_program="i32", num_chunks="i32", CHUNK=c,
+                                    E_POW2=c, BLOCK_H=c, COPY=c, BLOCK=c),
     }
 
 
 ROUTING_AOT_CONSTEXPRS = {
     "combine_kernel": dict(BLOCK_T=32, BLOCK_H=128, WEIGHTED=True),
-    "zero_padding_rows_kernel": dict(BLOCK=128, BLOCK_H=256),
-    "combine_backward_kernel": dict(BLOCK_T=32, BLOCK_H=128),
+    "combine_backward_kernel": dict(BLOCK_T=32, BLOCK_H=128, BLOCK=128),
     "chunk_histogram_kernel": dict(CHUNK=256, E_POW2=64),
     "routing_scan_kernel": dict(BLOCK=128, E_POW2=64, CHUNK_TILE=64, TILE=1024),
-    "scatter_rows_kernel": dict(CHUNK=256, E_POW2=64, BLOCK_H=64, COPY=True),
+    "scatter_rows_kernel": dict(CHUNK=256, E_POW2=64, BLOCK_H=64, COPY=True, BLOCK=128),
 }
 
 
@@ -792,36 +790,44 @@ def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scr
 
 @_kernel
 def scatter_rows_kernel(ids_ptr, chunk_base_ptr, row_start_ptr, dest_ptr, x_ptr, out_ptr,
-                        N, E, H, top_k, stride_x, stride_o, cols_per_program,
+                        block_expert_ptr, counts_ptr,
+                        N, E, H, top_k, stride_x, stride_o, cols_per_program, num_chunks,
                         CHUNK: tl.constexpr, E_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
-                        COPY: tl.constexpr):
+                        COPY: tl.constexpr, BLOCK: tl.constexpr):
     # Program (chunk, j) places the chunk's pairs and copies columns [j * cols_per_program,
     # (j + 1) * cols_per_program) of their tokens: with one program per chunk, the 64 chunks
     # of 8192 tokens (E = 64) left half of an H200's SMs idle and the copy ran at ~2 TB/s.
+    # With COPY, programs num_chunks + rb zero the padding rows of row block rb instead.
     pid = tl.program_id(0)
     pid_h = tl.program_id(1)
-    offs = pid * CHUNK + tl.arange(0, CHUNK)
-    ok = offs < N
-    ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
-    experts = tl.arange(0, E_POW2)
-    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-    # rank among this chunk's pairs of the same expert, in pair order (stable)
-    rank = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1)
-    e_safe = tl.maximum(ids, 0)
-    base = tl.load(chunk_base_ptr + pid * E + e_safe, mask=ok, other=0) \
-        + tl.load(row_start_ptr + e_safe, mask=ok, other=0)
-    dest = (base + rank).to(tl.int64)
-    if pid_h == 0:
-        tl.store(dest_ptr + offs, dest, mask=ok)
-    if COPY:
-        token = (offs // top_k).to(tl.int64)
+    if COPY and pid >= num_chunks:
         h_start = pid_h * cols_per_program
-        h_end = tl.minimum(h_start + cols_per_program, H)
-        for h0 in range(h_start, h_end, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            m = ok[:, None] & (cols < h_end)[None, :]
-            v = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=m)
-            tl.store(out_ptr + dest[:, None] * stride_o + cols[None, :], v, mask=m)
+        _zero_padding_block(out_ptr, pid - num_chunks, h_start,
+                            tl.minimum(h_start + cols_per_program, H), block_expert_ptr,
+                            counts_ptr, row_start_ptr, stride_o, BLOCK, BLOCK_H)
+    else:
+        offs = pid * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < N
+        ids = tl.load(ids_ptr + offs, mask=ok, other=-1)
+        experts = tl.arange(0, E_POW2)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        # rank among this chunk's pairs of the same expert, in pair order (stable)
+        rank = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1), axis=1)
+        e_safe = tl.maximum(ids, 0)
+        base = tl.load(chunk_base_ptr + pid * E + e_safe, mask=ok, other=0) \
+            + tl.load(row_start_ptr + e_safe, mask=ok, other=0)
+        dest = (base + rank).to(tl.int64)
+        if pid_h == 0:
+            tl.store(dest_ptr + offs, dest, mask=ok)
+        if COPY:
+            token = (offs // top_k).to(tl.int64)
+            h_start = pid_h * cols_per_program
+            h_end = tl.minimum(h_start + cols_per_program, H)
+            for h0 in range(h_start, h_end, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                m = ok[:, None] & (cols < h_end)[None, :]
+                v = tl.load(x_ptr + token[:, None] * stride_x + cols[None, :], mask=m)
+                tl.store(out_ptr + dest[:, None] * stride_o + cols[None, :], v, mask=m)
 
 
 # ------------------------------------------------------------------ combine (un-permute)
@@ -857,43 +863,52 @@ def combine_kernel(y_ptr, w_ptr, dest_ptr, out_ptr, T, H, top_k,
 
 @_kernel
 def combine_backward_kernel(g_ptr, y_ptr, w_ptr, dest_ptr, grad_y_ptr, grad_w_ptr,
-                            T, H, top_k, stride_g, stride_y, stride_gy,
-                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                            block_expert_ptr, counts_ptr, row_start_ptr,
+                            T, H, top_k, stride_g, stride_y, stride_gy, num_t,
+                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+    # programs num_t + rb zero the padding rows of row block rb of grad_y (the FFN backward
+    # reads them)
     pid_t = tl.program_id(0)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    g_rows = t.to(tl.int64)[:, None] * stride_g
-    for j in range(0, top_k):
-        row = tl.load(dest_ptr + t * top_k + j, mask=t_ok, other=0)
-        w = tl.load(w_ptr + t * top_k + j, mask=t_ok, other=0.0).to(tl.float32)
-        dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)
-            m = t_ok[:, None] & (h < H)[None, :]
-            g = tl.load(g_ptr + g_rows + h[None, :], mask=m, other=0.0).to(tl.float32)
-            y = tl.load(y_ptr + row[:, None] * stride_y + h[None, :], mask=m,
-                        other=0.0).to(tl.float32)
-            dot += tl.sum(g * y, axis=1)
-            tl.store(grad_y_ptr + row[:, None] * stride_gy + h[None, :],
-                     (w[:, None] * g).to(grad_y_ptr.dtype.element_ty), mask=m)
-        tl.store(grad_w_ptr + t * top_k + j, dot.to(grad_w_ptr.dtype.element_ty), mask=t_ok)
+    if pid_t >= num_t:
+        _zero_padding_block(grad_y_ptr, pid_t - num_t, 0, H, block_expert_ptr, counts_ptr,
+                            row_start_ptr, stride_gy, BLOCK, BLOCK_H)
+    else:
+        t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < T
+        g_rows = t.to(tl.int64)[:, None] * stride_g
+        for j in range(0, top_k):
+            row = tl.load(dest_ptr + t * top_k + j, mask=t_ok, other=0)
+            w = tl.load(w_ptr + t * top_k + j, mask=t_ok, other=0.0).to(tl.float32)
+            dot = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                m = t_ok[:, None] & (h < H)[None, :]
+                g = tl.load(g_ptr + g_rows + h[None, :], mask=m, other=0.0).to(tl.float32)
+                y = tl.load(y_ptr + row[:, None] * stride_y + h[None, :], mask=m,
+                            other=0.0).to(tl.float32)
+                dot += tl.sum(g * y, axis=1)
+                tl.store(grad_y_ptr + row[:, None] * stride_gy + h[None, :],
+                         (w[:, None] * g).to(grad_y_ptr.dtype.element_ty), mask=m)
+            tl.store(grad_w_ptr + t * top_k + j, dot.to(grad_w_ptr.dtype.element_ty), mask=t_ok)
 
 
-@_kernel
-def zero_padding_rows_kernel(out_ptr, block_expert_ptr, counts_ptr, row_start_ptr, H, stride_o,
-                             BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
-    # Zero the rows of row block `pid` that no (token, slot) pair maps to: the tail of an
-    # expert's last block, and whole blocks past the real count. The pairs' rows are written
-    # by other kernels, so a padded buffer costs one full write instead of a zero fill and
-    # then one (a third of the rows are padding on the 8192-token benchmark shapes).
-    rb = tl.program_id(0)
-    pid_h = tl.program_id(1)
+@triton.jit
+def _zero_padding_block(out_ptr, rb, h_start, h_end, block_expert_ptr, counts_ptr,
+                        row_start_ptr, stride_o, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Zero columns [h_start, h_end) of the rows of row block rb that no (token, slot) pair
+    maps to: the tail of an expert's last block, and whole blocks past the real count.
+    The padded buffers are written by the pairs' kernels, which run extra programs that
+    call this, so a buffer costs no zero fill of its own (a third of the rows are padding
+    on the 8192-token benchmark shapes) and no launch of its own (the small layers are
+    launch-bound)."""
     e = tl.load(block_expert_ptr + rb)
     e_safe = tl.maximum(e, 0)
     real = tl.load(counts_ptr + e_safe) - (rb * BLOCK - tl.load(row_start_ptr + e_safe))
     real = tl.where(e >= 0, tl.minimum(tl.maximum(real, 0), BLOCK), 0)
     rows = tl.arange(0, BLOCK)
-    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    m = (rows >= real)[:, None] & (cols < H)[None, :]
-    ptrs = out_ptr + (rb.to(tl.int64) * BLOCK + rows)[:, None] * stride_o + cols[None, :]
-    tl.store(ptrs, tl.zeros((BLOCK, BLOCK_H), dtype=out_ptr.dtype.element_ty), mask=m)
+    row_ptrs = out_ptr + (rb.to(tl.int64) * BLOCK + rows)[:, None] * stride_o
+    zero = tl.zeros((BLOCK, BLOCK_H), dtype=out_ptr.dtype.element_ty)
+    for h0 in range(h_start, h_end, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        tl.store(row_ptrs + cols[None, :], zero,
+                 mask=(rows >= real)[:, None] & (cols < h_end)[None, :])

@@ -128,20 +128,6 @@ def permute_pad(x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     return _PermutePad.apply(x, plan.dest_row, plan.num_rows)
 
 
-def zero_padding_rows(buf: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
-    """Zero, in place, the rows of a padded [num_rows, H] GPU buffer that no pair maps to
-    (one Triton launch over the row blocks); returns `buf`."""
-    from . import kernels
-    h = buf.shape[1]
-    if plan.num_row_blocks == 0 or h == 0:
-        return buf
-    block_h = min(256, 1 << max(0, (h - 1).bit_length()))
-    kernels.get("zero_padding_rows_kernel")[(plan.num_row_blocks, -(-h // block_h))](
-        buf, plan.block_expert, plan.tokens_per_expert, plan.expert_row_start, h,
-        buf.stride(0), BLOCK=plan.block_size, BLOCK_H=block_h)
-    return buf
-
-
 def gather_sum_rows(rows: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_j rows[dest[t, j]] for dest [T, k] int64 (GPU, one Triton launch)."""
     from . import kernels
@@ -181,13 +167,18 @@ class _CombineTriton(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         t, k = dest.shape
         h = y.shape[1]
-        # rows no pair maps to (padding) must hold zeros: the FFN backward reads them
-        grad_y = zero_padding_rows(torch.empty_like(y), ctx.plan)
+        # rows no pair maps to (padding) must hold zeros, as the FFN backward reads them:
+        # the kernel's programs past the tokens' write them
+        plan = ctx.plan
+        grad_y = torch.empty_like(y)
         grad_w = torch.empty_like(weights)
         block_h = min(128, 1 << max(0, (h - 1).bit_length()))
-        kernels.get("combine_backward_kernel")[(-(-t // 32),)](
-            grad_out, y, weights, dest, grad_y, grad_w, t, h, k,
-            grad_out.stride(0), y.stride(0), grad_y.stride(0), BLOCK_T=32, BLOCK_H=block_h)
+        num_t = -(-t // 32)
+        kernels.get("combine_backward_kernel")[(num_t + plan.num_row_blocks,)](
+            grad_out, y, weights, dest, grad_y, grad_w, plan.block_expert,
+            plan.tokens_per_expert, plan.expert_row_start, t, h, k,
+            grad_out.stride(0), y.stride(0), grad_y.stride(0), num_t, BLOCK_T=32,
+            BLOCK_H=block_h, BLOCK=plan.block_size)
         return grad_y, grad_w, None, None
 
 

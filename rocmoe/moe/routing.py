@@ -15,7 +15,7 @@ import torch
 from .._triton import sm_count
 from . import blocksparse as bs
 from .permute import (RoutingPlan, check_block_size, gather_sum_rows, padded_rows_bound,
-                      permute_pad, plan_routing, zero_padding_rows)
+                      permute_pad, plan_routing)
 from .topology import Topology, build_topology
 
 
@@ -24,13 +24,13 @@ def _pow2(n: int) -> int:
 
 
 class _ScatterRows(torch.autograd.Function):
-    """Forward: the counting-sort scatter kernel (writes dest rows and the permuted copy) and
-    zeros in the padding rows. Backward: each token's gradient is the sum of its k rows'
+    """Forward: the counting-sort scatter kernel (writes dest rows, the permuted copy and
+    zeros in the padding rows). Backward: each token's gradient is the sum of its k rows'
     gradients (one gather-sum launch)."""
 
     @staticmethod
     def forward(ctx, x, launch, dest, plan):
-        out = zero_padding_rows(x.new_empty(plan.num_rows, x.shape[1]), plan)
+        out = x.new_empty(plan.num_rows, x.shape[1])
         launch(x, out)
         ctx.save_for_backward(dest)
         ctx.top_k = plan.top_k
@@ -83,10 +83,12 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size):
     cols_per_program = -(-col_blocks // splits) * block_h
 
     def launch(src, out):
-        kernels.get("scatter_rows_kernel")[(num_chunks, -(-hidden // cols_per_program))](
-            flat, chunk_base, row_start, dest, src, out, n, e, hidden, top_k,
-            src.stride(0), out.stride(0), cols_per_program,
-            CHUNK=chunk, E_POW2=e_pow2, BLOCK_H=block_h, COPY=True)
+        # programs past the chunks zero the padding rows, one per row block
+        grid = (num_chunks + num_rb, -(-hidden // cols_per_program))
+        kernels.get("scatter_rows_kernel")[grid](
+            flat, chunk_base, row_start, dest, src, out, block_expert, counts, n, e, hidden,
+            top_k, src.stride(0), out.stride(0), cols_per_program, num_chunks,
+            CHUNK=chunk, E_POW2=e_pow2, BLOCK_H=block_h, COPY=True, BLOCK=block)
 
     x = x if x.stride(1) == 1 else x.contiguous()
     plan = RoutingPlan(num_tokens=num_tokens, top_k=top_k, num_experts=e, block_size=block,

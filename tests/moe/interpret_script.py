@@ -157,24 +157,47 @@ CHECKS["combine"] = combine_kernels_equal_torch_ops
 
 
 def padding_rows_and_gather_sum_kernels():
-    # zero_padding_rows zeroes exactly the rows no pair maps to (tails of experts' last
-    # blocks, whole blocks past the count, an idle expert) and leaves the pairs' rows alone;
-    # gather_sum_rows (the permutation's backward) sums each token's k rows.
-    from rocmoe.moe import plan_routing
-    from rocmoe.moe.permute import gather_sum_rows, zero_padding_rows
+    # The scatter kernel (permuted tokens) and the combine backward (row gradients) zero
+    # exactly the rows no pair maps to (tails of experts' last blocks, whole blocks past the
+    # count, an idle expert) in buffers that start as garbage, and leave the pairs' rows
+    # alone; gather_sum_rows (the permutation's backward) sums each token's k rows.
+    from rocmoe.moe import plan_routing, route_and_permute, unpermute_combine
+    from rocmoe.moe.permute import gather_sum_rows
+    real_new_empty, real_empty_like = torch.Tensor.new_empty, torch.empty_like
+
+    def nan_new_empty(self, *a, **k):
+        t = real_new_empty(self, *a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    def nan_empty_like(*a, **k):
+        t = real_empty_like(*a, **k)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.Tensor.new_empty, torch.empty_like = nan_new_empty, nan_empty_like
     g = torch.Generator().manual_seed(5)
-    for t, k, e, block, hdim in [(37, 2, 5, 16, 40), (70, 3, 6, 32, 300), (1, 1, 3, 16, 8)]:
-        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(torch.int32)
-        ids[ids == 1] = 0  # expert 1 idle
-        plan = plan_routing(ids, e, block)
-        buf = torch.full((plan.num_rows, hdim), float("nan"))
-        zero_padding_rows(buf, plan)
-        used = torch.zeros(plan.num_rows, dtype=torch.bool)
-        used[plan.dest_row.reshape(-1)] = True
-        assert torch.isnan(buf[used]).all() and (buf[~used] == 0).all(), (t, k, e)
-        rows = torch.randn(plan.num_rows, hdim, generator=g)
-        expect = sum(rows[plan.dest_row[:, j]] for j in range(k))
-        torch.testing.assert_close(gather_sum_rows(rows, plan.dest_row), expect)
+    try:
+        bs.set_backend("triton")
+        for t, k, e, block, hdim in [(37, 2, 5, 16, 40), (70, 3, 6, 32, 300), (1, 1, 3, 16, 8)]:
+            ids = torch.stack([torch.randperm(e, generator=g)[:k]
+                               for _ in range(t)]).to(torch.int32)
+            ids[ids == 1] = 0  # expert 1 idle
+            x = torch.randn(t, hdim, generator=g)
+            plan, _, xp = route_and_permute(x, ids, e, block, 2 * block)
+            used = torch.zeros(plan.num_rows, dtype=torch.bool)
+            used[plan.dest_row.reshape(-1)] = True
+            assert (xp[~used] == 0).all() and not torch.isnan(xp).any(), (t, k, e)
+            y = torch.randn(plan.num_rows, hdim, generator=g, requires_grad=True)
+            w = torch.rand(t, k, generator=g)
+            gy, = torch.autograd.grad(unpermute_combine(y, w, plan), y,
+                                      torch.randn(t, hdim, generator=g))
+            assert (gy[~used] == 0).all() and not torch.isnan(gy).any(), (t, k, e)
+            rows = torch.randn(plan.num_rows, hdim, generator=g)
+            expect = sum(rows[plan.dest_row[:, j]] for j in range(k))
+            torch.testing.assert_close(gather_sum_rows(rows, plan.dest_row), expect)
+            assert plan_routing(ids, e, block).num_rows == plan.num_rows
+    finally:
+        torch.Tensor.new_empty, torch.empty_like = real_new_empty, real_empty_like
+        bs.set_backend("auto")
 
 
 CHECKS["padding_rows"] = padding_rows_and_gather_sum_kernels
