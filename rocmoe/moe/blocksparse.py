@@ -15,6 +15,11 @@ DDSᵀ     D = W @ Sᵀ                                   W [E, M, F] -> [M, P]
 
 On CUDA/ROCm tensors the Triton kernels run; elsewhere a torch implementation that walks
 the same topology indices (COO rows, BCSR columns, CSC transpose) gives the reference.
+
+Padding rows, the rows of a row block past its real tokens (``Topology.block_rows``, set on
+every topology the routing builds), must be zero in the operands: the kernels skip them
+where that saves work (config key ``tail``), so other values there give unspecified results.
+The layer's permuted tokens, activations and gradients always have them zero.
 """
 
 from __future__ import annotations

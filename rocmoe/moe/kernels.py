@@ -13,6 +13,12 @@ CSC view is expert-major, column-major inside an expert. So a program finds its 
 with at most one index load, and the K loops walk memory linearly, with no index loads
 inside the loop (which would stall the software pipeline).
 
+Padding rows (past a row block's real token rows, ``Topology.block_rows``) are zero in every
+operand the layer passes, so the kernels may skip them: SDD and DSD compute a row block with
+at most B/2 real rows as its top half (``TAIL``), DSᵀD reduces over an expert's real rows
+(``TRIM_K``). DSᵀD runs persistent by default (``dstd_persistent_kernel``): one flat,
+software-pipelined loop over the k steps of all of a program's tiles.
+
 Activations can be fused: DSD and DSᵀD apply ``ACT`` to the sparse operand as they load it
 (so the forward never writes act(h)), and SDD can multiply its result by ``act'(h)`` in the
 epilogue (which turns dL/d act(h) into dL/dh in the same pass).
