@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before triton is imported (triton.language's own he
 wrapped at import time), so these run in a fresh process: ``python interpret_script.py NAME``.
 """
 
+import contextlib
 import os
 import sys
 
@@ -32,6 +33,29 @@ def _real_blocks(s, topo):
     """Block values [nnz, B, B] with the padding rows of every block zeroed."""
     rows = torch.arange(topo.block_size).view(1, -1) < topo.block_rows.view(-1, 1).long()
     return s * rows[topo.row_indices.long()].unsqueeze(-1).to(s.dtype)
+
+
+@contextlib.contextmanager
+def _with_descriptors(config_keys):
+    """Run with the descriptor (TMA) kernel variants under the interpreter, record the names
+    of the kernels launched (the yielded list), and restore the kernel config keys after."""
+    from rocmoe.moe import kernels
+    bs.TMA_IN_INTERPRETER = True
+    launched = []
+    real_get = kernels.get
+
+    def recording_get(name):
+        launched.append(name)
+        return real_get(name)
+
+    kernels.get = recording_get
+    before = {k: bs.KERNEL_CONFIG[k] for k in config_keys}
+    try:
+        yield launched
+    finally:
+        kernels.get = real_get
+        bs.TMA_IN_INTERPRETER = False
+        bs.set_kernel_config(**before)
 
 
 def _both(fn):
@@ -265,18 +289,7 @@ def dstd_store_and_persistent_variants_equal_torch_path():
     # transposed view as [E*N, F]) and its persistent flat loop (several tiles per program,
     # a variable number of k steps per tile, an expert with no tokens whose tile must still
     # be written as zeros), under the interpreter with descriptors.
-    from rocmoe.moe import kernels
-    bs.TMA_IN_INTERPRETER = True
-    launched = []
-    real_get = kernels.get
-
-    def recording_get(name):
-        launched.append(name)
-        return real_get(name)
-
-    kernels.get = recording_get
-    before = {k: bs.KERNEL_CONFIG[k] for k in ("block_n", "block_k") + bs.OPS}
-    try:
+    with _with_descriptors(("block_n", "block_k") + bs.OPS) as launched:
         g = torch.Generator().manual_seed(3)
         # expert 1 gets no tokens; expert 0 gets three row blocks, expert 2 one
         ids = torch.tensor([[0, 2]] * 9 + [[0, 3]] * 30 + [[3, 2]] * 4, dtype=torch.int32)
@@ -301,10 +314,6 @@ def dstd_store_and_persistent_variants_equal_torch_path():
             bs.set_backend("auto")
             torch.testing.assert_close(outs[1].float(), outs[0].float(), **tol)
         assert "dstd_persistent_kernel" in launched and "dstd_kernel" in launched
-    finally:
-        kernels.get = real_get
-        bs.TMA_IN_INTERPRETER = False
-        bs.set_kernel_config(**before)
 
 
 CHECKS["dstd_variants"] = dstd_store_and_persistent_variants_equal_torch_path
@@ -315,18 +324,7 @@ def sdd_persistent_equals_torch_path():
     # must come out as zeros) with every epilogue: plain, the forward's act/act' store, the
     # backward's act'(h) scale, act' from h, act alone; W as stored and
     # transposed (W_T).
-    from rocmoe.moe import kernels
-    bs.TMA_IN_INTERPRETER = True
-    launched = []
-    real_get = kernels.get
-
-    def recording_get(name):
-        launched.append(name)
-        return real_get(name)
-
-    kernels.get = recording_get
-    before = {k: bs.KERNEL_CONFIG[k] for k in ("block_n", "block_k", "preload_scale") + bs.OPS}
-    try:
+    with _with_descriptors(("block_n", "block_k", "preload_scale") + bs.OPS) as launched:
         topo, g = _topo(16, 32, e=4, t=29)
         assert int(topo.num_valid_blocks) < topo.num_row_blocks  # padding row blocks
         dt = torch.float16
@@ -356,10 +354,6 @@ def sdd_persistent_equals_torch_path():
                 torch.testing.assert_close(got.float(), ref.float(), **tol)
                 torch.testing.assert_close(acts[1].float(), acts[0].float(), **tol)
         assert "sdd_persistent_kernel" in launched and "sdd_kernel" not in launched
-    finally:
-        kernels.get = real_get
-        bs.TMA_IN_INTERPRETER = False
-        bs.set_kernel_config(**before)
 
 
 CHECKS["sdd_persistent"] = sdd_persistent_equals_torch_path
