@@ -665,13 +665,13 @@ def aot_routing_signatures() -> dict[str, dict[str, str]]:
                                BLOCK_T=c, BLOCK_H=c, WEIGHTED=c),
         "combine_backward_kernel": dict(g_ptr="*bf16", y_ptr="*bf16", w_ptr="*bf16",
                                         dest_ptr="*i64", grad_y_ptr="*bf16",
-                                        grad_w_ptr="*bf16", block_expert_ptr=i, counts_ptr=i,
-                                        row_start_ptr=i, T="i32", H="i32", top_k="i32",
+                                        grad_w_ptr="*bf16", block_rows_ptr=i, T="i32",
+                                        H="i32", top_k="i32",
                                         stride_g="i32", stride_y="i32", stride_gy="i32",
                                         num_t="i32", BLOCK_T=c, BLOCK_H=c, BLOCK=c),
         "scatter_rows_kernel": dict(ids_ptr=i, chunk_base_ptr=i, row_start_ptr=i,
                                     dest_ptr="*i64", x_ptr="*bf16", out_ptr="*bf16",
-                                    block_expert_ptr=i, counts_ptr=i, N="i32", E="i32",
+                                    block_rows_ptr=i, N="i32", E="i32",
                                     H="i32", top_k="i32", stride_x="i32", stride_o="i32",
                                     cols_per_program="i32", num_chunks="i32", CHUNK=c,
                                     E_POW2=c, BLOCK_H=c, COPY=c, BLOCK=c),
@@ -796,7 +796,7 @@ def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scr
 
 @_kernel
 def scatter_rows_kernel(ids_ptr, chunk_base_ptr, row_start_ptr, dest_ptr, x_ptr, out_ptr,
-                        block_expert_ptr, counts_ptr,
+                        block_rows_ptr,
                         N, E, H, top_k, stride_x, stride_o, cols_per_program, num_chunks,
                         CHUNK: tl.constexpr, E_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
                         COPY: tl.constexpr, BLOCK: tl.constexpr):
@@ -809,8 +809,8 @@ def scatter_rows_kernel(ids_ptr, chunk_base_ptr, row_start_ptr, dest_ptr, x_ptr,
     if COPY and pid >= num_chunks:
         h_start = pid_h * cols_per_program
         _zero_padding_block(out_ptr, pid - num_chunks, h_start,
-                            tl.minimum(h_start + cols_per_program, H), block_expert_ptr,
-                            counts_ptr, row_start_ptr, stride_o, BLOCK, BLOCK_H)
+                            tl.minimum(h_start + cols_per_program, H), block_rows_ptr,
+                            stride_o, BLOCK, BLOCK_H)
     else:
         offs = pid * CHUNK + tl.arange(0, CHUNK)
         ok = offs < N
@@ -869,15 +869,14 @@ def combine_kernel(y_ptr, w_ptr, dest_ptr, out_ptr, T, H, top_k,
 
 @_kernel
 def combine_backward_kernel(g_ptr, y_ptr, w_ptr, dest_ptr, grad_y_ptr, grad_w_ptr,
-                            block_expert_ptr, counts_ptr, row_start_ptr,
-                            T, H, top_k, stride_g, stride_y, stride_gy, num_t,
+                            block_rows_ptr, T, H, top_k, stride_g, stride_y, stride_gy, num_t,
                             BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
     # programs num_t + rb zero the padding rows of row block rb of grad_y (the FFN backward
     # reads them)
     pid_t = tl.program_id(0)
     if pid_t >= num_t:
-        _zero_padding_block(grad_y_ptr, pid_t - num_t, 0, H, block_expert_ptr, counts_ptr,
-                            row_start_ptr, stride_gy, BLOCK, BLOCK_H)
+        _zero_padding_block(grad_y_ptr, pid_t - num_t, 0, H, block_rows_ptr, stride_gy,
+                            BLOCK, BLOCK_H)
     else:
         t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < T
@@ -899,18 +898,15 @@ def combine_backward_kernel(g_ptr, y_ptr, w_ptr, dest_ptr, grad_y_ptr, grad_w_pt
 
 
 @triton.jit
-def _zero_padding_block(out_ptr, rb, h_start, h_end, block_expert_ptr, counts_ptr,
-                        row_start_ptr, stride_o, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+def _zero_padding_block(out_ptr, rb, h_start, h_end, block_rows_ptr, stride_o,
+                        BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
     """Zero columns [h_start, h_end) of the rows of row block rb that no (token, slot) pair
-    maps to: the tail of an expert's last block, and whole blocks past the real count.
-    The padded buffers are written by the pairs' kernels, which run extra programs that
-    call this, so a buffer costs no zero fill of its own (a third of the rows are padding
-    on the 8192-token benchmark shapes) and no launch of its own (the small layers are
-    launch-bound)."""
-    e = tl.load(block_expert_ptr + rb)
-    e_safe = tl.maximum(e, 0)
-    real = tl.load(counts_ptr + e_safe) - (rb * BLOCK - tl.load(row_start_ptr + e_safe))
-    real = tl.where(e >= 0, tl.minimum(tl.maximum(real, 0), BLOCK), 0)
+    maps to (from its real rows, block_rows[rb]): the tail of an expert's last block, and
+    whole blocks past the real count. The padded buffers are written by the pairs' kernels,
+    which run extra programs that call this, so a buffer costs no zero fill of its own (a
+    third of the rows are padding on the 8192-token benchmark shapes) and no launch of its
+    own (the small layers are launch-bound)."""
+    real = tl.load(block_rows_ptr + rb)
     rows = tl.arange(0, BLOCK)
     row_ptrs = out_ptr + (rb.to(tl.int64) * BLOCK + rows)[:, None] * stride_o
     zero = tl.zeros((BLOCK, BLOCK_H), dtype=out_ptr.dtype.element_ty)

@@ -50,7 +50,8 @@ class RoutingPlan:
     dest_row: torch.Tensor          # [T, k] int64: padded row of each pair
     block_expert: torch.Tensor      # [num_rows // block] int32, -1 for blocks past the end
     num_valid_blocks: torch.Tensor  # [1] int32
-    expert_row_start: torch.Tensor  # [E] int32: each expert's first padded row
+    block_rows: torch.Tensor        # [num_rows // block] int32: real (pair) rows of each
+                                    # row block, 0 past the end; the rest is padding
 
     @property
     def num_row_blocks(self) -> int:
@@ -87,6 +88,12 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int, block_size: int,
     block_ids = torch.arange(num_blocks, device=device)
     owner = torch.searchsorted(block_ends, block_ids, right=True)
     block_expert = torch.where(owner < num_experts, owner, torch.full_like(owner, -1))
+    # real rows of each block: its expert's count less the rows of the expert's earlier blocks
+    owner_safe = owner.clamp(max=max(num_experts - 1, 0))
+    real = counts64[owner_safe] - (block_ids * block_size - padded_starts[owner_safe]) \
+        if num_experts > 0 else torch.zeros_like(block_ids)
+    block_rows = torch.where(owner < num_experts, real.clamp(0, block_size),
+                             torch.zeros_like(real))
     num_valid = block_ends[-1:].to(torch.int32) if num_experts > 0 else \
         torch.zeros(1, dtype=torch.int32, device=device)
     return RoutingPlan(num_tokens=num_tokens, top_k=top_k, num_experts=num_experts,
@@ -94,7 +101,7 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int, block_size: int,
                        dest_row=dest.view(num_tokens, top_k),
                        block_expert=block_expert.to(torch.int32),
                        num_valid_blocks=num_valid,
-                       expert_row_start=padded_starts.to(torch.int32))
+                       block_rows=block_rows.to(torch.int32))
 
 
 class _PermutePad(torch.autograd.Function):
@@ -175,8 +182,7 @@ class _CombineTriton(torch.autograd.Function):
         block_h = min(128, 1 << max(0, (h - 1).bit_length()))
         num_t = -(-t // 32)
         kernels.get("combine_backward_kernel")[(num_t + plan.num_row_blocks,)](
-            grad_out, y, weights, dest, grad_y, grad_w, plan.block_expert,
-            plan.tokens_per_expert, plan.expert_row_start, t, h, k,
+            grad_out, y, weights, dest, grad_y, grad_w, plan.block_rows, t, h, k,
             grad_out.stride(0), y.stride(0), grad_y.stride(0), num_t, BLOCK_T=32,
             BLOCK_H=block_h, BLOCK=plan.block_size)
         return grad_y, grad_w, None, None

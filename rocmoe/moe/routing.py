@@ -86,15 +86,14 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size):
         # programs past the chunks zero the padding rows, one per row block
         grid = (num_chunks + num_rb, -(-hidden // cols_per_program))
         kernels.get("scatter_rows_kernel")[grid](
-            flat, chunk_base, row_start, dest, src, out, block_expert, counts, n, e, hidden,
-            top_k, src.stride(0), out.stride(0), cols_per_program, num_chunks,
+            flat, chunk_base, row_start, dest, src, out, block_rows, n, e, hidden, top_k, src.stride(0), out.stride(0), cols_per_program, num_chunks,
             CHUNK=chunk, E_POW2=e_pow2, BLOCK_H=block_h, COPY=True, BLOCK=block)
 
     x = x if x.stride(1) == 1 else x.contiguous()
     plan = RoutingPlan(num_tokens=num_tokens, top_k=top_k, num_experts=e, block_size=block,
                        num_rows=num_rows, tokens_per_expert=counts,
                        dest_row=dest.view(num_tokens, top_k), block_expert=block_expert,
-                       num_valid_blocks=num_valid, expert_row_start=row_start)
+                       num_valid_blocks=num_valid, block_rows=block_rows)
     x_perm = _ScatterRows.apply(x, launch, dest, plan)
     topo = Topology(block_size=block, num_experts=e, ffn_size=ffn_size, blocks_per_expert=nb,
                     num_row_blocks=num_rb, row_offsets=row_offsets,

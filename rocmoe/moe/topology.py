@@ -93,16 +93,11 @@ def build_topology(plan: RoutingPlan, ffn_size: int) -> Topology:
     sorted_key, transpose_blocks = torch.sort(key, stable=True)
     column_offsets = torch.searchsorted(
         sorted_key, torch.arange(num_cols + 1, device=device, dtype=torch.int32))
-    owner = plan.block_expert.long().clamp(min=0)
-    real = (plan.tokens_per_expert.long()[owner]
-            - (rows.long() * block - plan.expert_row_start.long()[owner]))
-    block_rows = torch.where(plan.block_expert >= 0, real.clamp(0, block),
-                             torch.zeros_like(real)).to(torch.int32)
     return Topology(block_size=block, num_experts=plan.num_experts, ffn_size=ffn_size,
                     blocks_per_expert=nb, num_row_blocks=num_rb, row_offsets=row_offsets,
                     column_indices=column_indices, row_indices=row_indices,
                     column_offsets=column_offsets.to(torch.int32),
                     transpose_blocks=transpose_blocks.to(torch.int32),
                     block_expert=plan.block_expert, num_valid_blocks=plan.num_valid_blocks,
-                    block_rows=block_rows,
+                    block_rows=plan.block_rows,
                     expert_rows=plan.tokens_per_expert.to(torch.int32))

@@ -139,7 +139,7 @@ def routing_kernels_equal_torch_ops():
         got = route_and_permute(x, ids, e, b, f)
         bs.set_backend("auto")
         for name in ("tokens_per_expert", "dest_row", "block_expert", "num_valid_blocks",
-                     "expert_row_start"):
+                     "block_rows"):
             a, c = getattr(ref[0], name), getattr(got[0], name)
             assert torch.equal(a.long(), c.long()), (how, name, a, c)
         for name in ("row_offsets", "column_indices", "row_indices", "column_offsets",
