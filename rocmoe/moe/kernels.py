@@ -119,21 +119,15 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
     pid = tl.program_id(0)
     row_block = pid // num_n
     first, end, valid, expert, f0 = _sdd_tile(pid, col_idx_ptr, nb, num_n, BLOCK, SPLIT)
-    # (the half variant is only compiled with TAIL: a TAIL-less build, such as one whose
-    # loads are descriptors for full blocks only, never references a_half_ptr)
+    half = tl.constexpr(False)  # (a constexpr: without TAIL the half branch is not built)
     if TAIL:
-        if valid & (tl.load(block_rows_ptr + row_block) <= BLOCK // 2):
-            _sdd_rows(BLOCK // 2, row_block, first, end, valid, expert, f0, a_half_ptr, w_ptr,
-                      out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
-                      stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
-                      EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
-                      FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, False)
-        else:
-            _sdd_rows(BLOCK, row_block, first, end, valid, expert, f0, a_ptr, w_ptr,
-                      out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
-                      stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
-                      EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
-                      FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, USE_TMA)
+        half = valid & (tl.load(block_rows_ptr + row_block) <= BLOCK // 2)
+    if half:
+        _sdd_rows(BLOCK // 2, row_block, first, end, valid, expert, f0, a_half_ptr, w_ptr,
+                  out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
+                  stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
+                  EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
+                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, False)
     else:
         _sdd_rows(BLOCK, row_block, first, end, valid, expert, f0, a_ptr, w_ptr,
                   out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
@@ -352,17 +346,14 @@ def dsd_kernel(s_ptr, s_half_ptr, w_ptr, out_ptr, col_idx_ptr, block_rows_ptr,
     first_col = tl.where(first_col >= 0, first_col, 0)
     expert = first_col // nb
     f_first = (first_col % nb) * BLOCK
+    half = tl.constexpr(False)  # (a constexpr: without TAIL the half branch is not built)
     if TAIL:
-        if (num_blocks > 0) & (tl.load(block_rows_ptr + row_block) <= BLOCK // 2):
-            _dsd_rows(BLOCK // 2, row_block, pid_n, start, num_blocks, expert, f_first,
-                      s_half_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
-                      stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
-                      USE_TMA, W_T, False)
-        else:
-            _dsd_rows(BLOCK, row_block, pid_n, start, num_blocks, expert, f_first,
-                      s_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
-                      stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
-                      USE_TMA, W_T, USE_TMA)
+        half = (num_blocks > 0) & (tl.load(block_rows_ptr + row_block) <= BLOCK // 2)
+    if half:
+        _dsd_rows(BLOCK // 2, row_block, pid_n, start, num_blocks, expert, f_first,
+                  s_half_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
+                  stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
+                  USE_TMA, W_T, False)
     else:
         _dsd_rows(BLOCK, row_block, pid_n, start, num_blocks, expert, f_first,
                   s_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
