@@ -22,7 +22,11 @@ means rocmoe is faster), both measured in the same run on the same routing:
 * ``layer_host_time_share``: host (Python + launch) time per layer, measured while launching
   layers back to back, over the layer's time: near 1 means the layer is host-bound.
 
-Times are medians of CUDA-event timings after warm-up. Needs a CUDA/ROCm device.
+Times are medians of CUDA-event timings after warm-up. Each FFN record also carries
+``ours_ms_queued`` / ``baseline_ms_queued`` / ``ratio_queued``: both sides timed again with
+the GPU kept busy by an untimed call ahead of each sample (what a layer inside a model sees;
+the plain figures start every sample from an idle GPU and so include one launch latency).
+Needs a CUDA/ROCm device.
 """
 
 from __future__ import annotations
@@ -249,18 +253,29 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
         fn()
         fn()
     t = interleaved_ms(cases, rounds=reps, calls=1)
-    t_ffn_fwd, t_ffn_fb = t["ours_fwd"], t["ours_fwdbwd"]
-    record("ffn_fwd_vs_dense_matmul", "torch.matmul (same useful FLOPs)", t_ffn_fwd,
-           t["dense_fwd"], ours_tflops=round(useful_fwd / t_ffn_fwd / 1e9, 1),
-           baseline_tflops=round(useful_fwd / t["dense_fwd"] / 1e9, 1))
-    record("ffn_fwdbwd_vs_dense_matmul", "torch.matmul (same useful FLOPs)", t_ffn_fb,
-           t["dense_fwdbwd"], ours_tflops=round(3 * useful_fwd / t_ffn_fb / 1e9, 1),
-           baseline_tflops=round(3 * useful_fwd / t["dense_fwdbwd"] / 1e9, 1))
+    # The same cases again with the GPU kept busy (interleaved_ms's ``queued``): each sample
+    # is enqueued behind an untimed call, as a layer's FFN is behind the routing kernels, so
+    # the launch latency of an idle GPU's first kernel is left out. Reported next to the
+    # idle-start ratio in the same record (``*_queued``), for ours and the baseline alike.
+    tq = interleaved_ms(cases, rounds=reps, calls=1, queued=True)
+
+    def ffn_record(name, baseline, ours, base, flops=None):
+        extra = dict(ours_ms_queued=round(tq[ours], 4), baseline_ms_queued=round(tq[base], 4),
+                     ratio_queued=round(tq[base] / tq[ours], 4))
+        if flops is not None:
+            extra.update(ours_tflops=round(flops / t[ours] / 1e9, 1),
+                         baseline_tflops=round(flops / t[base] / 1e9, 1))
+        record(name, baseline, t[ours], t[base], **extra)
+
+    dense = "torch.matmul (same useful FLOPs)"
+    ffn_record("ffn_fwd_vs_dense_matmul", dense, "ours_fwd", "dense_fwd", useful_fwd)
+    ffn_record("ffn_fwdbwd_vs_dense_matmul", dense, "ours_fwdbwd", "dense_fwdbwd",
+               3 * useful_fwd)
     if "gmm_fwd" in t:
-        record("ffn_fwd_vs_grouped_mm", "torch._grouped_mm + gelu", t_ffn_fwd, t["gmm_fwd"])
+        ffn_record("ffn_fwd_vs_grouped_mm", "torch._grouped_mm + gelu", "ours_fwd", "gmm_fwd")
     if "gmm_fwdbwd" in t:
-        record("ffn_fwdbwd_vs_grouped_mm", "torch._grouped_mm + gelu", t_ffn_fb,
-               t["gmm_fwdbwd"])
+        ffn_record("ffn_fwdbwd_vs_grouped_mm", "torch._grouped_mm + gelu", "ours_fwdbwd",
+                   "gmm_fwdbwd")
     # (the dense and grouped inputs stay alive until the case ends: closures hold them)
 
     # --- whole layer fwd+bwd (router excluded: identical for every layer)

@@ -13,12 +13,17 @@ from typing import Callable
 import torch
 
 
-def interleaved_ms(cases: dict, rounds: int = 10, calls: int = 3) -> dict:
+def interleaved_ms(cases: dict, rounds: int = 10, calls: int = 3, queued: bool = False) -> dict:
     """Median ms per call of each case, timed round-robin: every round times every case once
     (``calls`` back-to-back calls between two events), so a drift of the GPU's clocks over
     the run shifts all cases alike instead of favouring whichever ran first. ``cases`` maps a
     key to ``(setup, fn)``: ``setup()`` runs untimed before each sample (e.g. selecting a
-    kernel configuration). Callers warm every case up first."""
+    kernel configuration). Callers warm every case up first.
+
+    ``queued``: one untimed call is enqueued before the start event, so the timed call finds
+    the GPU busy, as a layer inside a model does: the host's launch latency of the first
+    kernel (tens of microseconds for a Triton launch) is not counted, while gaps where the
+    host falls behind the GPU still are. Without it each sample starts from an idle GPU."""
     samples = {key: [] for key in cases}
     for _ in range(rounds):
         for key, (setup, fn) in cases.items():
@@ -30,6 +35,8 @@ def interleaved_ms(cases: dict, rounds: int = 10, calls: int = 3) -> dict:
                 samples[key].append((time.perf_counter() - t0) * 1e3 / calls)
                 continue
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:
+                fn()
             start.record()
             for _ in range(calls):
                 fn()

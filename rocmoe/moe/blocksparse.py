@@ -151,33 +151,47 @@ def _dstd_torch(s, b, topo):
 # elsewhere (benchmarks/results/moe_kernels_h200_dstd_variants.jsonl). Over experts of 2048
 # rows or more on average ("dstd_long") a program per tile with 2 stages does best (three
 # programs fit on an SM): +3 to +7 % over 3 stages there, ahead of 128x256 / 8 warps.
+# Over such long experts SDD and DSD also order their tiles by groups of row blocks
+# ("group_m" in "sdd_long" / "dsd_long" / "dsd_wt_long"): the row blocks running side by
+# side then share each weight tile. On the 4-expert shape (32 row blocks per expert, K 4096)
+# the backward SDD gained 13 %, DSD with Wᵀ 5 %; on the 8192-token shapes (2 row blocks per
+# expert, which run side by side anyway) grouping lost 1-5 %
+# (benchmarks/results/moe_kernels_h200_group_m.jsonl).
 KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
                      tma=True, fast_act=True, preload_scale=True, tma_store=False,
-                     persistent=0, tail=True, sdd={},
+                     persistent=0, tail=True, group_m=1, sdd={},
                      dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={},
-                     dstd=dict(persistent=2), dstd_long=dict(num_stages=2))
+                     dstd=dict(persistent=2), sdd_long=dict(group_m=16),
+                     dsd_long=dict(block_n=256, num_warps=8, num_stages=4, group_m=16),
+                     dsd_wt_long=dict(group_m=8), dstd_long=dict(num_stages=2))
 LONG_EXPERT_ROWS = 2048
 if torch.version.hip:
     # CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
     # (Untested on MI-series hardware so far: a starting point, not a tuned choice.)
-    KERNEL_CONFIG.update(block_n=128, num_warps=8, num_stages=2, dsd={}, dstd_long={})
+    KERNEL_CONFIG.update(block_n=128, num_warps=8, num_stages=2, dsd={}, dstd_long={},
+                         dsd_long=dict(group_m=16))
 # "tma": load tiles with the Tensor Memory Accelerator through tensor descriptors where the
 # GPU has one (Hopper and later) and the operands' layout allows (16-byte aligned rows, K and
 # ffn multiples of the tile); elsewhere, and always on AMD, the kernels use pointer loads.
 # "fast_act" (NVIDIA, 16-bit types): the SDD epilogue's sigmoids use tanh.approx (+10 % for
 # the forward SDD that writes GELU and GELU' on the 65536x1024x4096 shape).
 # "preload_scale": the backward SDD loads its act'(h) tile before the K loop, not after.
-# "sdd" / "dsd" / "dsd_wt" / "dstd" / "dstd_long": per-kernel overrides of the tile keys,
-# e.g. {"dstd": {"block_n": 256, "num_warps": 8}}; each overrides the global keys on its own.
+# "sdd" / "dsd" / "dsd_wt" / "dstd": per-kernel overrides of the tile keys, e.g.
+# {"dstd": {"block_n": 256, "num_warps": 8}}; each overrides the global keys on its own.
+# "sdd_long" / "dsd_long" / "dsd_wt_long" / "dstd_long": the same kernel's overrides, used
+# instead where the experts average LONG_EXPERT_ROWS rows or more (long_experts).
 # "tma_store" (DSᵀD, with TMA loads): the output tile goes out through a tensor descriptor.
 # "persistent" (SDD and DSᵀD, with TMA loads): 0 launches a program per output tile; k > 0
 # launches k programs per SM that loop over the tiles in one flat, software-pipelined loop.
 # "tail": skip padding rows where the topology knows the real ones: SDD and DSD compute
 # only the top half of a row block with at most B/2 real rows; DSᵀD reduces over an
 # expert's real rows (rounded up to block_k), not its whole last block.
+# "group_m" (SDD and DSD): launch order of the output tiles; 1 walks a row block's column
+# tiles before the next row block's, g > 1 lets g row blocks take each column tile in turn
+# (they then share the weight tile in L2: see kernels._grouped_tile).
 TILE_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "tma", "fast_act", "preload_scale",
-             "tma_store", "persistent", "tail")
-OPS = ("sdd", "dsd", "dsd_wt", "dstd", "dstd_long")
+             "tma_store", "persistent", "tail", "group_m")
+OPS = ("sdd", "dsd", "dsd_wt", "dstd", "sdd_long", "dsd_long", "dsd_wt_long", "dstd_long")
 
 
 def set_kernel_config(**kw) -> None:
@@ -193,14 +207,26 @@ def set_kernel_config(**kw) -> None:
             if not isinstance(kw[op], dict) or set(kw[op]) - set(TILE_KEYS):
                 raise ConfigurationError(f"kernel config {op!r} must be a dict of "
                                          f"{list(TILE_KEYS)}, got {kw[op]!r}")
+    for g in [kw.get("group_m", 1)] + [kw[op].get("group_m", 1) for op in OPS if op in kw]:
+        if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+            raise ConfigurationError(f"kernel config group_m must be an int >= 1, got {g!r}")
     KERNEL_CONFIG.update(kw)
 
 
-def op_config(op: str) -> dict:
-    """The tile keys for one kernel: the global ones with that kernel's overrides on top."""
+def op_config(op: str, topo=None) -> dict:
+    """The tile keys for one kernel: the global ones with that kernel's overrides on top
+    (its "_long" overrides where `topo`'s experts are long)."""
+    if topo is not None and long_experts(topo):
+        op += "_long"
     cfg = {k: KERNEL_CONFIG[k] for k in TILE_KEYS}
     cfg.update(KERNEL_CONFIG.get(op) or {})
     return cfg
+
+
+def long_experts(topo) -> bool:
+    """Whether the experts average LONG_EXPERT_ROWS rows or more (from the static padded
+    row count: no device read)."""
+    return topo.num_rows >= LONG_EXPERT_ROWS * max(topo.num_experts, 1)
 
 
 if os.environ.get("ROCMOE_MOE_KERNEL_CONFIG"):
@@ -302,7 +328,7 @@ def _sdd_split(b: int, nb: int, cfg: dict) -> int:
 def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
                 act_only=False):
     from . import kernels
-    cfg = op_config("sdd")
+    cfg = op_config("sdd", topo)
     b = topo.block_size
     out = torch.empty(topo.nnz, b, b, device=a.device, dtype=a.dtype)
     if topo.nnz == 0:
@@ -338,21 +364,22 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
         epilogue.pop("PRELOAD_SCALE")  # (the persistent kernel reads the scale late)
         kernels.get("sdd_persistent_kernel")[(grid,)](
             a_arg, w_arg, out, h, act_out, topo.column_indices, k, f, nb, num_n, num_tiles,
-            BLOCK=b, SPLIT=split, BLOCK_K=bk, **epilogue, **_launch(b, stages, cfg))
+            BLOCK=b, SPLIT=split, BLOCK_K=bk, GROUP_M=cfg["group_m"], **epilogue,
+            **_launch(b, stages, cfg))
         return out
     kernels.get("sdd_kernel")[(num_tiles,)](
         a_arg, a_half, w_arg, out, h, act_out, topo.column_indices,
         topo.block_rows if tail else topo.column_indices, k, f, nb, num_n,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f, USE_TMA=tma,
-        TAIL=tail, **epilogue, **_launch(b, stages, cfg))
+        TAIL=tail, GROUP_M=cfg["group_m"], **epilogue, **_launch(b, stages, cfg))
     return out
 
 
 def _dsd_triton(s, w, topo, act="none"):
     from . import kernels
     # W read transposed (unit stride along F: the backward's W1ᵀ) has its own tiles
-    cfg = op_config("dsd_wt" if w.stride(1) == 1 and w.stride(2) != 1 else "dsd")
+    cfg = op_config("dsd_wt" if w.stride(1) == 1 and w.stride(2) != 1 else "dsd", topo)
     b = topo.block_size
     n = w.shape[2]
     out = torch.empty(topo.num_rows, n, device=s.device, dtype=s.dtype)
@@ -375,15 +402,13 @@ def _dsd_triton(s, w, topo, act="none"):
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_F=f % b == 0,
         EVEN_N=n % bn == 0, ACT=ACT_CODES[act], USE_TMA=tma, W_T=w_t, TAIL=tail,
-        **_launch(b, stages, cfg))
+        GROUP_M=cfg["group_m"], **_launch(b, stages, cfg))
     return out
 
 
 def _dstd_triton(s, b_dense, topo, act="none", out=None):
     from . import kernels
-    # (rows per expert from the static padded row count: no device read)
-    long_k = topo.num_rows >= LONG_EXPERT_ROWS * max(topo.num_experts, 1)
-    cfg = op_config("dstd_long" if long_k else "dstd")
+    cfg = op_config("dstd", topo)
     b = topo.block_size
     n = b_dense.shape[1]
     if out is None:

@@ -87,6 +87,25 @@ def _activate_grad(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
     return d
 
 
+@triton.jit
+def _grouped_tile(t, num_rows, num_n, GROUP_M: tl.constexpr):
+    """(row block, column tile) of output tile t in launch order. GROUP_M = 1: a row block's
+    column tiles one after another. GROUP_M > 1: GROUP_M row blocks take each column tile in
+    turn, so the programs running side by side share a weight tile (one HBM read, L2 hits
+    for the others) where a row-major order streams every weight tile once per row block:
+    an expert of many row blocks with a long K (the 4-expert shape's SDD) is bound by that
+    weight traffic."""
+    if GROUP_M == 1:
+        row, n = t // num_n, t % num_n
+    else:
+        per_group = GROUP_M * num_n
+        first = (t // per_group) * GROUP_M
+        size = tl.minimum(num_rows - first, GROUP_M)
+        r = t % per_group
+        row, n = first + r % size, r // size
+    return row, n
+
+
 @_kernel
 def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
                block_rows_ptr, K, F, nb, num_n,
@@ -97,7 +116,8 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
                EPILOGUE_STORE_ACT: tl.constexpr, EPILOGUE_SCALE: tl.constexpr,
                USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False,
                FAST_ACT: tl.constexpr = False, PRELOAD_SCALE: tl.constexpr = False,
-               EPILOGUE_ACT: tl.constexpr = 0, TAIL: tl.constexpr = False):
+               EPILOGUE_ACT: tl.constexpr = 0, TAIL: tl.constexpr = False,
+               GROUP_M: tl.constexpr = 1):
     # out[blk] = a[rows of row block r] @ w[e, :, cols of blk] for SPLIT consecutive blocks blk
     # of row r (a B x SPLIT*B tile per program: wider tiles feed the matrix units better).
     # With EPILOGUE_ACT_GRAD: out[blk] *= act'(h[blk]).
@@ -116,9 +136,10 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
     # TAIL: a row block with at most B/2 real rows (block_rows_ptr: real rows per row block),
     # typically an expert's last, is computed as its top half only, with zeros stored below:
     # with 128-row blocks and ~256 tokens per expert that is a tenth of all the rows.
-    pid = tl.program_id(0)
-    row_block = pid // num_n
-    first, end, valid, expert, f0 = _sdd_tile(pid, col_idx_ptr, nb, num_n, BLOCK, SPLIT)
+    # GROUP_M: the launch order of the tiles (see _grouped_tile).
+    row_block, n_idx = _grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n,
+                                     GROUP_M)
+    first, end, valid, expert, f0 = _sdd_tile(row_block, n_idx, col_idx_ptr, nb, BLOCK, SPLIT)
     half = tl.constexpr(False)  # (a constexpr: without TAIL the half branch is not built)
     if TAIL:
         half = valid & (tl.load(block_rows_ptr + row_block) <= BLOCK // 2)
@@ -205,12 +226,11 @@ def _sdd_rows(BM: tl.constexpr, row_block, first, end, valid, expert, f0, a_ptr,
 
 
 @triton.jit
-def _sdd_tile(tile, col_idx_ptr, nb, num_n, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
-    """SDD output tile `tile`: (first block, end of its row's blocks, whether it holds real
-    rows, expert, first ffn column)."""
-    row_block = tile // num_n
+def _sdd_tile(row_block, n_idx, col_idx_ptr, nb, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    """SDD output tile (row block, column tile n_idx): (first block, end of its row's blocks,
+    whether it holds real rows, expert, first ffn column)."""
     # row r's blocks are r*nb ... r*nb + nb - 1 (row_offsets = r * nb): no index load
-    first = row_block * nb + (tile % num_n) * SPLIT
+    first = row_block * nb + n_idx * SPLIT
     end = (row_block + 1) * nb
     col = tl.load(col_idx_ptr + first)
     valid = col >= 0
@@ -265,7 +285,7 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
                           EPILOGUE_ACT_GRAD: tl.constexpr, EPILOGUE_STORE_ACT: tl.constexpr,
                           EPILOGUE_SCALE: tl.constexpr, W_T: tl.constexpr = False,
                           FAST_ACT: tl.constexpr = False, EPILOGUE_ACT: tl.constexpr = 0,
-                          COUNT_TILE: tl.constexpr = 64):
+                          COUNT_TILE: tl.constexpr = 64, GROUP_M: tl.constexpr = 1):
     # SDD as sdd_kernel computes it (tensor-descriptor operands, K a multiple of BLOCK_K),
     # by a few programs per SM that take the tiles pid, pid + grid, ... in one flat loop over
     # all their k steps, as dstd_persistent_kernel does: SDD's K is the hidden size, 8-16
@@ -279,10 +299,12 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
     for t0 in range(pid, num_tiles, grid * COUNT_TILE):
         t = t0 + tl.arange(0, COUNT_TILE) * grid
         ok = t < num_tiles
-        first = (t // num_n) * nb + (t % num_n) * SPLIT
+        t_row, t_n = _grouped_tile(t, num_tiles // num_n, num_n, GROUP_M)
+        first = t_row * nb + t_n * SPLIT
         col = tl.load(col_idx_ptr + first, mask=ok, other=-1)
         total += tl.sum(tl.where(ok, tl.where(col >= 0, k_full, 1), 0))
     tile = pid - grid
+    row_block = 0
     ki = -1
     k_steps = 0
     first = 0
@@ -295,11 +317,12 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
         ki = tl.where(ki == k_steps - 1, 0, ki + 1)
         if ki == 0:
             tile += grid
-            first, end, valid, expert, f0 = _sdd_tile(tile, col_idx_ptr, nb, num_n, BLOCK,
-                                                      SPLIT)
+            row_block, n_idx = _grouped_tile(tile, num_tiles // num_n, num_n, GROUP_M)
+            first, end, valid, expert, f0 = _sdd_tile(row_block, n_idx, col_idx_ptr, nb,
+                                                      BLOCK, SPLIT)
             k_steps = tl.where(valid, k_full, 1)
         k = ki * BLOCK_K
-        a = a_ptr.load([(tile // num_n) * BLOCK, k])
+        a = a_ptr.load([row_block * BLOCK, k])
         if W_T:
             w = tl.trans(w_ptr.load([expert * F + f0, k]))
         else:
@@ -324,7 +347,7 @@ def dsd_kernel(s_ptr, s_half_ptr, w_ptr, out_ptr, col_idx_ptr, block_rows_ptr,
                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_F: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr,
                USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False,
-               TAIL: tl.constexpr = False):
+               TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 1):
     # out[rows of row block r, tile] = sum over blocks of r: act(s[blk]) @ w[e, cols of blk, tile]
     # USE_TMA (Hopper; the launcher checks alignment and EVEN_F): s_ptr describes the values
     # as [nnz*B, B] in [B, BLOCK_K] boxes (s_half_ptr is the values, for TAIL); w_ptr
@@ -333,11 +356,11 @@ def dsd_kernel(s_ptr, s_half_ptr, w_ptr, out_ptr, col_idx_ptr, block_rows_ptr,
     # [BLOCK_N, BLOCK_K] boxes (rows past N belong to the next expert: they only reach output
     # columns the store masks off).
     # Output tiles of one row block are neighbours in launch order, so the row block's
-    # sparse values are read from HBM once and hit L2 for the other N tiles.
+    # sparse values are read from HBM once and hit L2 for the other N tiles; with
+    # GROUP_M > 1, GROUP_M row blocks share each W tile too (see _grouped_tile).
     # TAIL: as in sdd_kernel, a row block with at most B/2 real rows computes its top half.
-    pid = tl.program_id(0)
-    row_block = pid // num_n
-    pid_n = pid % num_n
+    row_block, pid_n = _grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n,
+                                     GROUP_M)
     start = row_block * nb  # row_offsets[r] = r * nb (see the module docstring)
     end = start + nb
     first_col = tl.load(col_idx_ptr + start, mask=start < end, other=-1)
@@ -593,7 +616,7 @@ _CONSTEXPR_DEFAULTS = dict(BLOCK=128, SPLIT=2, BLOCK_N=128, BLOCK_K=64, EVEN_K=T
                            EPILOGUE_SCALE=False, ACT=ACT_NONE, USE_TMA=False, W_T=False,
                            FAST_ACT=False, PRELOAD_SCALE=False, EPILOGUE_ACT=ACT_NONE,
                            TMA_STORE=False, OUT_T=False, COUNT_TILE=64,
-                           TAIL=False, TRIM_K=False)
+                           TAIL=False, TRIM_K=False, GROUP_M=1)
 
 
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
@@ -608,20 +631,21 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
                            stride_wk="i32", stride_wf="i32",
                            BLOCK=c, SPLIT=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c,
                            EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, USE_TMA=c, W_T=c,
-                           FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c, TAIL=c),
+                           FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c, TAIL=c, GROUP_M=c),
         "sdd_persistent_kernel": dict(a_ptr="tensordesc<%s[128, 64]>" % dtype,
                                       w_ptr="tensordesc<%s[64, 256]>" % dtype, out_ptr=p,
                                       h_ptr=p, act_out_ptr=p, col_idx_ptr=i, K="i32",
                                       F="i32", nb="i32", num_n="i32", num_tiles="i32",
                                       BLOCK=c, SPLIT=c, BLOCK_K=c, EPILOGUE_ACT_GRAD=c,
                                       EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, W_T=c,
-                                      FAST_ACT=c, EPILOGUE_ACT=c, COUNT_TILE=c),
+                                      FAST_ACT=c, EPILOGUE_ACT=c, COUNT_TILE=c,
+                                      GROUP_M=c),
         "dsd_kernel": dict(s_ptr=p, s_half_ptr=p, w_ptr=p, out_ptr=p, col_idx_ptr=i,
                            block_rows_ptr=i, N="i32", F="i32", nb="i32", num_n="i32",
                            stride_we="i32", stride_wf="i32", stride_wn="i32", stride_om="i32",
                            stride_on="i32",
                            BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_F=c, EVEN_N=c, ACT=c,
-                           USE_TMA=c, W_T=c, TAIL=c),
+                           USE_TMA=c, W_T=c, TAIL=c, GROUP_M=c),
         "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, expert_rows_ptr=i,
                             N="i32", F="i32", nb="i32", num_n="i32", stride_bm="i32",
                             stride_bn="i32",

@@ -11,9 +11,12 @@ import sys
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from rocmoe.moe import DroplessMoE, build_topology, plan_routing  # noqa: E402
 from rocmoe.moe import blocksparse as bs  # noqa: E402
+from rocmoe.moe.kernels import _grouped_tile  # noqa: E402
 
 
 def _topo(block, ffn, e=3, t=21, k=2, seed=0):
@@ -397,6 +400,65 @@ def tail_blocks_equal_torch_path():
 
 
 CHECKS["tail_blocks"] = tail_blocks_equal_torch_path
+
+
+@triton.jit
+def _grouped_order_kernel(out_ptr, num_n, GROUP_M: tl.constexpr):
+    # each program writes the tile index kernels._grouped_tile gives it
+    row, n = _grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n, GROUP_M)
+    tl.store(out_ptr + tl.program_id(0), row * num_n + n)
+
+
+def grouped_order_equals_torch_path():
+    # group_m > 1 reorders SDD's and DSD's output tiles (several row blocks take each column
+    # tile in turn): the order visits every tile exactly once, also when the row blocks are
+    # not a multiple of the group, and the products, fused FFN and gradients are unchanged,
+    # with pointer loads and with descriptors (plain and persistent SDD).
+    for rows, num_n, group in ((7, 3, 2), (7, 3, 3), (5, 4, 8), (12, 1, 4)):
+        seen = torch.full((rows * num_n,), -1, dtype=torch.int32)
+        _grouped_order_kernel[(rows * num_n,)](seen, num_n, GROUP_M=group)
+        assert sorted(seen.tolist()) == list(range(rows * num_n)), (rows, num_n, group)
+        assert seen.tolist() != list(range(rows * num_n)) or num_n == 1
+
+    g = torch.Generator().manual_seed(5)
+    # five row blocks for expert 0, two for expert 1, one for expert 2, expert 3 idle
+    counts = [70, 20, 9, 0]
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).to(torch.int32)
+    ids = ids[torch.randperm(ids.numel(), generator=g)].view(-1, 1)
+    topo = build_topology(plan_routing(ids, 4, 16), 48)
+    for tma, dt in ((False, torch.float32), (True, torch.float16)):
+        x = _real(torch.randn(topo.num_rows, 32, generator=g), topo).to(dt)
+        w1 = (torch.randn(4, 32, 48, generator=g) / 6).to(dt)
+        w2 = (torch.randn(4, 48, 32, generator=g) / 8).to(dt)
+        gy = _real(torch.randn(topo.num_rows, 32, generator=g), topo).to(dt)
+        tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-2, atol=3e-2)
+        variants = [dict(group_m=3), dict(group_m=2, sdd=dict(block_n=32))]
+        if tma:
+            variants.append(dict(group_m=3, sdd=dict(persistent=2)))
+        for variant in variants:
+            with _with_descriptors(("block_n", "block_k", "group_m") + bs.OPS) as launched:
+                bs.TMA_IN_INTERPRETER = tma
+                bs.set_kernel_config(block_n=16, block_k=16,
+                                     **{op: variant.get(op, {}) for op in bs.OPS},
+                                     group_m=variant["group_m"])
+                results = []
+                for backend in ("torch", "triton"):
+                    bs.set_backend(backend)
+                    acts = torch.full((topo.nnz, 16, 16), float("nan"), dtype=dt)
+                    grads = bs._sdd(x, w1, topo, act="gelu", act_out=acts)
+                    xg, w1g, w2g = (t.clone().requires_grad_(True) for t in (x, w1, w2))
+                    y = bs.fused_expert_ffn(xg, w1g, w2g, topo, "gelu")
+                    results.append((grads, acts, y)
+                                   + torch.autograd.grad(y, [xg, w1g, w2g], gy))
+                bs.set_backend("auto")
+                for ref, got in zip(*results):
+                    torch.testing.assert_close(got.float(), ref.float(), **tol)
+                want = "sdd_persistent_kernel" if "persistent" in variant.get("sdd", {}) \
+                    else "sdd_kernel"
+                assert want in launched and "dsd_kernel" in launched
+
+
+CHECKS["grouped_order"] = grouped_order_equals_torch_path
 
 
 def inference_forward_equals_torch_path():

@@ -40,6 +40,19 @@ def test_kernel_compiles_with_matrix_instructions(name, fused, target, asm_key, 
     assert instruction in compiled.asm[asm_key], f"{name} for {target} has no {instruction}"
 
 
+@pytest.mark.parametrize("target,asm_key,instruction", TARGETS,
+                         ids=["gfx942", "gfx90a", "sm90"])
+@pytest.mark.parametrize("name", ["sdd_kernel", "dsd_kernel", "sdd_persistent_kernel"])
+def test_grouped_tile_order_compiles_with_matrix_instructions(name, target, asm_key,
+                                                               instruction):
+    # group_m > 1 (row blocks sharing each weight tile) only changes which tile a program
+    # takes: it must build with the matrix units on every target too
+    src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
+                    constexprs=kernels.aot_constexprs(name, GROUP_M=8))
+    compiled = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
+    assert instruction in compiled.asm[asm_key], f"{name} for {target} has no {instruction}"
+
+
 @pytest.mark.parametrize("target", [TARGETS[0][0], TARGETS[2][0]], ids=["gfx942", "sm90"])
 @pytest.mark.parametrize("name", sorted(kernels.aot_routing_signatures()))
 def test_routing_kernel_compiles(name, target):

@@ -158,7 +158,8 @@ def test_fused_ffn_under_no_grad_writes_only_the_activation(monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [dict(blockn=64), dict(act_fusion="both"),
-                                 dict(dsd=dict(block_m=64)), dict(dstd=128)])
+                                 dict(dsd=dict(block_m=64)), dict(dstd=128),
+                                 dict(group_m=0), dict(sdd_long=dict(group_m=2.5))])
 def test_bad_kernel_config_is_rejected_and_changes_nothing(bad):
     from rocmoe.errors import ConfigurationError
     before = dict(bs.KERNEL_CONFIG)
@@ -175,3 +176,19 @@ def test_per_kernel_overrides_apply_to_their_kernel_only():
         assert bs.op_config("sdd")["block_n"] == before["block_n"]
     finally:
         bs.set_kernel_config(**before)
+
+
+def test_long_experts_take_the_long_overrides():
+    # experts averaging LONG_EXPERT_ROWS rows or more: each kernel's "_long" entry applies
+    # (grouped tile order, DSᵀD a program per tile); shorter ones keep the plain entry
+    from rocmoe.moe import build_topology, plan_routing
+    ids = torch.arange(4, dtype=torch.int32).repeat_interleave(bs.LONG_EXPERT_ROWS).view(-1, 1)
+    long_topo = build_topology(plan_routing(ids, 4, 128), 256)
+    short_topo = build_topology(plan_routing(ids[::2], 4, 128), 256)
+    assert bs.long_experts(long_topo) and not bs.long_experts(short_topo)
+    for op in ("sdd", "dsd", "dsd_wt", "dstd"):
+        assert bs.op_config(op, long_topo) == {**{k: bs.KERNEL_CONFIG[k] for k in bs.TILE_KEYS},
+                                               **bs.KERNEL_CONFIG[op + "_long"]}
+        assert bs.op_config(op, short_topo) == bs.op_config(op)
+    assert bs.op_config("sdd", long_topo)["group_m"] > 1
+    assert bs.op_config("sdd", short_topo)["group_m"] == 1
