@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("shape", nargs="?", default="8192,1024,4096,64")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--kernels", action="store_true", help="GPU time per kernel instead")
+    ap.add_argument("--ffn", action="store_true",
+                    help="host and GPU ms of the expert FFN alone (forward, forward+backward)")
     args = ap.parse_args()
     tokens, hidden, ffn, experts = (int(v) for v in args.shape.split(","))
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -42,6 +44,9 @@ def main() -> None:
 
     gpu_ms = time_ms(layer, 7)
     torch.cuda.synchronize()
+    if args.ffn:
+        _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, args.calls)
+        return
     if args.kernels:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as kprof:
@@ -66,6 +71,47 @@ def main() -> None:
     stats = pstats.Stats(prof)
     stats.sort_stats("cumulative").print_stats(35)
     stats.sort_stats("tottime").print_stats(25)
+
+
+def _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, calls):
+    """Host ms per call of the fused expert FFN launched back to back (the GPU runs behind,
+    so this is the Python + launch work alone), the host ms until the call returns on an
+    idle GPU, and the GPU ms per call (events around back-to-back calls)."""
+    _, topo, xp = route_and_permute(x, ids, experts, 128, ffn)
+    xg = xp.detach().requires_grad_(True)
+    g = torch.randn(topo.num_rows, hidden, device=x.device, dtype=x.dtype, generator=gen)
+
+    def fwd():
+        with torch.no_grad():
+            bs.fused_expert_ffn(xp, w1, w2, topo, "gelu")
+
+    def fwdbwd():
+        torch.autograd.grad(bs.fused_expert_ffn(xg, w1, w2, topo, "gelu"), [xg, w1, w2], g)
+
+    for name, fn in (("ffn_fwd", fwd), ("ffn_fwdbwd", fwdbwd)):
+        fn()
+        torch.cuda.synchronize()
+        idle = []
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            idle.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - t0) * 1e3 / calls
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        print(f"{name}: host ms per call {host:.3f} (back to back), "
+              f"{sorted(idle)[len(idle) // 2]:.3f} (from an idle GPU); "
+              f"GPU ms per call {start.elapsed_time(stop) / calls:.3f}")
 
 
 if __name__ == "__main__":
