@@ -156,20 +156,29 @@ def _dstd_torch(s, b, topo):
 # side then share each weight tile. On the 4-expert shape (32 row blocks per expert, K 4096)
 # the backward SDD gained 13 %, DSD with Wᵀ 5 %; on the 8192-token shapes (2 row blocks per
 # expert, which run side by side anyway) grouping lost 1-5 %
-# (benchmarks/results/moe_kernels_h200_group_m.jsonl).
+# (benchmarks/results/moe_kernels_h200_group_m.jsonl). Over long experts DSD with Wᵀ also
+# does better with 128x256 / 8 warps / 3 stages (+10 to +17 % on the 2048- and 4096-row
+# shapes), and so does SDD where its K is DEEP_K or more ("sdd_deep": +10 % for both SDDs
+# on the 4-expert shape, whose K is 4096), while with K 512-1024 the wide tile lost 6-9 %:
+# there the two narrow programs per SM hide each other's epilogue, which a 64-step K loop
+# amortises alone (benchmarks/results/moe_kernels_h200_long_experts.jsonl).
 KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
                      tma=True, fast_act=True, preload_scale=True, tma_store=False,
                      persistent=0, tail=True, group_m=1, sdd={},
                      dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={},
                      dstd=dict(persistent=2), sdd_long=dict(group_m=16),
+                     sdd_deep=dict(block_n=256, num_warps=8, group_m=16),
                      dsd_long=dict(block_n=256, num_warps=8, num_stages=4, group_m=16),
-                     dsd_wt_long=dict(group_m=8), dstd_long=dict(num_stages=2))
+                     dsd_wt_long=dict(block_n=256, num_warps=8, num_stages=3, group_m=8),
+                     dstd_long=dict(num_stages=2))
 LONG_EXPERT_ROWS = 2048
+DEEP_K = 2048
 if torch.version.hip:
     # CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
     # (Untested on MI-series hardware so far: a starting point, not a tuned choice.)
     KERNEL_CONFIG.update(block_n=128, num_warps=8, num_stages=2, dsd={}, dstd_long={},
-                         dsd_long=dict(group_m=16))
+                         dsd_long=dict(group_m=16), dsd_wt_long=dict(group_m=8),
+                         sdd_deep=dict(group_m=16))
 # "tma": load tiles with the Tensor Memory Accelerator through tensor descriptors where the
 # GPU has one (Hopper and later) and the operands' layout allows (16-byte aligned rows, K and
 # ffn multiples of the tile); elsewhere, and always on AMD, the kernels use pointer loads.
@@ -179,7 +188,8 @@ if torch.version.hip:
 # "sdd" / "dsd" / "dsd_wt" / "dstd": per-kernel overrides of the tile keys, e.g.
 # {"dstd": {"block_n": 256, "num_warps": 8}}; each overrides the global keys on its own.
 # "sdd_long" / "dsd_long" / "dsd_wt_long" / "dstd_long": the same kernel's overrides, used
-# instead where the experts average LONG_EXPERT_ROWS rows or more (long_experts).
+# instead where the experts average LONG_EXPERT_ROWS rows or more (long_experts); for SDD
+# over long experts with a K of DEEP_K or more, "sdd_deep".
 # "tma_store" (DSᵀD, with TMA loads): the output tile goes out through a tensor descriptor.
 # "persistent" (SDD and DSᵀD, with TMA loads): 0 launches a program per output tile; k > 0
 # launches k programs per SM that loop over the tiles in one flat, software-pipelined loop.
@@ -191,7 +201,8 @@ if torch.version.hip:
 # (they then share the weight tile in L2: see kernels._grouped_tile).
 TILE_KEYS = ("block_n", "block_k", "num_warps", "num_stages", "tma", "fast_act", "preload_scale",
              "tma_store", "persistent", "tail", "group_m")
-OPS = ("sdd", "dsd", "dsd_wt", "dstd", "sdd_long", "dsd_long", "dsd_wt_long", "dstd_long")
+OPS = ("sdd", "dsd", "dsd_wt", "dstd", "sdd_long", "sdd_deep", "dsd_long", "dsd_wt_long",
+       "dstd_long")
 
 
 def set_kernel_config(**kw) -> None:
@@ -213,11 +224,12 @@ def set_kernel_config(**kw) -> None:
     KERNEL_CONFIG.update(kw)
 
 
-def op_config(op: str, topo=None) -> dict:
+def op_config(op: str, topo=None, k: int = 0) -> dict:
     """The tile keys for one kernel: the global ones with that kernel's overrides on top
-    (its "_long" overrides where `topo`'s experts are long)."""
+    (its "_long" overrides where `topo`'s experts are long; "sdd_deep" for SDD there when
+    its reduction length `k` is DEEP_K or more)."""
     if topo is not None and long_experts(topo):
-        op += "_long"
+        op = "sdd_deep" if op == "sdd" and k >= DEEP_K else op + "_long"
     cfg = {k: KERNEL_CONFIG[k] for k in TILE_KEYS}
     cfg.update(KERNEL_CONFIG.get(op) or {})
     return cfg
@@ -328,7 +340,7 @@ def _sdd_split(b: int, nb: int, cfg: dict) -> int:
 def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
                 act_only=False):
     from . import kernels
-    cfg = op_config("sdd", topo)
+    cfg = op_config("sdd", topo, a.shape[1])
     b = topo.block_size
     out = torch.empty(topo.nnz, b, b, device=a.device, dtype=a.dtype)
     if topo.nnz == 0:

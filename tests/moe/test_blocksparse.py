@@ -192,3 +192,7 @@ def test_long_experts_take_the_long_overrides():
         assert bs.op_config(op, short_topo) == bs.op_config(op)
     assert bs.op_config("sdd", long_topo)["group_m"] > 1
     assert bs.op_config("sdd", short_topo)["group_m"] == 1
+    # SDD with a deep K over long experts: "sdd_deep"; over short experts K changes nothing
+    assert bs.op_config("sdd", long_topo, bs.DEEP_K) == bs.op_config("sdd_deep")
+    assert bs.op_config("sdd", long_topo, bs.DEEP_K - 1) == bs.op_config("sdd_long")
+    assert bs.op_config("sdd", short_topo, bs.DEEP_K) == bs.op_config("sdd")
