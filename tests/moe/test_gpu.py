@@ -178,33 +178,58 @@ def test_gpu_tail_blocks_equal_torch_path():
         assert _rel(got, ref) < 2e-2
 
 
-@pytest.mark.parametrize("group_m", [4, 8])
-def test_gpu_grouped_tile_order_equals_torch_path(group_m):
-    # group_m reorders SDD's and DSD's tiles (row blocks of one expert take each weight tile
-    # in turn): experts of many row blocks, a group that straddles experts, an idle expert;
-    # the fused FFN's output and gradients equal the torch path.
+def _ffn_many_row_blocks(hidden, seed=2):
+    """A topology with experts of many row blocks, a partly filled one and an idle one, with
+    bf16 inputs, weights and output gradient (padding rows zero, as in the layer)."""
     from rocmoe.moe import build_topology, plan_routing
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     counts = [11 * 128 + 5, 3 * 128, 0, 700]
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).to(torch.int32)
     ids = ids[torch.randperm(ids.numel(), generator=g)].view(-1, 1)
     topo = build_topology(plan_routing(ids.cuda(), 4, 128), 512)
     real = (torch.arange(128, device="cuda").view(1, -1) < topo.block_rows.view(-1, 1))
-    x = (torch.randn(topo.num_rows, 256, generator=g).cuda() * real.reshape(-1, 1)).bfloat16()
-    w1 = (torch.randn(4, 256, 512, generator=g) / 16).cuda().bfloat16()
-    w2 = (torch.randn(4, 512, 256, generator=g) / 22).cuda().bfloat16()
-    gy = (torch.randn(topo.num_rows, 256, generator=g).cuda() * real.reshape(-1, 1)).bfloat16()
-    before = bs.KERNEL_CONFIG["group_m"]
+    x = (torch.randn(topo.num_rows, hidden, generator=g).cuda() * real.reshape(-1, 1)).bfloat16()
+    w1 = (torch.randn(4, hidden, 512, generator=g) / hidden ** 0.5).cuda().bfloat16()
+    w2 = (torch.randn(4, 512, hidden, generator=g) / 22).cuda().bfloat16()
+    gy = (torch.randn(topo.num_rows, hidden, generator=g).cuda() * real.reshape(-1, 1)).bfloat16()
+    return topo, x, w1, w2, gy
+
+
+def _ffn_vs_torch_path(topo, x, w1, w2, gy):
+    """Output and gradients of the fused FFN: the torch path (fp32) and the GPU kernels."""
     results = []
+    for backend in ("torch", "auto"):
+        bs.set_backend(backend)
+        args = [t.float() if backend == "torch" else t for t in (x, w1, w2)]
+        args = [t.clone().requires_grad_(True) for t in args]
+        y = bs.fused_expert_ffn(*args, topo, "gelu")
+        grads = torch.autograd.grad(y, args, gy.float() if backend == "torch" else gy)
+        results.append((y,) + grads)
+    bs.set_backend("auto")
+    return results
+
+
+def test_gpu_long_expert_configs_equal_torch_path(monkeypatch):
+    # The "_long" / "sdd_deep" tiles (grouped order, 128x256 SDD and DSD with Wᵀ, DSᵀD a
+    # program per tile), here forced on a small topology with a hidden size of DEEP_K.
+    monkeypatch.setattr(bs, "LONG_EXPERT_ROWS", 1)
+    topo, x, w1, w2, gy = _ffn_many_row_blocks(bs.DEEP_K)
+    assert bs.op_config("sdd", topo, bs.DEEP_K) == bs.op_config("sdd_deep")
+    results = _ffn_vs_torch_path(topo, x, w1, w2, gy)
+    for ref, got in zip(*results):
+        assert _rel(got, ref) < 2e-2
+
+
+@pytest.mark.parametrize("group_m", [4, 8])
+def test_gpu_grouped_tile_order_equals_torch_path(group_m):
+    # group_m reorders SDD's and DSD's tiles (row blocks of one expert take each weight tile
+    # in turn): experts of many row blocks, a group that straddles experts, an idle expert;
+    # the fused FFN's output and gradients equal the torch path.
+    topo, x, w1, w2, gy = _ffn_many_row_blocks(256)
+    before = bs.KERNEL_CONFIG["group_m"]
     try:
         bs.set_kernel_config(group_m=group_m)
-        for backend in ("torch", "auto"):
-            bs.set_backend(backend)
-            args = [t.float() if backend == "torch" else t for t in (x, w1, w2)]
-            args = [t.clone().requires_grad_(True) for t in args]
-            y = bs.fused_expert_ffn(*args, topo, "gelu")
-            grads = torch.autograd.grad(y, args, gy.float() if backend == "torch" else gy)
-            results.append((y,) + grads)
+        results = _ffn_vs_torch_path(topo, x, w1, w2, gy)
     finally:
         bs.set_kernel_config(group_m=before)
         bs.set_backend("auto")
