@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="GPU time per kernel instead")
     ap.add_argument("--ffn", action="store_true",
                     help="host and GPU ms of the expert FFN alone (forward, forward+backward)")
+    ap.add_argument("--trace", action="store_true",
+                    help="with --ffn: when each kernel is launched and runs, from an idle GPU, "
+                         "and the FFN forward's host functions under cProfile")
     args = ap.parse_args()
     tokens, hidden, ffn, experts = (int(v) for v in args.shape.split(","))
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -45,7 +48,8 @@ def main() -> None:
     gpu_ms = time_ms(layer, 7)
     torch.cuda.synchronize()
     if args.ffn:
-        _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, args.calls)
+        _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, args.calls,
+                        args.trace)
         return
     if args.kernels:
         from torch.profiler import ProfilerActivity, profile
@@ -73,7 +77,7 @@ def main() -> None:
     stats.sort_stats("tottime").print_stats(25)
 
 
-def _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, calls):
+def _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, calls, trace=False):
     """Host ms per call of the fused expert FFN launched back to back (the GPU runs behind,
     so this is the Python + launch work alone), the host ms until the call returns on an
     idle GPU, and the GPU ms per call (events around back-to-back calls)."""
@@ -112,6 +116,33 @@ def _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, calls):
         print(f"{name}: host ms per call {host:.3f} (back to back), "
               f"{sorted(idle)[len(idle) // 2]:.3f} (from an idle GPU); "
               f"GPU ms per call {start.elapsed_time(stop) / calls:.3f}")
+        if trace:
+            _trace_one_call(name, fn, calls)
+
+
+def _trace_one_call(name, fn, calls):
+    """Launch and run times (us from the call's start) of every kernel of one call of `fn` on
+    an idle GPU, then the host functions of `calls` calls under cProfile."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type is not None]
+    t0 = min(e.time_range.start for e in events)
+    print(f"--- {name}: one call from an idle GPU (us from the first recorded event)")
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        on_gpu = e.device_type == torch.autograd.DeviceType.CUDA
+        if on_gpu or "Launch" in e.name or "launch" in e.name:
+            print(f"{'GPU ' if on_gpu else 'host'} {e.time_range.start - t0:9.1f} "
+                  f"+{e.time_range.end - e.time_range.start:8.1f}  {e.name[:90]}")
+    stats = cProfile.Profile()
+    stats.enable()
+    for _ in range(calls):
+        fn()
+    stats.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(stats).sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":
