@@ -118,6 +118,34 @@ def _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, calls, tr
               f"GPU ms per call {start.elapsed_time(stop) / calls:.3f}")
         if trace:
             _trace_one_call(name, fn, calls)
+    # the backward alone (forwards recorded first), and the autograd engine's own cost: a
+    # trivial autograd.Function on the same device, forward and backward
+    ys = [bs.fused_expert_ffn(xg, w1, w2, topo, "gelu") for _ in range(calls)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for y in ys:
+        torch.autograd.grad(y, [xg, w1, w2], g)
+    bwd = (time.perf_counter() - t0) * 1e3 / calls
+    del ys
+    torch.cuda.synchronize()
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.view_as(t)
+
+        @staticmethod
+        def backward(ctx, gt):
+            return gt
+
+    small = torch.ones(4, device=x.device, requires_grad=True)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        torch.autograd.grad(Identity.apply(small), [small], torch.ones_like(small))
+    engine = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    print(f"ffn backward alone: host ms per call {bwd:.3f}; "
+          f"trivial autograd.Function fwd+bwd: {engine:.3f}")
 
 
 def _trace_one_call(name, fn, calls):

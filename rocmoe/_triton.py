@@ -8,6 +8,7 @@ tensor descriptors (TMA) and build them with the same alignment checks.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -54,8 +55,14 @@ def tensor_descriptor(base: torch.Tensor, rows: int, cols: int, row_stride: int,
     elsize = base.element_size()
     if rows <= 0 or cols <= 0 or base.data_ptr() % 16 or (row_stride * elsize) % 16:
         return None
+    return _descriptor_class()(base, [rows, cols], [row_stride, 1], block)
+
+
+@functools.lru_cache(maxsize=1)
+def _descriptor_class():
+    # (imported once: an import statement per launch costs host time)
     from triton.tools.tensor_descriptor import TensorDescriptor
-    return TensorDescriptor(base, [rows, cols], [row_stride, 1], block)
+    return TensorDescriptor
 
 
 class KernelRegistry:
@@ -69,12 +76,12 @@ class KernelRegistry:
         return fn
 
     def get(self, name: str):
-        import triton
-
         key = (name, interpreting())
-        if key not in self._jitted:
-            self._jitted[key] = triton.jit(self._raw[name])
-        return self._jitted[key]
+        fn = self._jitted.get(key)
+        if fn is None:
+            import triton
+            fn = self._jitted[key] = triton.jit(self._raw[name])
+        return fn
 
     def names(self) -> list[str]:
         return sorted(self._raw)

@@ -24,7 +24,9 @@ The layer's permuted tokens, activations and gradients always have them zero.
 
 from __future__ import annotations
 
+import functools
 import os
+import types
 
 import torch
 import torch.nn.functional as F_
@@ -222,16 +224,25 @@ def set_kernel_config(**kw) -> None:
         if not isinstance(g, int) or isinstance(g, bool) or g < 1:
             raise ConfigurationError(f"kernel config group_m must be an int >= 1, got {g!r}")
     KERNEL_CONFIG.update(kw)
+    _OP_CONFIGS.clear()
 
 
-def op_config(op: str, topo=None, k: int = 0) -> dict:
-    """The tile keys for one kernel: the global ones with that kernel's overrides on top
-    (its "_long" overrides where `topo`'s experts are long; "sdd_deep" for SDD there when
-    its reduction length `k` is DEEP_K or more)."""
+# op_config's results, per entry name, until the config changes: the launchers ask at every
+# call, and a small layer is bound by their host time.
+_OP_CONFIGS: dict = {}
+
+
+def op_config(op: str, topo=None, k: int = 0):
+    """The tile keys for one kernel (read-only): the global ones with that kernel's
+    overrides on top (its "_long" overrides where `topo`'s experts are long; "sdd_deep" for
+    SDD there when its reduction length `k` is DEEP_K or more)."""
     if topo is not None and long_experts(topo):
         op = "sdd_deep" if op == "sdd" and k >= DEEP_K else op + "_long"
-    cfg = {k: KERNEL_CONFIG[k] for k in TILE_KEYS}
-    cfg.update(KERNEL_CONFIG.get(op) or {})
+    cfg = _OP_CONFIGS.get(op)
+    if cfg is None:
+        merged = {key: KERNEL_CONFIG[key] for key in TILE_KEYS}
+        merged.update(KERNEL_CONFIG.get(op) or {})
+        cfg = _OP_CONFIGS[op] = types.MappingProxyType(merged)
     return cfg
 
 
@@ -273,11 +284,16 @@ def _smem_limit(device) -> int:
 
 
 def _fit(device, b: int, bn: int, bk: int, elsize: int, min_bn: int,
-         cfg: dict | None = None) -> tuple[int, int]:
+         cfg=None) -> tuple[int, int]:
     """(N tile, pipeline stages) whose stages of A [b, bk] + B [bk, bn] tiles fit in shared
     memory (fp32 operands or a small LDS need fewer stages or narrower tiles)."""
     limit = _smem_limit(device) - 8192  # room for the epilogue's layout conversions
-    stages = (cfg or KERNEL_CONFIG)["num_stages"]
+    return _fit_tiles(limit, b, bn, bk, elsize, min_bn, (cfg or KERNEL_CONFIG)["num_stages"])
+
+
+@functools.lru_cache(maxsize=1024)
+def _fit_tiles(limit: int, b: int, bn: int, bk: int, elsize: int, min_bn: int,
+               stages: int) -> tuple[int, int]:
     while True:
         per_stage = (b * bk + bk * bn) * elsize
         fit = limit // per_stage
@@ -331,6 +347,13 @@ def _tail(topo, cfg: dict) -> bool:
     return bool(cfg["tail"]) and topo.block_rows is not None and topo.block_size >= 32
 
 
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    # (imported on first launch, and once: triton is only needed by the GPU path)
+    from . import kernels
+    return kernels
+
+
 def _sdd_split(b: int, nb: int, cfg: dict) -> int:
     """Consecutive blocks of a row per SDD program: a B x SPLIT*B tile up to block_n wide."""
     split = max(1, cfg["block_n"] // b)
@@ -339,7 +362,7 @@ def _sdd_split(b: int, nb: int, cfg: dict) -> int:
 
 def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
                 act_only=False):
-    from . import kernels
+    kernels = _kernels()
     cfg = op_config("sdd", topo, a.shape[1])
     b = topo.block_size
     out = torch.empty(topo.nnz, b, b, device=a.device, dtype=a.dtype)
@@ -389,7 +412,7 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
 
 
 def _dsd_triton(s, w, topo, act="none"):
-    from . import kernels
+    kernels = _kernels()
     # W read transposed (unit stride along F: the backward's W1ᵀ) has its own tiles
     cfg = op_config("dsd_wt" if w.stride(1) == 1 and w.stride(2) != 1 else "dsd", topo)
     b = topo.block_size
@@ -419,7 +442,7 @@ def _dsd_triton(s, w, topo, act="none"):
 
 
 def _dstd_triton(s, b_dense, topo, act="none", out=None):
-    from . import kernels
+    kernels = _kernels()
     cfg = op_config("dstd", topo)
     b = topo.block_size
     n = b_dense.shape[1]
