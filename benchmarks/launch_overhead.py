@@ -35,6 +35,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shape", nargs="?", default="8192,4096,1408,64")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--profile", default=None,
+                    help="a launch name: also print its wrapper's host functions (cProfile)")
     args = ap.parse_args()
     shape = tuple(int(v) for v in args.shape.split(","))
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -92,6 +94,16 @@ def main():
                "binder": per_call_us(lambda: binder(*a_, **kw), args.calls),
                "launcher": per_call_us(launcher, args.calls)}
         print(f"{name:9s} " + "  ".join(f"{k} {v:6.1f} us" for k, v in row.items()), flush=True)
+        if name == args.profile:
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(args.calls):
+                wrapper()
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":
