@@ -11,24 +11,19 @@ back to back (the GPU runs behind, so this is host work only) of:
 """
 
 import argparse
-import time
 
 import torch
 
+from profile_moe_host import print_host_profile  # (benchmarks/, this script's folder)
 from rocmoe.bench.moe import expert_inputs, make_routing
+from rocmoe.bench.timing import host_ms_per_call
 from rocmoe.moe import blocksparse as bs
 from rocmoe.moe import kernels, route_and_permute
 
 
 def per_call_us(fn, calls):
     fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) * 1e6 / calls
-    torch.cuda.synchronize()
-    return us
+    return host_ms_per_call(fn, calls) * 1e3
 
 
 def main():
@@ -95,15 +90,7 @@ def main():
                "launcher": per_call_us(launcher, args.calls)}
         print(f"{name:9s} " + "  ".join(f"{k} {v:6.1f} us" for k, v in row.items()), flush=True)
         if name == args.profile:
-            import cProfile
-            import pstats
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                wrapper()
-            prof.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+            print_host_profile(wrapper, args.calls, 22)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import time
 import torch
 
 from rocmoe.bench.moe import expert_inputs, make_routing
-from rocmoe.bench.timing import time_ms
+from rocmoe.bench.timing import host_ms_per_call, time_ms
 from rocmoe.moe import blocksparse as bs
 from rocmoe.moe import route_and_permute, unpermute_combine
 
@@ -101,12 +101,7 @@ def _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, calls, tr
             t0 = time.perf_counter()
             fn()
             idle.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host = (time.perf_counter() - t0) * 1e3 / calls
-        torch.cuda.synchronize()
+        host = host_ms_per_call(fn, calls)
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(calls):
@@ -164,13 +159,18 @@ def _trace_one_call(name, fn, calls):
         if on_gpu or "Launch" in e.name or "launch" in e.name:
             print(f"{'GPU ' if on_gpu else 'host'} {e.time_range.start - t0:9.1f} "
                   f"+{e.time_range.end - e.time_range.start:8.1f}  {e.name[:90]}")
+    print_host_profile(fn, calls, 18)
+
+
+def print_host_profile(fn, calls, top):
+    """The `top` host functions by own time over `calls` calls of `fn` (cProfile)."""
     stats = cProfile.Profile()
     stats.enable()
     for _ in range(calls):
         fn()
     stats.disable()
     torch.cuda.synchronize()
-    pstats.Stats(stats).sort_stats("tottime").print_stats(18)
+    pstats.Stats(stats).sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F_
 
-from .timing import captured, graph_time_ms, interleaved_ms, time_ms
+from .timing import captured, graph_time_ms, host_ms_per_call, interleaved_ms, time_ms
 
 DEFAULT_SHAPES = [(65536, 512, 2048, 64), (32768, 768, 3072, 64), (8192, 1024, 4096, 64),
                   (8192, 4096, 16384, 4), (65536, 1024, 4096, 64), (8192, 4096, 1408, 64)]
@@ -323,13 +323,7 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
     # GPU, against the layer's time. Below 1, the host runs ahead of the GPU (launch cost
     # hidden behind the kernels); near or above 1, the layer is host-bound.
     if x.is_cuda:
-        calls = 5
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            ours_layer()
-        host_ms = (time.perf_counter() - t0) * 1e3 / calls
-        torch.cuda.synchronize()
+        host_ms = host_ms_per_call(ours_layer, 5)
         emit(dict(common, metric="layer_host_time_share", baseline="layer fwd+bwd",
                   ours_ms=round(host_ms, 4), baseline_ms=round(t_layer, 4),
                   ratio=round(host_ms / t_layer, 4)))

@@ -56,6 +56,21 @@ def time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2, calls: in
     return interleaved_ms({0: (lambda: None, fn)}, rounds=reps, calls=calls)[0]
 
 
+def host_ms_per_call(fn: Callable[[], object], calls: int = 10) -> float:
+    """Host ms per call of ``fn`` launched ``calls`` times back to back without waiting for
+    the GPU, which runs behind: the Python and launch work alone, as long as the launch
+    queue does not fill up. Waits for the GPU before and after."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    ms = (time.perf_counter() - t0) * 1e3 / calls
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return ms
+
+
 def captured(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` captured in a CUDA graph (after a warm-up on a side stream, where Triton
     compiles): returns the replay. Fails if ``fn`` syncs with the host. Without a GPU, ``fn``."""

@@ -148,6 +148,22 @@ def test_gpu_dstd_variants_equal_torch_path(variant):
     assert got[5].abs().max().item() == 0 and got_t[5].abs().max().item() == 0
 
 
+def _ffn_vs_torch_path(topo, x, w1, w2, gy):
+    """Output and gradients of the fused FFN: the torch path (fp32) and the GPU kernels."""
+    results = []
+    try:
+        for backend in ("torch", "auto"):
+            bs.set_backend(backend)
+            args = [t.float() if backend == "torch" else t for t in (x, w1, w2)]
+            args = [t.clone().requires_grad_(True) for t in args]
+            y = bs.fused_expert_ffn(*args, topo, "gelu")
+            grads = torch.autograd.grad(y, args, gy.float() if backend == "torch" else gy)
+            results.append((y,) + grads)
+    finally:
+        bs.set_backend("auto")
+    return results
+
+
 def test_gpu_tail_blocks_equal_torch_path():
     # Nearly empty last blocks (at most 64 real rows of 128) run as half blocks: the fused
     # FFN's output and gradients on the GPU equal the torch path on the same topology.
@@ -163,18 +179,7 @@ def test_gpu_tail_blocks_equal_torch_path():
     w1 = (torch.randn(5, 256, 384, generator=g) / 16).cuda().bfloat16()
     w2 = (torch.randn(5, 384, 256, generator=g) / 20).cuda().bfloat16()
     gy = (torch.randn(topo.num_rows, 256, generator=g).cuda() * real.reshape(-1, 1)).bfloat16()
-    results = []
-    try:
-        for backend in ("torch", "auto"):
-            bs.set_backend(backend)
-            args = [t.float() if backend == "torch" else t for t in (x, w1, w2)]
-            args = [t.clone().requires_grad_(True) for t in args]
-            y = bs.fused_expert_ffn(*args, topo, "gelu")
-            grads = torch.autograd.grad(y, args, gy.float() if backend == "torch" else gy)
-            results.append((y,) + grads)
-    finally:
-        bs.set_backend("auto")
-    for ref, got in zip(*results):
+    for ref, got in zip(*_ffn_vs_torch_path(topo, x, w1, w2, gy)):
         assert _rel(got, ref) < 2e-2
 
 
@@ -193,20 +198,6 @@ def _ffn_many_row_blocks(hidden, seed=2):
     w2 = (torch.randn(4, 512, hidden, generator=g) / 22).cuda().bfloat16()
     gy = (torch.randn(topo.num_rows, hidden, generator=g).cuda() * real.reshape(-1, 1)).bfloat16()
     return topo, x, w1, w2, gy
-
-
-def _ffn_vs_torch_path(topo, x, w1, w2, gy):
-    """Output and gradients of the fused FFN: the torch path (fp32) and the GPU kernels."""
-    results = []
-    for backend in ("torch", "auto"):
-        bs.set_backend(backend)
-        args = [t.float() if backend == "torch" else t for t in (x, w1, w2)]
-        args = [t.clone().requires_grad_(True) for t in args]
-        y = bs.fused_expert_ffn(*args, topo, "gelu")
-        grads = torch.autograd.grad(y, args, gy.float() if backend == "torch" else gy)
-        results.append((y,) + grads)
-    bs.set_backend("auto")
-    return results
 
 
 def test_gpu_long_expert_configs_equal_torch_path(monkeypatch):
