@@ -134,11 +134,9 @@ def _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, calls, tr
             return gt
 
     small = torch.ones(4, device=x.device, requires_grad=True)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        torch.autograd.grad(Identity.apply(small), [small], torch.ones_like(small))
-    engine = (time.perf_counter() - t0) * 1e3 / calls
-    torch.cuda.synchronize()
+    engine = host_ms_per_call(
+        lambda: torch.autograd.grad(Identity.apply(small), [small], torch.ones_like(small)),
+        calls)
     print(f"ffn backward alone: host ms per call {bwd:.3f}; "
           f"trivial autograd.Function fwd+bwd: {engine:.3f}")
 

@@ -362,6 +362,23 @@ def sdd_persistent_equals_torch_path():
 CHECKS["sdd_persistent"] = sdd_persistent_equals_torch_path
 
 
+def _ffn_equals_torch_path(topo, x, w1, w2, gy, tol):
+    """The forward SDD's two outputs (padding rows included: they start as NaN), and the
+    fused FFN's output and gradients, equal on the torch path and the Triton kernels."""
+    results = []
+    for backend in ("torch", "triton"):
+        bs.set_backend(backend)
+        b = topo.block_size
+        acts = torch.full((topo.nnz, b, b), float("nan"), dtype=x.dtype)
+        grads = bs._sdd(x, w1, topo, act="gelu", act_out=acts)
+        xg, w1g, w2g = (t.clone().requires_grad_(True) for t in (x, w1, w2))
+        y = bs.fused_expert_ffn(xg, w1g, w2g, topo, "gelu")
+        results.append((grads, acts, y) + torch.autograd.grad(y, [xg, w1g, w2g], gy))
+    bs.set_backend("auto")
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
 def tail_blocks_equal_torch_path():
     # Row blocks with at most B/2 real rows run as half blocks in SDD and DSD (zeros, or
     # act'(0) for the forward's act' output, below), and DSᵀD reduces over real rows only:
@@ -385,18 +402,8 @@ def tail_blocks_equal_torch_path():
         w2 = (torch.randn(4, 2 * block, 32, generator=g) / 8).to(dt)
         gy = _real(torch.randn(topo.num_rows, 32, generator=g), topo).to(dt)
         tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-2, atol=3e-2)
-        results = []
-        for backend in ("torch", "triton"):
-            bs.set_backend(backend)
-            acts = torch.full((topo.nnz, block, block), float("nan"), dtype=dt)
-            grads = bs._sdd(x, w1, topo, act="gelu", act_out=acts)
-            xg, w1g, w2g = (t.clone().requires_grad_(True) for t in (x, w1, w2))
-            y = bs.fused_expert_ffn(xg, w1g, w2g, topo, "gelu")
-            results.append((grads, acts, y) + torch.autograd.grad(y, [xg, w1g, w2g], gy))
-        bs.set_backend("auto")
+        _ffn_equals_torch_path(topo, x, w1, w2, gy, tol)
         bs.TMA_IN_INTERPRETER = False
-        for ref, got in zip(*results):
-            torch.testing.assert_close(got.float(), ref.float(), **tol)
 
 
 CHECKS["tail_blocks"] = tail_blocks_equal_torch_path
@@ -441,18 +448,7 @@ def grouped_order_equals_torch_path():
                 bs.set_kernel_config(block_n=16, block_k=16,
                                      **{op: variant.get(op, {}) for op in bs.OPS},
                                      group_m=variant["group_m"])
-                results = []
-                for backend in ("torch", "triton"):
-                    bs.set_backend(backend)
-                    acts = torch.full((topo.nnz, 16, 16), float("nan"), dtype=dt)
-                    grads = bs._sdd(x, w1, topo, act="gelu", act_out=acts)
-                    xg, w1g, w2g = (t.clone().requires_grad_(True) for t in (x, w1, w2))
-                    y = bs.fused_expert_ffn(xg, w1g, w2g, topo, "gelu")
-                    results.append((grads, acts, y)
-                                   + torch.autograd.grad(y, [xg, w1g, w2g], gy))
-                bs.set_backend("auto")
-                for ref, got in zip(*results):
-                    torch.testing.assert_close(got.float(), ref.float(), **tol)
+                _ffn_equals_torch_path(topo, x, w1, w2, gy, tol)
                 want = "sdd_persistent_kernel" if "persistent" in variant.get("sdd", {}) \
                     else "sdd_kernel"
                 assert want in launched and "dsd_kernel" in launched
