@@ -7,6 +7,7 @@ import sys
 
 COLUMNS = [("ffn_fwd_vs_dense_matmul", "FFN fwd / dense"),
            ("ffn_fwdbwd_vs_dense_matmul", "FFN fwd+bwd / dense"),
+           ("dense_parity_ceiling", "balanced bmm / dense (ceiling)"),
            ("ffn_fwd_vs_grouped_mm", "FFN fwd / grouped_mm"),
            ("ffn_fwdbwd_vs_grouped_mm", "FFN fwd+bwd / grouped_mm"),
            ("layer_fwdbwd_vs_capacity_padded", "layer / CF 1.0"),
@@ -18,6 +19,8 @@ COLUMNS = [("ffn_fwd_vs_dense_matmul", "FFN fwd / dense"),
 
 
 def cell(rec):
+    if rec is not None and "ceiling_over_dense" in rec:
+        return f"{rec['ceiling_over_dense']:.2f}"
     if rec is None or "ratio" not in rec:
         return "-"
     text = f"{rec['ratio']:.2f}"

@@ -8,6 +8,10 @@ means rocmoe is faster), both measured in the same run on the same routing:
 * ``ffn_fwd_vs_dense_matmul`` / ``ffn_fwdbwd_vs_dense_matmul``: the expert FFN (SDD, act,
   DSD; and the backward) against plain ``torch.matmul`` doing the same useful FLOPs
   (``4*T*k*H*F`` forward) on [T*k, H] rows: the ratio is our useful FLOP/s over dense FLOP/s.
+* ``dense_parity_ceiling``: the same fwd+bwd on cuBLAS ``torch.bmm`` with every expert given
+  exactly T*k/E rows (balanced, unpadded, no activation): ``ceiling_over_dense`` is the
+  share of dense FLOP/s the data shape allows a per-expert GEMM at all (short experts make
+  the weight gradients' K short), ``ours_over_ceiling`` how close rocmoe comes to it.
 * ``ffn_fwd_vs_grouped_mm`` / ``ffn_fwdbwd_vs_grouped_mm``: against ``torch._grouped_mm``
   on the same expert-sorted rows (no padding) with a separate GELU.
 * ``layer_fwdbwd_vs_capacity_padded``: whole layer (permute, FFN, combine; the router is the
@@ -220,6 +224,21 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
         y = torch.matmul(torch.matmul(xd_g, a1_g), a2_g)
         torch.autograd.grad(y, [xd_g, a1_g, a2_g], gd)
 
+    # --- the ceiling: the same two products on cuBLAS bmm with perfectly balanced experts
+    # (pairs/E rows each: no routing, no padding, no activation, E separate weights).
+    # Dense over this is what the data shape itself costs any per-expert GEMM: with few rows
+    # per expert the weight-gradient products have a short K (the expert's rows) and are
+    # bound by writing the [H, F] gradients (benchmarks/expert_ceiling.py per product).
+    rows = -(-pairs // experts)
+    xb = torch.randn(experts, rows, hidden, device=device, dtype=dtype,
+                     generator=gen).requires_grad_(True)
+    b1, b2 = w1.detach().clone().requires_grad_(True), w2.detach().clone().requires_grad_(True)
+    gb = torch.randn(experts, rows, hidden, device=device, dtype=dtype, generator=gen)
+
+    def bmm_fwdbwd():
+        y = torch.bmm(torch.bmm(xb, b1), b2)
+        torch.autograd.grad(y, [xb, b1, b2], gb)
+
     # --- torch._grouped_mm on the same routing (sorted rows, no padding)
     order = torch.sort(ids.reshape(-1).long(), stable=True).indices
     xs = x.index_select(0, order // k)
@@ -239,7 +258,8 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
     # samples taken side by side, not minutes apart at different clocks.
     none = lambda: None  # noqa: E731
     cases = {"ours_fwd": (none, ours_ffn_fwd), "ours_fwdbwd": (none, ours_ffn_fwdbwd),
-             "dense_fwd": (none, dense_fwd), "dense_fwdbwd": (none, dense_fwdbwd)}
+             "dense_fwd": (none, dense_fwd), "dense_fwdbwd": (none, dense_fwdbwd),
+             "bmm_fwdbwd": (none, bmm_fwdbwd)}
     for name, fn in (("gmm_fwd", gmm_fwd), ("gmm_fwdbwd", gmm_fwdbwd)):
         try:
             if not hasattr(torch, "_grouped_mm"):
@@ -271,6 +291,18 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
     ffn_record("ffn_fwd_vs_dense_matmul", dense, "ours_fwd", "dense_fwd", useful_fwd)
     ffn_record("ffn_fwdbwd_vs_dense_matmul", dense, "ours_fwdbwd", "dense_fwdbwd",
                3 * useful_fwd)
+    # the ceiling, as FLOP rates (its rows are rounded up to a multiple of the experts)
+    bmm_flops = 3 * 4.0 * experts * rows * hidden * ffn
+    rate = dict(ours=3 * useful_fwd / t["ours_fwdbwd"], dense=3 * useful_fwd / t["dense_fwdbwd"],
+                bmm=bmm_flops / t["bmm_fwdbwd"])
+    emit(dict(common, metric="dense_parity_ceiling",
+              baseline="torch.matmul (same useful FLOPs), fwd+bwd",
+              ceiling="torch.bmm, every expert pairs/E rows (balanced, no padding), fwd+bwd",
+              ceiling_ms=round(t["bmm_fwdbwd"], 4), baseline_ms=round(t["dense_fwdbwd"], 4),
+              ceiling_tflops=round(rate["bmm"] / 1e9, 1),
+              baseline_tflops=round(rate["dense"] / 1e9, 1),
+              ceiling_over_dense=round(rate["bmm"] / rate["dense"], 4),
+              ours_over_ceiling=round(rate["ours"] / rate["bmm"], 4)))
     if "gmm_fwd" in t:
         ffn_record("ffn_fwd_vs_grouped_mm", "torch._grouped_mm + gelu", "ours_fwd", "gmm_fwd")
     if "gmm_fwdbwd" in t:

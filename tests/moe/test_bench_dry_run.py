@@ -22,6 +22,22 @@ def test_benchmark_dry_run_reports_every_metric_with_its_baseline(capsys):
             assert r["baseline"] and r[f"ours_{unit}"] > 0 and r[f"baseline_{unit}"] > 0
 
 
+def test_benchmark_reports_the_balanced_bmm_ceiling_next_to_dense(capsys):
+    bench_moe.main(["--device", "cpu", "--shapes", "64,32,48,4", "--routing", "uniform",
+                    "--reps", "1", "--block-size", "16"])
+    (rec,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+              if '"metric": "dense_parity_ceiling"' in line]
+    assert rec["ceiling_ms"] > 0 and rec["baseline_ms"] > 0
+    # both ratios are FLOP rates: consistent with the times and the shape's useful FLOPs
+    flops = 3 * 4.0 * 64 * 2 * 32 * 48
+    # (the times are rounded to 0.1 us in the record)
+    ratio = rec["baseline_ms"] / rec["ceiling_ms"]
+    assert abs(rec["ceiling_over_dense"] - ratio) < 0.02 * ratio
+    assert abs(rec["baseline_tflops"] - flops / rec["baseline_ms"] / 1e9) < 0.02 * rec[
+        "baseline_tflops"] + 0.1
+    assert rec["ours_over_ceiling"] > 0
+
+
 def test_benchmark_breakdown_times_the_kernels_of_the_configured_fusion(capsys):
     bench_moe.main(["--device", "cpu", "--shapes", "64,32,48,4", "--routing", "uniform",
                     "--reps", "1", "--block-size", "16"])
@@ -56,3 +72,25 @@ def test_sweep_entries_replace_the_per_kernel_overrides_they_name():
         bs.set_kernel_config(**sweep_config(start, entry, bs.OPS))
     bs.set_kernel_config(**start)
     assert bs.KERNEL_CONFIG == start
+
+
+def test_expert_ceiling_dry_run_gives_every_product_three_ways_and_a_consistent_total(capsys):
+    # benchmarks/expert_ceiling.py (a script, not a module of the package), on CPU ranks
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "expert_ceiling.py"
+    spec = importlib.util.spec_from_file_location("expert_ceiling", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--device", "cpu", "--shapes", "64,32,48,4", "--reps", "1",
+                        "--block-size", "16"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("{")]
+    products = {r["product"]: r for r in records}
+    assert set(script.OURS) <= set(products) and len(products) == 7
+    total = products["total (fwd+bwd, no activation)"]
+    for who in ("dense", "bmm", "ours"):
+        parts = sum(products[name][f"{who}_ms"] for name in script.OURS)
+        assert abs(total[f"{who}_ms"] - parts) < 1e-3 + 1e-3 * parts
+    ratio = total["dense_ms"] / total["bmm_ms"]  # (from times rounded to 0.1 us)
+    assert abs(total["bmm_over_dense"] - ratio) < 0.02 * ratio
