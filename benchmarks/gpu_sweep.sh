@@ -5,8 +5,9 @@
 # the one-launch epilogue), gemv (unroll / rows per task / workgroups per CU),
 # gemm (GEMM+A2A tiles and grid size), moe (block-sparse kernels per tile config, both
 # activation fusions, compiled IR dumped to $OUT/moe_ir.tar.gz); and the reported runs:
-# moetest (tests/moe/test_gpu.py), fused (rocmoe bench fused_gpu -> $OUT/fused_h200.json),
-# moebench (rocmoe bench moe, all six shapes -> $OUT/moe_h200.json).
+# moetest (tests/moe/test_gpu.py), ep (expert-parallel layer at 2 and 4 ranks sharing the
+# GPU, fused gemm_all_to_all combine and all-to-all, vs the one-rank layer), fused (rocmoe
+# bench fused_gpu -> $OUT/fused_h200.json), moebench (rocmoe bench moe, all six shapes -> $OUT/moe_h200.json).
 # Everything prints JSON lines; every record carries the baseline measured in the same run.
 set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -80,6 +81,20 @@ if has moetest; then
   stamp "moe GPU tests"
   timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/moe/test_gpu.py \
     tests/ops_gpu/test_fused_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+fi
+if has ep; then
+  stamp "expert-parallel DroplessMoE at 2 and 4 ranks sharing the GPU (ipc heap) vs one rank"
+  for v in "2 --dtype float32" "2 --dtype float32 --combine all_to_all" "2 --dtype float64" \
+           "4 --dtype float32 --glu --top-k 3 --block-size 32" \
+           "4 --dtype float32 --experts 16 --tokens 1 --top-k 1"; do
+    set -- $v; n=$1; shift
+    ROCMOE_TIMEOUT_S=20 timeout 150 mpirun -n $n --oversubscribe python3 tests/moe/ep_script.py \
+      --ctx runtime --device cuda "$@" > "$OUT/ep.log" 2>&1
+    echo "ranks=$n $* rc=$? $(grep -c EP_OK "$OUT/ep.log") EP_OK," \
+      "$(grep -o 'combine=[a-z_]*' "$OUT/ep.log" | sort | uniq -c | tr -s ' ')," \
+      "$(grep -o 'max_err=[0-9.e+-]*' "$OUT/ep.log" | sort | tail -1)"
+    grep -E "EP_FAIL|Error" "$OUT/ep.log" | head -3
+  done 2>&1 | tee "$OUT/ep_checks.log"
 fi
 if has fused; then
   stamp "fused ops benchmark"

@@ -150,6 +150,8 @@ def test_two_rank_cpu_dry_run_prints_records_with_matching_results(tmp_path):
         # both paths compute the same function
         assert r["rel_err_vs_baseline"] < 1e-5
     moe = written[1]
+    # rocmoe's step combined through gemm_all_to_all, the baseline by all_to_all_single
+    assert moe["combine"] == "gemm_all_to_all" and moe["baseline_combine"] == "all_to_all"
     assert moe["grad_w1_rel_err_vs_baseline"] < 1e-5
     # Zipf(1.0) over 8 experts: rank 0 owns experts 0-3, most of the load
     assert moe["rank_load_fraction"][0] > 0.6

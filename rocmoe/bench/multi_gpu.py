@@ -17,16 +17,18 @@ Shapes are those of ``rocmoe bench fused --large`` (``--small``: its default one
 
 ``moe``: one forward + backward step of an expert-parallel ``DroplessMoE`` (experts split over
 the ranks), moving tokens with rocmoe's transport (``transport_for(ctx)``: one-sided puts on the
-symmetric heap) against the same layer, same weights, same routing, moving them with
+symmetric heap) and combining through ``gemm_all_to_all`` (the layer's ``combine="auto"``)
+against the same layer, same weights, same routing, moving them both ways with
 ``torch.distributed.all_to_all_single`` (``DistTransport`` below, plugged in through
-``ctx.moe_transport``). Routing follows Zipf(1.0) over the experts (p_e ~ 1 / (e + 1)): the
-router's logits get a fixed per-token bias log(p_e) + Gumbel noise, which makes its top-k a
-draw of k distinct experts with those probabilities (the Gumbel-top-k trick), and the router's
-own weights are scaled down so the bias decides.
+``ctx.moe_transport``) around the block-sparse FFN (``combine="all_to_all"``). Routing
+follows Zipf(1.0) over the experts (p_e ~ 1 / (e + 1)): the router's logits get a fixed
+per-token bias log(p_e) + Gumbel noise, which makes its top-k a draw of k distinct experts
+with those probabilities (the Gumbel-top-k trick), and the router's own weights are scaled
+down so the bias decides.
 
-The fused op on a GPU backend is ``rocmoe.ops.gpu`` on the context's symmetric heap
-(``ContextArena``): the public ``rocmoe.ops`` functions dispatch only the host backend's
-kernels so far. On the host backend (``--device cpu``) the public ops are measured.
+The fused ops on a GPU backend are timed as ``rocmoe.ops.gpu`` on the context's symmetric heap
+(``ContextArena``), the kernels the public ``rocmoe.ops`` functions dispatch to there; on the
+host backend (``--device cpu``) the public ops are measured.
 
 Latency of one call = the slowest rank's wall time from a barrier to its device being idle
 again; ``*_loop_ms`` = the same over ``--iters`` back-to-back calls, divided by ``--iters``
@@ -496,7 +498,7 @@ def case_moe(env: Env, shape, dtype):
     """(heap step, dist step, check dict): the same layer stepping with either transport."""
     import torch
     from ..moe import DroplessMoE
-    from ..moe.parallel import transport_for
+    from ..moe.parallel import combine_kind, transport_for
     tokens, hidden, ffn, experts = shape
     ctx, dev = env.ctx, env.device
     torch.manual_seed(1234 + env.rank)  # this rank's experts; the router is set below
@@ -513,9 +515,10 @@ def case_moe(env: Env, shape, dtype):
     heap = transport_for(ctx)
     nccl = DistTransport(env.rank, env.world)
 
-    def step_with(transport):
+    def step_with(transport, combine):
         def step():
             ctx.moe_transport = transport
+            layer.combine = combine
             layer.zero_grad(set_to_none=True)
             y = layer(x)
             loss = y.float().square().mean() + layer.aux_loss
@@ -523,11 +526,15 @@ def case_moe(env: Env, shape, dtype):
             return y
         return step
 
-    heap_step, dist_step = step_with(heap), step_with(nccl)
+    # rocmoe's step combines through gemm_all_to_all where the layer can ("auto"); the
+    # baseline moves rows both ways with all_to_all_single around the block-sparse FFN
+    heap_step, dist_step = step_with(heap, "auto"), step_with(nccl, "all_to_all")
     y_heap = heap_step().detach()
     g_heap = layer.w1.grad.detach().clone()
     y_dist = dist_step().detach()
     g_dist = layer.w1.grad.detach().clone()
+    layer.combine = "auto"
+    heap_combine = combine_kind(layer)
     counts = layer.tokens_per_expert.detach().to(torch.float64).cpu()
     # every rank's routed pairs per owner rank -> share of all pairs each rank's experts get
     per_rank = counts.view(env.world, -1).sum(dim=1)
@@ -541,7 +548,8 @@ def case_moe(env: Env, shape, dtype):
                  zipf_mass_per_rank=[
                      round(float(v), 4) for v in zipf_probabilities(experts, env.args.zipf)
                      .view(env.world, -1).sum(dim=1)],
-                 top_k=env.args.top_k, zipf_exponent=env.args.zipf, heap_transport=type(heap).__name__)
+                 top_k=env.args.top_k, zipf_exponent=env.args.zipf, heap_transport=type(heap).__name__,
+                 combine=heap_combine, baseline_combine="all_to_all")
     return heap_step, dist_step, check
 
 

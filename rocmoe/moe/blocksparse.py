@@ -41,7 +41,8 @@ _backend = os.environ.get("ROCMOE_MOE_BACKEND", "auto")
 
 
 def set_backend(name: str) -> None:
-    """``auto`` (Triton on GPU tensors, torch otherwise), ``torch`` or ``triton``."""
+    """``auto`` (Triton on GPU tensors of 16- and 32-bit floats, torch otherwise), ``torch``
+    or ``triton``."""
     global _backend
     if name not in _BACKENDS:
         raise ConfigurationError(f"MoE backend must be one of {_BACKENDS}, got {name!r}")
@@ -52,12 +53,17 @@ def get_backend() -> str:
     return _backend
 
 
+# dtypes the Triton kernels are built for (fp32 accumulators); "auto" runs float64 through
+# the torch path, on the GPU too (exact; a float64 tile would not match its fp32 accumulator)
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     if _backend == "torch":
         return False
     if _backend == "triton":
         return True
-    return t.is_cuda and _triton_available()
+    return t.is_cuda and t.dtype in TRITON_DTYPES and _triton_available()
 
 
 _TRITON_OK = None
@@ -512,15 +518,21 @@ def _act_torch(t, act):
     return t
 
 
+def _wide(t):
+    """t in at least fp32 (16-bit inputs are computed in fp32, as the kernels do; float64
+    stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def _act_grad_torch(h, act):
     """act'(h), the same formulas the kernels use."""
-    h = h.float()
+    h = _wide(h)
     if act == "gelu":
         c = 1.5957691216057308
         sig = torch.sigmoid(c * (h + 0.044715 * h ** 3))
         return sig + h * sig * (1 - sig) * c * (1 + 0.134145 * h * h)
     if act == "relu":
-        return (h > 0).float()
+        return (h > 0).to(h.dtype)
     if act == "silu":
         sig = torch.sigmoid(h)
         return sig * (1 + h * (1 - sig))
@@ -537,9 +549,9 @@ def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
     if act_only:
         return _act_torch(out, act)
     if act_grad_of is not None:
-        out = (out.float() * _act_grad_torch(act_grad_of, act)).to(out.dtype)
+        out = (_wide(out) * _act_grad_torch(act_grad_of, act)).to(out.dtype)
     if scale_by is not None:
-        out = (out.float() * scale_by.float()).to(out.dtype)
+        out = (_wide(out) * _wide(scale_by)).to(out.dtype)
     if act_out is not None:
         act_out.copy_(_act_torch(out, act))
         out = _act_grad_torch(out, act).to(out.dtype)

@@ -48,6 +48,12 @@ class DroplessMoE(nn.Module):
     over ranks (rank r owns a contiguous range of ``E / world`` experts and only their
     weights); tokens travel to the owner of their expert and back.
 
+    ``combine`` (expert parallelism): how expert outputs return to their tokens' ranks.
+    ``"gemm_all_to_all"`` fuses each local expert's last GEMM with the return trip
+    (``rocmoe.ops.gemm_all_to_all``: needs a rocmoe Context and float32/bfloat16/float16
+    weights); ``"all_to_all"`` runs the block-sparse FFN, then an all-to-all; ``"auto"`` (the
+    default) takes the fused one where it can.
+
     After a forward, ``aux_loss`` is the router's auxiliary loss (scalar) and
     ``tokens_per_expert`` the device-side histogram of this rank's routing.
     """
@@ -56,7 +62,7 @@ class DroplessMoE(nn.Module):
                  activation: str = "gelu", glu: bool = False, block_size: int = 128,
                  ctx=None, *, renormalize: bool = True, jitter_eps: float = 0.0,
                  load_balancing_coef: float = 1e-2, z_loss_coef: float = 1e-3,
-                 device=None, dtype=None) -> None:
+                 combine: str = "auto", device=None, dtype=None) -> None:
         super().__init__()
         _check_config(hidden_size, num_experts, top_k)
         if not isinstance(ffn_hidden_size, int) or ffn_hidden_size < 1:
@@ -66,6 +72,8 @@ class DroplessMoE(nn.Module):
             raise ConfigurationError(f"activation must be one of {sorted(_ACTIVATIONS)}, "
                                      f"got {activation!r}")
         check_block_size(block_size)
+        from .parallel import check_combine
+        check_combine(combine, ctx)
         world = 1 if ctx is None else int(ctx.world_size)
         rank = 0 if ctx is None else int(ctx.rank)
         if num_experts % world != 0:
@@ -80,6 +88,7 @@ class DroplessMoE(nn.Module):
         self.glu = glu
         self.block_size = block_size
         self.ctx = ctx
+        self.combine = combine
         self.world_size = world
         self.rank = rank
         self.num_local_experts = num_experts // world

@@ -10,6 +10,15 @@ Rank r owns global experts ``[r * E_local, (r + 1) * E_local)``. A forward:
    expert; the expert of each row comes from the counts by a device-side searchsorted);
 5. combine: all-to-all back, unsort, weight by the gates and sum the k slots.
 
+With a rocmoe Context the layer's combine is ``rocmoe.ops.gemm_all_to_all`` (``combine=
+"gemm_all_to_all"``, the default there for float32/bfloat16/float16): per local expert e,
+the rows that arrived for e go through act(x W1[e]) (times x W3[e] with GLU), and the fused
+op computes the product with W2[e] and puts each finished slice straight into its source
+rank's heap, so the last GEMM and the return trip are one collective per local expert
+instead of a GEMM and then an all-to-all. The op's own backward returns the gradients. A
+communicator-only context (MPI) and float64 use the block-sparse FFN and the transport's
+all-to-all (``combine="all_to_all"``).
+
 The transport sits behind :class:`ExpertTransport` so the layer does not care how rows move:
 ``transport_for(ctx)`` picks the symmetric heap (one-sided puts) for a rocmoe Context and
 MPI Alltoallv for a bare communicator context (anything with ``comm``, ``rank``,
@@ -170,7 +179,7 @@ def transport_for(ctx) -> ExpertTransport:
     transport = getattr(ctx, "moe_transport", None)
     if transport is not None:
         return transport
-    if all(hasattr(ctx, name) for name in ("empty", "put", "quiet", "barrier", "free")):
+    if is_runtime_context(ctx):
         transport = HeapTransport(ctx)
         try:
             ctx.moe_transport = transport  # keep its buffers across layers and steps
@@ -220,9 +229,87 @@ def reject_input(layer, error: Exception) -> None:
     raise error
 
 
+# dtypes rocmoe.ops.gemm_all_to_all takes
+FUSED_COMBINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+COMBINES = ("auto", "gemm_all_to_all", "all_to_all")
+
+
+def is_runtime_context(ctx) -> bool:
+    """A rocmoe Context (symmetric heap: the fused ops run on it), not a bare communicator."""
+    return all(hasattr(ctx, name) for name in ("empty", "put", "quiet", "barrier", "free"))
+
+
+def check_combine(combine: str, ctx) -> None:
+    """Construction-time check of DroplessMoE's `combine` (the same on every rank)."""
+    if combine not in COMBINES:
+        raise ConfigurationError(f"combine must be one of {list(COMBINES)}, got {combine!r}")
+    if combine == "gemm_all_to_all" and ctx is not None and not is_runtime_context(ctx):
+        raise ConfigurationError(
+            "combine='gemm_all_to_all' needs a rocmoe Context (rocmoe.init()): the fused op "
+            "puts rows into the peers' symmetric heaps; a communicator-only context can use "
+            "combine='all_to_all'")
+
+
+def combine_kind(layer) -> str:
+    """Which combine the layer runs. Decided from the layer's configuration and parameter
+    dtype only, so that every rank (same layer, same parameters) takes the same path."""
+    fits = layer.w2.dtype in FUSED_COMBINE_DTYPES
+    if layer.combine == "gemm_all_to_all":
+        if not fits:
+            raise ConfigurationError(
+                f"combine='gemm_all_to_all' takes float32, bfloat16 or float16 weights, the "
+                f"layer's are {layer.w2.dtype}; use combine='all_to_all' (or 'auto')")
+        return "gemm_all_to_all"
+    if layer.combine == "auto" and fits and is_runtime_context(layer.ctx):
+        return "gemm_all_to_all"
+    return "all_to_all"
+
+
+def _fused_combine(layer, received, received_from, sent_to):
+    """Steps 4 and 5 with the last GEMM fused into the return trip (gemm_all_to_all).
+
+    received: the rows that arrived, in segments (source s, local expert e), source-major;
+    received_from[s][e] / sent_to[r][e]: rows of each segment that arrived here / that this
+    rank sent to rank r's local expert e. Returns this rank's rows back, sorted by global
+    expert (the order they were sent in)."""
+    from .. import ops
+    from .layer import _ACTIVATIONS
+    world, e_local = layer.world_size, layer.num_local_experts
+    act = _ACTIVATIONS[layer.activation]
+    starts, at = [], 0
+    for s in range(world):
+        starts.append([])
+        for e in range(e_local):
+            starts[s].append(at)
+            at += received_from[s][e]
+    back = []
+    for e in range(e_local):
+        # expert e's rows, by source rank: the source-order slices gemm_all_to_all sends back
+        x_e = torch.cat([received[starts[s][e]:starts[s][e] + received_from[s][e]]
+                         for s in range(world)])
+        h = act(x_e @ layer.w1[e])
+        if layer.w3 is not None:
+            h = h * (x_e @ layer.w3[e])
+        # every rank calls it for every local index e, also with no rows: it is collective
+        back.append(ops.gemm_all_to_all(h, layer.w2[e], [received_from[s][e]
+                                                         for s in range(world)],
+                                        ctx=layer.ctx))
+    # back[e] holds, from each owner rank r in turn, the rows this rank sent to r's expert e:
+    # reassemble them in global expert order (r * e_local + e)
+    taken = [0] * e_local
+    pieces = []
+    for r in range(world):
+        for e in range(e_local):
+            n = sent_to[r][e]
+            pieces.append(back[e][taken[e]:taken[e] + n])
+            taken[e] += n
+    return torch.cat(pieces)
+
+
 def expert_parallel_forward(layer, x, expert_ids, weights):
     transport = _layer_transport(layer)
     world, e_local = transport.world_size, layer.num_local_experts
+    combine = combine_kind(layer)
     num_tokens, top_k = expert_ids.shape
     flat = expert_ids.reshape(-1).long()
     # 1. sort pairs by global expert (stable: deterministic order within an expert)
@@ -236,20 +323,25 @@ def expert_parallel_forward(layer, x, expert_ids, weights):
         raise InvalidArgumentError(
             f"expert-parallel layer: rank(s) {rejected} rejected their input (see the error "
             f"there); rank {transport.rank} stops before exchanging rows")
-    send_splits = counts.sum(dim=1).tolist()
+    sent_to = counts.tolist()
+    send_splits = [sum(row) for row in sent_to]
     recv_splits = [sum(row) for row in received_from]
     # 3. dispatch
     token_of_pair = order // top_k
     sent = x.index_select(0, token_of_pair)
     received = all_to_all(sent, transport, send_splits, recv_splits)
-    # 4. local experts; row i belongs to segment searchsorted(ends, i) = (source, expert)
-    seg_ends = torch.cumsum(recv_counts.reshape(-1).long(), 0)
-    rows = torch.arange(received.shape[0], device=x.device)
-    local_ids = (torch.searchsorted(seg_ends, rows, right=True) % e_local).to(torch.int32)
-    ones = torch.ones(received.shape[0], 1, dtype=x.dtype, device=x.device)
-    y_recv = layer._local_experts(received, local_ids.view(-1, 1), ones)
-    # 5. combine: back to the source rank, unsort, weight and sum the k slots
-    y_sorted = all_to_all(y_recv, transport, recv_splits, send_splits)
+    if combine == "gemm_all_to_all":
+        y_sorted = _fused_combine(layer, received, received_from, sent_to)
+    else:
+        # 4. local experts; row i belongs to segment searchsorted(ends, i) = (source, expert)
+        seg_ends = torch.cumsum(recv_counts.reshape(-1).long(), 0)
+        rows = torch.arange(received.shape[0], device=x.device)
+        local_ids = (torch.searchsorted(seg_ends, rows, right=True) % e_local).to(torch.int32)
+        ones = torch.ones(received.shape[0], 1, dtype=x.dtype, device=x.device)
+        y_recv = layer._local_experts(received, local_ids.view(-1, 1), ones)
+        # 5. combine: back to the source rank
+        y_sorted = all_to_all(y_recv, transport, recv_splits, send_splits)
+    # unsort, weight and sum the k slots
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
                                                                          device=order.device))
     y_pairs = y_sorted.index_select(0, inverse).view(num_tokens, top_k, -1)
@@ -257,4 +349,4 @@ def expert_parallel_forward(layer, x, expert_ids, weights):
 
 
 __all__ = ["ExpertTransport", "MPITransport", "HeapTransport", "transport_for", "all_to_all",
-           "expert_parallel_forward", "reject_input"]
+           "expert_parallel_forward", "reject_input", "combine_kind", "check_combine"]

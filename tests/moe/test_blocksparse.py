@@ -196,3 +196,25 @@ def test_long_experts_take_the_long_overrides():
     assert bs.op_config("sdd", long_topo, bs.DEEP_K) == bs.op_config("sdd_deep")
     assert bs.op_config("sdd", long_topo, bs.DEEP_K - 1) == bs.op_config("sdd_long")
     assert bs.op_config("sdd", short_topo, bs.DEEP_K) == bs.op_config("sdd")
+
+
+def test_auto_backend_keeps_float64_gpu_tensors_off_the_triton_kernels():
+    # (the kernels accumulate in fp32; float64 takes the exact torch path on a GPU too)
+    import types
+    bs.set_backend("auto")
+    gpu64 = types.SimpleNamespace(is_cuda=True, dtype=torch.float64)
+    gpu32 = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
+    assert not bs._use_triton(gpu64)
+    assert bs._use_triton(gpu32) == bs._triton_available()
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu", "relu"])
+def test_float64_activation_gradient_is_computed_in_float64(act):
+    # act'(h) of the torch path (the fused FFN's backward) equals autograd's in float64
+    import torch.nn.functional as F
+    fn = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu, "relu": F.relu}[act]
+    h = torch.randn(1000, dtype=torch.float64).requires_grad_(True)
+    (want,) = torch.autograd.grad(fn(h).sum(), h)
+    got = bs._act_grad_torch(h.detach(), act)
+    assert got.dtype == torch.float64
+    assert (got - want).abs().max().item() < 1e-14

@@ -52,16 +52,49 @@ def test_expert_parallel_at_two_ranks_over_mpi_equals_one_rank_layer():
 
 
 def test_expert_parallel_at_two_ranks_over_symmetric_heap_equals_one_rank_layer():
+    # float64 weights: gemm_all_to_all takes none, so "auto" combines by all-to-all
     _require_runtime()
     out = _run(2, "--ctx", "runtime")
-    assert out.count("transport=HeapTransport") == 2, out
+    assert out.count("transport=HeapTransport combine=all_to_all") == 2, out
+
+
+def test_expert_parallel_combines_through_gemm_all_to_all_on_a_context():
+    # float32 on a rocmoe Context: each local expert's last GEMM runs fused with the trip
+    # back (rocmoe.ops.gemm_all_to_all); outputs and all gradients equal the one-rank layer
+    _require_runtime()
+    out = _run(2, "--ctx", "runtime", "--dtype", "float32")
+    assert out.count("combine=gemm_all_to_all") == 2, out
+
+
+def test_gemm_all_to_all_combine_at_four_ranks_with_glu_and_top3():
+    _require_runtime()
+    out = _run(4, "--ctx", "runtime", "--dtype", "float32", "--glu", "--block-size", "32",
+               "--top-k", "3")
+    assert out.count("combine=gemm_all_to_all") == 4, out
+
+
+def test_gemm_all_to_all_combine_with_experts_that_get_no_tokens():
+    # 10 (token, expert) pairs over 16 experts: some experts idle, so some ranks call the
+    # collective op with no rows for them (it must still be called, and agree)
+    _require_runtime()
+    out = _run(4, "--ctx", "runtime", "--dtype", "float32", "--experts", "16", "--tokens", "1",
+               "--top-k", "1")
+    assert out.count("combine=gemm_all_to_all") == 4, out
+    idle = [int(part.split("=")[1]) for part in out.split() if part.startswith("idle_experts_here=")]
+    assert len(idle) == 4 and sum(idle) > 0, out
+
+
+def test_all_to_all_combine_can_be_chosen_on_a_context():
+    _require_runtime()
+    out = _run(2, "--ctx", "runtime", "--dtype", "float32", "--combine", "all_to_all")
+    assert out.count("transport=HeapTransport combine=all_to_all") == 2, out
 
 
 def test_expert_parallel_at_four_ranks_over_symmetric_heap_with_glu_and_top3():
     # one 4-rank run covers the GLU path, k=3 and 32-row blocks (CI has 2 cores)
     _require_runtime()
     out = _run(4, "--ctx", "runtime", "--glu", "--block-size", "32", "--top-k", "3")
-    assert out.count("transport=HeapTransport") == 4, out
+    assert out.count("transport=HeapTransport combine=all_to_all") == 4, out
 
 
 @pytest.mark.parametrize("bad,error", [("width", "InvalidArgumentError"),

@@ -54,6 +54,20 @@ def test_gpu_layer_and_gradients_equal_cpu_reference(dtype, block, tol):
     assert _rel(gpu.w2.grad, cpu.w2.grad) < tol
 
 
+def test_gpu_float64_layer_runs_the_torch_path_and_equals_cpu_reference():
+    # the Triton kernels accumulate in fp32: a float64 layer on the GPU takes the torch path
+    # (exact), where it used to fail to compile
+    bs.set_backend("auto")
+    cpu, gpu = _pair(torch.float64, 16)
+    x = torch.randn(300, 256, dtype=torch.float64)
+    xc, xg = x.clone().requires_grad_(True), x.cuda().requires_grad_(True)
+    yc, yg = cpu(xc), gpu(xg)
+    yc.sum().backward()
+    yg.sum().backward()
+    assert _rel(yg, yc) < 1e-12 and _rel(xg.grad, xc.grad) < 1e-12
+    assert _rel(gpu.w2.grad, cpu.w2.grad) < 1e-12
+
+
 def test_gpu_glu_layer_equals_cpu_reference():
     cpu, gpu = _pair(torch.bfloat16, 128, glu=True, act="silu")
     x = torch.randn(700, 256, dtype=torch.float64).to(torch.bfloat16).double()

@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import types
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from rocmoe.errors import ConfigurationError, DTypeError, InvalidArgumentError, RocmoeError
 from rocmoe.moe import DroplessMoE
 from rocmoe.moe import blocksparse as bs
+from rocmoe.moe.parallel import combine_kind
 
 
 @pytest.fixture(autouse=True)
@@ -169,6 +171,40 @@ def test_non_floating_input_raises_dtype_error():
 def test_bad_configuration_is_a_rocmoe_error(kw):
     with pytest.raises(RocmoeError):
         _layer(**kw)
+
+
+def test_unknown_combine_is_a_configuration_error():
+    with pytest.raises(ConfigurationError, match="combine must be one of"):
+        _layer(combine="alltoall")
+
+
+def test_fused_combine_on_a_communicator_only_context_is_a_configuration_error():
+    # gemm_all_to_all puts rows into the peers' symmetric heaps: it needs a rocmoe Context
+    comm_ctx = types.SimpleNamespace(comm=None, rank=0, world_size=2)
+    with pytest.raises(ConfigurationError, match="needs a rocmoe Context"):
+        _layer(ctx=comm_ctx, combine="gemm_all_to_all")
+
+
+def _combine_of(combine, dtype, runtime):
+    # combine_kind reads the layer's setting, weight dtype and context kind only
+    names = ("empty", "put", "quiet", "barrier", "free") if runtime else ("comm",)
+    ctx = types.SimpleNamespace(**{n: None for n in names})
+    return combine_kind(types.SimpleNamespace(combine=combine, ctx=ctx,
+                                              w2=torch.empty(1, dtype=dtype)))
+
+
+def test_auto_combine_fuses_on_a_context_with_16_or_32_bit_weights():
+    assert _combine_of("auto", torch.bfloat16, runtime=True) == "gemm_all_to_all"
+    assert _combine_of("auto", torch.float32, runtime=True) == "gemm_all_to_all"
+    assert _combine_of("auto", torch.float64, runtime=True) == "all_to_all"
+    assert _combine_of("auto", torch.float32, runtime=False) == "all_to_all"
+    assert _combine_of("all_to_all", torch.float32, runtime=True) == "all_to_all"
+
+
+def test_fused_combine_with_float64_weights_is_a_configuration_error():
+    # raised before any exchange, on every rank alike (every rank has the same weights)
+    with pytest.raises(ConfigurationError, match="float32, bfloat16 or float16 weights"):
+        _combine_of("gemm_all_to_all", torch.float64, runtime=True)
 
 
 def test_forward_and_backward_code_has_no_host_reads():
