@@ -19,6 +19,7 @@ import torch
 
 import rocmoe
 from rocmoe.moe import DroplessMoE
+from rocmoe.moe.parallel import combine_kind
 
 
 def main(argv=None) -> int:
@@ -62,6 +63,7 @@ def main(argv=None) -> int:
         if rank == 0:
             print(json.dumps({"example": "moe_train", "ranks": world, "backend": ctx.backend,
                               "experts": args.experts, "experts_per_rank": args.experts // world,
+                              "combine": combine_kind(model) if world > 1 else None,
                               "first_loss": round(first, 4), "last_loss": round(last, 4),
                               "learned": last < first}))
         return 0 if last < first else 1
