@@ -17,7 +17,7 @@ from rocmoe.bench import multi_gpu as mg
 
 def test_parse_args_defaults_measure_every_op_at_the_large_shapes():
     args = mg.parse_args([])
-    assert args.ops == ["embedding", "gemv", "gemm", "moe"]
+    assert args.ops == ["embedding", "gemv", "gemm", "moe", "moe_combine"]
     assert args.dtypes == ["float32"]
     assert args.moe_shapes == mg.MOE_EP_LARGE
     assert args.moe_dtype == "bfloat16"
@@ -135,13 +135,15 @@ def test_dist_transport_is_all_to_all_single_at_world_size_one():
 def test_two_rank_cpu_dry_run_prints_records_with_matching_results(tmp_path):
     out = tmp_path / "multi.jsonl"
     proc = helpers.run_mpi("-m", 2, "rocmoe.bench.multi_gpu", "--device", "cpu", "--small",
-                           "--ops", "gemm,moe", "--reps", "1", "--iters", "2", "--warmup", "0",
+                           "--ops", "gemm,moe,moe_combine", "--reps", "1", "--iters", "2",
+                           "--warmup", "0",
                            "--output", str(out), timeout=240)
     assert proc.returncode == 0, proc.stdout
     printed = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert printed == written
-    assert [r["op"] for r in written] == ["gemm_all_to_all", "dropless_moe_step"]
+    assert [r["op"] for r in written] == ["gemm_all_to_all", "dropless_moe_step",
+                                          "dropless_moe_step_fused_combine"]
     for r in written:
         assert "error" not in r, r
         assert r["ranks"] == 2 and r["backend"] == "host"
@@ -156,6 +158,10 @@ def test_two_rank_cpu_dry_run_prints_records_with_matching_results(tmp_path):
     # Zipf(1.0) over 8 experts: rank 0 owns experts 0-3, most of the load
     assert moe["rank_load_fraction"][0] > 0.6
     assert sum(moe["rank_load_fraction"]) == pytest.approx(1.0, abs=1e-3)
+    # the fused combine against the all-to-all combine on the same heap transport
+    fused = written[2]
+    assert fused["combine"] == "gemm_all_to_all" and fused["baseline_combine"] == "all_to_all"
+    assert "all_to_all" in fused["baseline"] and fused["grad_w1_rel_err_vs_baseline"] < 1e-5
 
 
 if __name__ == "__main__":

@@ -24,7 +24,10 @@ against the same layer, same weights, same routing, moving them both ways with
 follows Zipf(1.0) over the experts (p_e ~ 1 / (e + 1)): the router's logits get a fixed
 per-token bias log(p_e) + Gumbel noise, which makes its top-k a draw of k distinct experts
 with those probabilities (the Gumbel-top-k trick), and the router's own weights are scaled
-down so the bias decides.
+down so the bias decides. ``moe_combine``: the same rocmoe step against the same layer on the
+same heap transport with ``combine="all_to_all"``: the fused path (per-expert GEMMs, the last
+one in ``gemm_all_to_all``) against the block-sparse FFN followed by an all-to-all, with the
+dispatch identical.
 
 The fused ops on a GPU backend are timed as ``rocmoe.ops.gpu`` on the context's symmetric heap
 (``ContextArena``), the kernels the public ``rocmoe.ops`` functions dispatch to there; on the
@@ -53,18 +56,22 @@ from typing import Callable, Optional
 from . import emit, inside_mpi_job, relaunch_under_mpiexec
 from .fused import DLRM_LARGE, DLRM_SMALL, GEMV_LARGE, GEMV_SMALL, MOE_LARGE, MOE_SMALL
 
-OPS = ("embedding", "gemv", "gemm", "moe")
+OPS = ("embedding", "gemv", "gemm", "moe", "moe_combine")
 OP_NAMES = {"embedding": "embedding_all_to_all", "gemv": "gemv_all_reduce",
-            "gemm": "gemm_all_to_all", "moe": "dropless_moe_step"}
+            "gemm": "gemm_all_to_all", "moe": "dropless_moe_step",
+            "moe_combine": "dropless_moe_step_fused_combine"}
 BASELINES = {
     "embedding": "F.embedding_bag per table + torch.distributed.all_to_all_single",
     "gemv": "torch.mv + torch.distributed.all_reduce",
     "gemm": "torch.matmul + torch.distributed.all_to_all_single",
     "moe": "same DroplessMoE, tokens moved by torch.distributed.all_to_all_single",
+    "moe_combine": "same DroplessMoE on the same heap transport, combine='all_to_all' "
+                   "(block-sparse FFN, then all-to-all back)",
 }
 # Issue 5's goals: (lowest latency reduction over the baseline, world size it is stated for;
 # None = every world size)
-GOALS = {"embedding": (0.25, 8), "gemv": (0.15, 4), "gemm": (0.15, None), "moe": (None, None)}
+GOALS = {"embedding": (0.25, 8), "gemv": (0.15, 4), "gemm": (0.15, None), "moe": (None, None),
+         "moe_combine": (None, None)}
 # expert-parallel layer shapes: tokens per rank, hidden, ffn, experts (issue 4's bench shapes)
 MOE_EP_LARGE = [(8192, 1024, 4096, 64), (8192, 4096, 1408, 64)]
 MOE_EP_SMALL = [(256, 64, 128, 8)]
@@ -494,8 +501,11 @@ def bias_router(router, bias, scale: float = 1e-3):
     return router
 
 
-def case_moe(env: Env, shape, dtype):
-    """(heap step, dist step, check dict): the same layer stepping with either transport."""
+def case_moe(env: Env, shape, dtype, baseline: str = "dist"):
+    """(rocmoe step, baseline step, check dict): the same layer, same weights and routing.
+    rocmoe: heap transport, combine="auto" (gemm_all_to_all). Baseline "dist": tokens moved
+    by all_to_all_single both ways; "heap": the same heap transport with combine="all_to_all"
+    (what the fused combine alone is worth)."""
     import torch
     from ..moe import DroplessMoE
     from ..moe.parallel import combine_kind, transport_for
@@ -528,7 +538,8 @@ def case_moe(env: Env, shape, dtype):
 
     # rocmoe's step combines through gemm_all_to_all where the layer can ("auto"); the
     # baseline moves rows both ways with all_to_all_single around the block-sparse FFN
-    heap_step, dist_step = step_with(heap, "auto"), step_with(nccl, "all_to_all")
+    heap_step = step_with(heap, "auto")
+    dist_step = step_with(nccl if baseline == "dist" else heap, "all_to_all")
     y_heap = heap_step().detach()
     g_heap = layer.w1.grad.detach().clone()
     y_dist = dist_step().detach()
@@ -629,20 +640,22 @@ def run(args) -> int:
                                reps=args.reps, **extra)
         guarded(op, shape, dtype_name, body)
 
-    if "moe" in args.ops:
+    for op, baseline in (("moe", "dist"), ("moe_combine", "heap")):
+        if op not in args.ops:
+            continue
         dtype = getattr(torch, args.moe_dtype)
         for shp in args.moe_shapes:
             shape = dict(tokens_per_rank=shp[0], hidden=shp[1], ffn=shp[2], experts=shp[3])
 
-            def body(shp=shp, shape=shape, dtype=dtype):
-                heap_step, dist_step, check = case_moe(env, shp, dtype)
+            def body(shp=shp, shape=shape, dtype=dtype, op=op, baseline=baseline):
+                heap_step, base_step, check = case_moe(env, shp, dtype, baseline)
                 # each step synchronises the host (split sizes): time single steps only
-                times = clock.compare({"fused": heap_step, "baseline": dist_step},
+                times = clock.compare({"fused": heap_step, "baseline": base_step},
                                       args.warmup, args.reps, 1)
-                return make_record("moe", ctx.backend, env.world, args.moe_dtype, shape,
+                return make_record(op, ctx.backend, env.world, args.moe_dtype, shape,
                                    times["fused"], times["baseline"], reps=args.reps,
                                    step="forward + backward", **check)
-            guarded("moe", shape, args.moe_dtype, body)
+            guarded(op, shape, args.moe_dtype, body)
             ctx.moe_transport = None
 
     if root:
