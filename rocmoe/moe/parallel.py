@@ -309,7 +309,10 @@ def _fused_combine(layer, received, received_from, sent_to):
 def expert_parallel_forward(layer, x, expert_ids, weights):
     transport = _layer_transport(layer)
     world, e_local = transport.world_size, layer.num_local_experts
-    combine = combine_kind(layer)
+    try:
+        combine = combine_kind(layer)
+    except ConfigurationError as exc:  # the peers must learn of it, or they wait for counts
+        reject_input(layer, exc)
     num_tokens, top_k = expert_ids.shape
     flat = expert_ids.reshape(-1).long()
     # 1. sort pairs by global expert (stable: deterministic order within an expert)

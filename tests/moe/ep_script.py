@@ -51,7 +51,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bad-rank", type=int, default=None,
                     help="this rank passes an input the layer rejects (--bad says how); every "
                          "rank must raise a RocmoeError, none may hang")
-    ap.add_argument("--bad", choices=("width", "dtype"), default="width")
+    ap.add_argument("--bad", choices=("width", "dtype", "combine"), default="width",
+                    help="combine: that rank's layer asks for the fused combine with float64 "
+                         "weights")
     args = ap.parse_args(argv)
 
     ctx = make_context(args.ctx, args.device)
@@ -133,7 +135,10 @@ def main(argv=None) -> int:
 def reject(ep, x, rank, world, args, ctx) -> int:
     from rocmoe.errors import RocmoeError
     if rank == args.bad_rank:
-        x = x[:, :-1] if args.bad == "width" else x.to(torch.int64)
+        if args.bad == "combine":
+            ep.combine = "gemm_all_to_all"
+        else:
+            x = x[:, :-1] if args.bad == "width" else x.to(torch.int64)
     try:
         ep(x)
     except RocmoeError as exc:

@@ -113,3 +113,15 @@ def test_bad_input_on_one_rank_raises_on_every_rank_over_symmetric_heap():
     assert "EP_REJECTED rank=0 world=2 error=InvalidArgumentError: input must have shape" in out
     assert "EP_REJECTED rank=1 world=2 error=InvalidArgumentError: expert-parallel layer: " \
            "rank(s) [0] rejected their input" in out, out
+
+
+def test_a_combine_one_rank_cannot_run_raises_on_every_rank():
+    # rank 1 asks for the fused combine with float64 weights: it raises ConfigurationError,
+    # rank 0 (which would combine by all-to-all) raises too instead of waiting for rows
+    _require_runtime()
+    out = _run(2, "--ctx", "runtime", "--bad-rank", "1", "--bad", "combine",
+               expect="EP_REJECTED")
+    assert "EP_REJECTED rank=1 world=2 error=ConfigurationError: combine='gemm_all_to_all' " \
+           "takes float32, bfloat16 or float16 weights" in out, out
+    assert "EP_REJECTED rank=0 world=2 error=InvalidArgumentError: expert-parallel layer: " \
+           "rank(s) [1] rejected their input" in out, out
