@@ -536,16 +536,15 @@ def case_moe(env: Env, shape, dtype, baseline: str = "dist"):
             return y
         return step
 
-    # rocmoe's step combines through gemm_all_to_all where the layer can ("auto"); the
-    # baseline moves rows both ways with all_to_all_single around the block-sparse FFN
+    # rocmoe's step combines through gemm_all_to_all where the layer can ("auto", the
+    # layer's default); the baseline moves rows back by all-to-all after the block-sparse FFN
+    heap_combine = combine_kind(layer)
     heap_step = step_with(heap, "auto")
     dist_step = step_with(nccl if baseline == "dist" else heap, "all_to_all")
     y_heap = heap_step().detach()
     g_heap = layer.w1.grad.detach().clone()
     y_dist = dist_step().detach()
     g_dist = layer.w1.grad.detach().clone()
-    layer.combine = "auto"
-    heap_combine = combine_kind(layer)
     counts = layer.tokens_per_expert.detach().to(torch.float64).cpu()
     # every rank's routed pairs per owner rank -> share of all pairs each rank's experts get
     per_rank = counts.view(env.world, -1).sum(dim=1)
