@@ -29,7 +29,10 @@ means rocmoe is faster), both measured in the same run on the same routing:
 Times are medians of CUDA-event timings after warm-up. Each FFN record also carries
 ``ours_ms_queued`` / ``baseline_ms_queued`` / ``ratio_queued``: both sides timed again with
 the GPU kept busy by an untimed call ahead of each sample (what a layer inside a model sees;
-the plain figures start every sample from an idle GPU and so include one launch latency).
+the plain figures start every sample from an idle GPU and so include one launch latency),
+and ``ours_ms_graphs`` / ``baseline_ms_graphs`` / ``ratio_graphs``: both sides replayed from
+CUDA graphs (device time alone, no host launch work; the ceiling record has the same as
+``*_graphs``).
 Needs a CUDA/ROCm device.
 """
 
@@ -278,10 +281,26 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
     # the launch latency of an idle GPU's first kernel is left out. Reported next to the
     # idle-start ratio in the same record (``*_queued``), for ours and the baseline alike.
     tq = interleaved_ms(cases, rounds=reps, calls=1, queued=True)
+    # And each case replayed from a CUDA graph (queued too): the kernels' device time with no
+    # host launch work on either side, i.e. what the kernels themselves reach. The idle and
+    # queued figures above stay the headline; this one says how much of a gap is launch work.
+    tg = {}
+    graphed = {}
+    for name, (setup, fn) in cases.items():
+        try:
+            graphed[name] = (setup, captured(fn))
+        except Exception as exc:  # noqa: BLE001 - reported, not hidden
+            emit(dict(common, metric="ffn_cuda_graph_capture", case=name, error=repr(exc)[:300]))
+    if graphed:
+        tg = interleaved_ms(graphed, rounds=reps, calls=1, queued=True)
+    del graphed
 
     def ffn_record(name, baseline, ours, base, flops=None):
         extra = dict(ours_ms_queued=round(tq[ours], 4), baseline_ms_queued=round(tq[base], 4),
                      ratio_queued=round(tq[base] / tq[ours], 4))
+        if ours in tg and base in tg:
+            extra.update(ours_ms_graphs=round(tg[ours], 4), baseline_ms_graphs=round(tg[base], 4),
+                         ratio_graphs=round(tg[base] / tg[ours], 4))
         if flops is not None:
             extra.update(ours_tflops=round(flops / t[ours] / 1e9, 1),
                          baseline_tflops=round(flops / t[base] / 1e9, 1))
@@ -302,7 +321,12 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
               ceiling_tflops=round(rate["bmm"] / 1e9, 1),
               baseline_tflops=round(rate["dense"] / 1e9, 1),
               ceiling_over_dense=round(rate["bmm"] / rate["dense"], 4),
-              ours_over_ceiling=round(rate["ours"] / rate["bmm"], 4)))
+              ours_over_ceiling=round(rate["ours"] / rate["bmm"], 4),
+              **({} if not {"ours_fwdbwd", "bmm_fwdbwd", "dense_fwdbwd"} <= set(tg) else dict(
+                  ceiling_over_dense_graphs=round(tg["dense_fwdbwd"] * bmm_flops
+                                                  / (3 * useful_fwd) / tg["bmm_fwdbwd"], 4),
+                  ours_over_ceiling_graphs=round(tg["bmm_fwdbwd"] * 3 * useful_fwd
+                                                 / bmm_flops / tg["ours_fwdbwd"], 4)))))
     if "gmm_fwd" in t:
         ffn_record("ffn_fwd_vs_grouped_mm", "torch._grouped_mm + gelu", "ours_fwd", "gmm_fwd")
     if "gmm_fwdbwd" in t:
