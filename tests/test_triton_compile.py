@@ -33,7 +33,7 @@ def compiled_not_interpreted(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def _compile(name, target_key, dtype="bf16", signal=True):
+def _compile(name, target_key, dtype="bf16", signal=True, groups_p2=0):
     target, _, _, platform = TARGETS[target_key]
     signature = kernels.aot_signatures(dtype)[name]
     options = {}
@@ -42,7 +42,7 @@ def _compile(name, target_key, dtype="bf16", signal=True):
         cfg = kernels.default_config(platform, dtype == "fp32")
         options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
         constexprs = dict(cfg, WORLD_P2=8, SIGNAL=signal, FP32_IEEE=dtype == "fp32",
-                          EVEN_N=False, EVEN_K=False, USE_TMA=False)
+                          EVEN_N=False, EVEN_K=False, USE_TMA=False, GROUPS_P2=groups_p2)
     src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
     return triton.compile(src, target=target, options=options)
 
@@ -52,6 +52,15 @@ def _compile(name, target_key, dtype="bf16", signal=True):
 def test_gemm_a2a_uses_matrix_instructions(target_key, dtype):
     _, asm_key, instruction, _ = TARGETS[target_key]
     compiled = _compile("gemm_a2a_kernel", target_key, dtype)
+    assert instruction in compiled.asm[asm_key], f"no {instruction} for {target_key}"
+
+
+@pytest.mark.parametrize("target_key", sorted(TARGETS))
+def test_grouped_gemm_a2a_uses_matrix_instructions(target_key):
+    # grouped products (W [G, K, N], the MoE combine's local experts): the same kernel with
+    # the segment lookup compiled in
+    _, asm_key, instruction, _ = TARGETS[target_key]
+    compiled = _compile("gemm_a2a_kernel", target_key, "bf16", groups_p2=8)
     assert instruction in compiled.asm[asm_key], f"no {instruction} for {target_key}"
 
 
@@ -78,7 +87,7 @@ def test_gemm_a2a_main_loop_is_pipelined_on_sm90():
     cfg = kernels.default_config("cuda")
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     constexprs = dict(cfg, WORLD_P2=8, SIGNAL=True, FP32_IEEE=False, EVEN_N=True, EVEN_K=True,
-                      stride_xk=1, stride_wn=1, USE_TMA=False)
+                      stride_xk=1, stride_wn=1, USE_TMA=False, GROUPS_P2=0)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs,
                     attrs=attrs)
     compiled = triton.compile(src, target=target, options=options)
@@ -97,7 +106,8 @@ def test_protocol_kernel_compiles(name, target_key):
     assert compiled.asm[asm_key]
 
 
-def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90():
+@pytest.mark.parametrize("groups_p2", [0, 8])
+def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2):
     # USE_TMA: X and W arrive as tensor descriptors; the K loop must fetch them with bulk
     # tensor copies (TMA) feeding wgmma, and the epilogue still stores into the peer's heap
     target = TARGETS["sm90"][0]
@@ -108,7 +118,7 @@ def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90():
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     cfg.pop("USE_TMA", None)
     constexprs = dict(cfg, WORLD_P2=8, SIGNAL=True, FP32_IEEE=False, EVEN_N=True, EVEN_K=True,
-                      USE_TMA=True)
+                      USE_TMA=True, GROUPS_P2=groups_p2)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
     ptx = triton.compile(src, target=target, options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx

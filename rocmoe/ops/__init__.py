@@ -100,17 +100,27 @@ def gemv_all_reduce(W_local: torch.Tensor, x_local: torch.Tensor, ctx=None) -> t
 def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> torch.Tensor:  # noqa: N803
     """Y = X @ W; rows of Y go to the ranks in order, send_counts[d] rows to rank d (a list of
     ints or a 1-D integer tensor summing to M). Returns the rows received, from rank 0 first,
-    like all_to_all_single: [sum of what every rank sends here, N]."""
+    like all_to_all_single: [sum of what every rank sends here, N].
+
+    Grouped products (one collective for several weights, e.g. a rank's local experts): W is
+    [G, K, N] and send_counts is [world, G] (a list of lists or a 2-D integer tensor): the
+    rows for rank d are G consecutive segments, send_counts[d][g] rows multiplied by W[g].
+    What arrives is unchanged: from each source in rank order, its rows for this rank (in
+    its group order)."""
     ctx = resolve_context(ctx)
+    grouped = isinstance(W, torch.Tensor) and W.dim() == 3
     if isinstance(send_counts, torch.Tensor):
-        if send_counts.dim() != 1 or send_counts.is_floating_point():
+        if send_counts.dim() != (2 if grouped else 1) or send_counts.is_floating_point():
             # the op reports this on every rank (raising here would leave the others waiting)
             send_counts = list(BAD_COUNTS)
         else:
-            send_counts = [int(c) for c in send_counts.tolist()]
+            send_counts = [int(c) for c in send_counts.reshape(-1).tolist()]
     else:
         try:
-            send_counts = [int(c) for c in send_counts]
+            if grouped:
+                send_counts = [int(c) for row in send_counts for c in row]
+            else:
+                send_counts = [int(c) for c in send_counts]
         except (TypeError, ValueError):
             send_counts = list(BAD_COUNTS)
     if _off_device(ctx, (X, W)):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from .. import errors
@@ -311,56 +312,109 @@ def gemv_forward(ctx, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Ten
 
 
 # ---- GEMM + all-to-all (and the plain row all-to-all of the backward passes) ---------------
-def _counts_list(send_counts, world: int, op: str) -> list[int]:
+def _counts_list(send_counts, world: int, op: str, groups: int = 0) -> list[int]:
+    """send_counts as a flat list of ints: one per rank, or with `groups` (grouped products)
+    one per (rank, group), rank-major."""
+    per_rank = max(groups, 1)
+    what = ("a [world, groups] integer tensor or list of lists" if groups
+            else "a 1-D integer tensor or a list of ints")
     if isinstance(send_counts, torch.Tensor):
-        if send_counts.dim() != 1 or send_counts.is_floating_point() or send_counts.is_complex():
-            raise errors.InvalidArgumentError(
-                f"{op}: send_counts must be a 1-D integer tensor or a list of ints")
-        send_counts = send_counts.tolist()
+        if (send_counts.dim() != (2 if groups else 1) or send_counts.is_floating_point()
+                or send_counts.is_complex()):
+            raise errors.InvalidArgumentError(f"{op}: send_counts must be {what}")
+        send_counts = send_counts.reshape(-1).tolist()
+    elif groups and isinstance(send_counts, (list, tuple)) and all(
+            isinstance(row, (list, tuple, np.ndarray)) for row in send_counts):
+        send_counts = [c for row in send_counts for c in row]
     try:
         counts = [int(c) for c in send_counts]
     except (TypeError, ValueError):
         counts = list(BAD_COUNTS)
     if tuple(counts) == BAD_COUNTS:
+        raise errors.InvalidArgumentError(f"{op}: send_counts must be {what}")
+    if len(counts) != world * per_rank:
         raise errors.InvalidArgumentError(
-            f"{op}: send_counts must be a 1-D integer tensor or a list of ints")
-    if len(counts) != world:
-        raise errors.InvalidArgumentError(
-            f"{op}: send_counts has {len(counts)} entries; give one per rank ({world})")
+            f"{op}: send_counts has {len(counts)} entries; give one per rank ({world})"
+            if not groups else
+            f"{op}: send_counts has {len(counts)} entries; give one per rank and group of W: "
+            f"{world} x {groups}")
     if any(c < 0 for c in counts):
         raise errors.InvalidArgumentError(f"{op}: send_counts {counts} has a negative count")
     return counts
 
 
+def group_major(group_counts) -> tuple[np.ndarray, list[int]]:
+    """Rows ordered by (destination, group) -> the permutation that orders them group-major
+    (each group's rows together, destinations in order inside it) and the rows per group."""
+    counts = np.asarray(group_counts, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts.reshape(-1))[:-1]]).reshape(counts.shape)
+    pieces = [np.arange(starts[d, g], starts[d, g] + counts[d, g])
+              for g in range(counts.shape[1]) for d in range(counts.shape[0])]
+    perm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    return perm, [int(v) for v in counts.sum(axis=0)]
+
+
+def grouped_products(x: torch.Tensor, w: torch.Tensor, group_counts) -> torch.Tensor:
+    """Y [M, N] with Y's rows of segment (d, g) = those rows of x @ w[g] (x's rows ordered by
+    (destination, group), w [G, K, N]); products in fp32, Y in x's dtype."""
+    perm, sizes = group_major(group_counts)
+    index = torch.from_numpy(perm).to(x.device)
+    xs = x.index_select(0, index)
+    parts = [(xg.float() @ w[g].float()) for g, xg in enumerate(xs.split(sizes))]
+    y = torch.empty(x.shape[0], w.shape[-1], dtype=x.dtype, device=x.device)
+    if parts:
+        y[index] = torch.cat(parts).to(x.dtype)
+    return y
+
+
+def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, group_counts,
+                        groups: int) -> torch.Tensor:
+    """dW [G, K, N] of grouped_products: dW[g] = (x's rows of group g)^T (gy's), fp32."""
+    perm, sizes = group_major(group_counts)
+    index = torch.from_numpy(perm).to(x.device)
+    xs, gs = x.index_select(0, index).float(), gy.index_select(0, index).float()
+    return torch.stack([xg.t() @ gg for xg, gg in zip(xs.split(sizes), gs.split(sizes))]) \
+        if groups else x.new_zeros((0, x.shape[1], gy.shape[1]), dtype=torch.float32)
+
+
 def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send_counts,
                   ) -> tuple[torch.Tensor, list[int]]:
     """Y = x @ w (or Y = x when w is None), rows split by `send_counts`, delivered like
-    all_to_all_single. Returns (received rows, rows received from each source)."""
+    all_to_all_single. Returns (received rows, rows received from each source).
+
+    Grouped products: with w [G, K, N], send_counts holds world x G counts (rank-major): the
+    rows for destination d are G consecutive segments, segment (d, g) multiplied by w[g]."""
     world = ctx.world_size
     ws = workspace(ctx, op)
-    problem, n, dcode, counts = None, -1, -1, [0] * world
+    problem, n, dcode, counts, group_counts = None, -1, -1, [0] * world, None
     try:
         check_float_dtype(x, f"{op}: X")
         check_device(ctx, x, f"{op}: X")
         if x.dim() != 2:
             raise errors.InvalidArgumentError(f"{op}: X has shape {tuple(x.shape)}; expected [M, K]")
+        groups = 0
         if w is not None:
             check_float_dtype(w, f"{op}: W")
             check_device(ctx, w, f"{op}: W")
-            if w.dim() != 2 or w.shape[0] != x.shape[1]:
+            if w.dim() not in (2, 3) or w.shape[-2] != x.shape[1] or (w.dim() == 3
+                                                                      and w.shape[0] == 0):
                 raise errors.InvalidArgumentError(
                     f"{op}: X {tuple(x.shape)} and W {tuple(w.shape)} do not fit; expected "
-                    "[M, K] and [K, N]")
+                    "[M, K] and [K, N], or [G, K, N] with G >= 1 for grouped products")
             if w.dtype != x.dtype:
                 raise errors.DTypeError(f"{op}: X is {x.dtype} but W is {w.dtype}")
-        counts = _counts_list(send_counts, world, op)
+            groups = int(w.shape[0]) if w.dim() == 3 else 0
+        counts = _counts_list(send_counts, world, op, groups)
+        if groups:
+            group_counts = [counts[d * groups:(d + 1) * groups] for d in range(world)]
+            counts = [sum(row) for row in group_counts]
         if sum(counts) != x.shape[0]:
             raise errors.InvalidArgumentError(
                 f"{op}: send_counts {counts} sum to {sum(counts)}, but X has {x.shape[0]} rows")
-        n = int(w.shape[1]) if w is not None else int(x.shape[1])
+        n = int(w.shape[-1]) if w is not None else int(x.shape[1])
         dcode = DTYPE_CODES[x.dtype]
     except errors.RocmoeError as exc:
-        problem, counts = exc, [0] * world
+        problem, counts, group_counts = exc, [0] * world, None
     table = agree(ctx, op, ws.epoch + 1, problem, [n, dcode] + counts)
     if (table[:, 0] != table[0, 0]).any() or (table[:, 1] != table[0, 1]).any():
         got = ", ".join(f"rank {r}: N={int(a)} {CODE_DTYPES[int(b)]}" for r, (a, b) in
@@ -378,8 +432,10 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
         # the backward's plain row exchange runs the same kernel with an identity W (exact in
         # every dtype); a copy-only GPU kernel would halve its cost
         w_gpu = w if w is not None else torch.eye(n, dtype=x.dtype, device=x.device)
-        plan = gpu.plan_gemm_agreed(arena, matrix, n, gpu.gemm_config(x.device, x.dtype))
-        return gpu.gemm_all_to_all(arena, x, w_gpu, counts, plan=plan), recv_counts
+        plan = gpu.plan_gemm_agreed(arena, matrix, n, gpu.gemm_config(x.device, x.dtype),
+                                    group_counts=group_counts)
+        return gpu.gemm_all_to_all(arena, x, w_gpu, counts, plan=plan,
+                                   group_counts=group_counts), recv_counts
     ws.epoch += 1
     ws.prepare(*workspace_sizes(lib.rocmoe_gemm_a2a_workspace, world, most, n, dcode))
     out = torch.empty((recv_rows, n), dtype=x.dtype, device=ctx.device)
@@ -391,13 +447,20 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     if w is None:
         args.x, args.w, args.y = ffi.NULL, ffi.NULL, ptr(x_c)
     elif ctx.backend == "host" and host_gemm_mode() == "torch":
-        y = (x_c.float() @ w.float()).to(x.dtype) if x.dtype != torch.float32 else x_c @ w
+        if group_counts is not None:
+            y = grouped_products(x_c, w, group_counts)
+        else:
+            y = (x_c.float() @ w.float()).to(x.dtype) if x.dtype != torch.float32 else x_c @ w
         keep.append(y)
         args.x, args.w, args.y = ffi.NULL, ffi.NULL, ptr(y)
     else:
         w32 = w.to(torch.float32).contiguous()
         keep.append(w32)
         args.x, args.w, args.y = ptr(x_c), ffi.cast("float *", w32.data_ptr()), ffi.NULL
+        if group_counts is not None:
+            gc = i64_array([c for row in group_counts for c in row])
+            keep.append(gc)
+            args.groups, args.group_counts = len(group_counts[0]), gc
     sc, do = i64_array(counts), i64_array(dest_offsets)
     args.send_counts, args.dest_row_offsets = sc, do
     args.recv_rows = recv_rows

@@ -14,7 +14,7 @@ Gradient conventions:
   every rank (it is, when every rank computes the same loss from y, as in row-parallel
   layers); then dW_r = outer(gy, x_r) and dx_r = W_r^T gy, with no communication.
 - gemm_all_to_all: the reverse all-to-all of dY gives dY_local [M, N]; dX = dY_local W^T,
-  dW = X^T dY_local.
+  dW = X^T dY_local (grouped, W [G, K, N]: per group, over the rows of its segments).
 Gradients are computed in fp32 and returned in the inputs' dtypes.
 """
 
@@ -194,7 +194,7 @@ def gemm_all_to_all(x: Tensor, w: Tensor, send_counts: list[int], ctx_id: int,
 def _(x, w, send_counts, ctx_id, anchor):
     ctx = context_by_id(ctx_id)
     rows = torch.library.get_ctx().new_dynamic_size()
-    return (x.new_empty((rows, w.shape[1])),
+    return (x.new_empty((rows, w.shape[-1])),
             torch.empty((ctx.world_size,), dtype=torch.int64))
 
 
@@ -203,6 +203,7 @@ def _gemm_setup(ctx, inputs, output):
     _, recv = output
     ctx.ctx_id = ctx_id
     ctx.rows = x.shape[0]
+    ctx.send_counts = list(send_counts)
     ctx.save_for_backward(x, w, recv)
     ctx.set_materialize_grads(True)
 
@@ -211,8 +212,15 @@ def _gemm_backward(ctx, gy, _grecv):
     x, w, recv = ctx.saved_tensors
     # rows come back to their source in the order they were sent
     gy_local = _reverse_rows(gy, recv.tolist(), ctx.rows, ctx.ctx_id).float()
-    dx = (gy_local @ w.float().t()).to(x.dtype)
-    dw = (x.float().t() @ gy_local).to(w.dtype)
+    if w.dim() == 3:  # grouped: segment (d, g) of the rows went through W[g]
+        groups = w.shape[0]
+        group_counts = [ctx.send_counts[d:d + groups]
+                        for d in range(0, len(ctx.send_counts), groups)]
+        dx = _kernels.grouped_products(gy_local, w.transpose(1, 2), group_counts).to(x.dtype)
+        dw = _kernels.grouped_weight_grad(x, gy_local, group_counts, groups).to(w.dtype)
+    else:
+        dx = (gy_local @ w.float().t()).to(x.dtype)
+        dw = (x.float().t() @ gy_local).to(w.dtype)
     return dx, dw, None, None, gy_local.sum().mul(0).reshape(1)[:0]
 
 

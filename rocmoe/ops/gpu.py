@@ -397,6 +397,14 @@ class GemmPlan:
     order: list
     prefix: list
     config: dict = field(default_factory=dict)
+    # grouped products (W [G, K, N]): per destination, the tile numbers where each of its G
+    # segments starts ([world * (G + 1)]), and each segment's first row of X, rows and first
+    # row inside this rank's part of the destination's buffer ([world * G] each)
+    groups: int = 0
+    seg_prefix: list = field(default_factory=list)
+    seg_row0: list = field(default_factory=list)
+    seg_rows: list = field(default_factory=list)
+    seg_out: list = field(default_factory=list)
 
 
 def plan_gemm(arena: Arena, m: int, n: int, send_counts: Sequence[int], config: dict) -> GemmPlan:
@@ -418,10 +426,12 @@ def plan_gemm(arena: Arena, m: int, n: int, send_counts: Sequence[int], config: 
                             config)
 
 
-def plan_gemm_agreed(arena: Arena, counts: np.ndarray, n: int, config: dict) -> GemmPlan:
+def plan_gemm_agreed(arena: Arena, counts: np.ndarray, n: int, config: dict,
+                     group_counts: Optional[Sequence[Sequence[int]]] = None) -> GemmPlan:
     """The plan from a counts matrix every rank already agreed on ([world, world]: rows rank s
     sends to rank d), without communicating: for callers that validated and all-gathered the
-    counts themselves (rocmoe.ops' public op does)."""
+    counts themselves (rocmoe.ops' public op does). `group_counts` ([world][G], this rank's
+    rows per destination and group, summing to its row of `counts`): grouped products."""
     w, r = arena.world, arena.rank
     counts = np.asarray(counts, dtype=np.int64).reshape(w, w)
     row_start = [0] + list(np.cumsum(counts[r])[:-1])
@@ -429,10 +439,23 @@ def plan_gemm_agreed(arena: Arena, counts: np.ndarray, n: int, config: dict) -> 
     recv = counts.sum(axis=0)
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     n_tiles = math.ceil(n / bn) if n > 0 else 1
-    tasks = [max(1, math.ceil(int(c) / bm) * n_tiles) for c in counts[r]]
+    extra = {}
+    if group_counts is None:
+        tasks = [max(1, math.ceil(int(c) / bm) * n_tiles) for c in counts[r]]
+    else:
+        gc = np.asarray(group_counts, dtype=np.int64).reshape(w, -1)
+        groups = gc.shape[1]
+        seg_tiles = -(-gc // bm) * n_tiles                         # [world, G]
+        seg_prefix = np.concatenate([np.zeros((w, 1), np.int64), np.cumsum(seg_tiles, 1)], 1)
+        seg_out = np.concatenate([np.zeros((w, 1), np.int64), np.cumsum(gc, 1)[:, :-1]], 1)
+        seg_row0 = np.asarray(row_start, dtype=np.int64)[:, None] + seg_out
+        tasks = [max(1, int(t)) for t in seg_prefix[:, -1]]
+        extra = dict(groups=groups, seg_prefix=seg_prefix.reshape(-1).tolist(),
+                     seg_row0=seg_row0.reshape(-1).tolist(), seg_rows=gc.reshape(-1).tolist(),
+                     seg_out=seg_out.reshape(-1).tolist())
     order = slice_order(r, w, arena.ranks_per_node)
     return GemmPlan(counts, [int(v) for v in row_start], dest_rows, int(recv[r]), int(recv.max()),
-                    order, task_prefix(order, tasks), config)
+                    order, task_prefix(order, tasks), config, **extra)
 
 
 def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -451,13 +474,18 @@ def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> di
 def gemm_operands(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> tuple:
     """(X argument, W argument, USE_TMA) of the GEMM kernel: tensor descriptors for the
     copy engine where the config asks for them and the GPU (Hopper or later) and the
-    operands' alignment allow; the tensors themselves otherwise."""
+    operands' alignment allow; the tensors themselves otherwise. A grouped W [G, K, N] goes
+    as one [G*K, N] descriptor, which needs W contiguous and K a multiple of BLOCK_K (a box
+    must not reach into the next group)."""
     if not (cfg.get("USE_TMA") and tma_capable(x.device) and x.dtype != torch.float32
-            and x.stride(1) == 1 and w.stride(1) == 1):
+            and x.stride(1) == 1 and w.stride(-1) == 1):
         return x, w, False
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if w.dim() == 3 and not (w.is_contiguous() and w.shape[1] % bk == 0):
+        return x, w, False
     x_desc = tensor_descriptor(x, x.shape[0], x.shape[1], x.stride(0), [bm, bk])
-    w_desc = tensor_descriptor(w, w.shape[0], w.shape[1], w.stride(0), [bk, bn])
+    w_desc = tensor_descriptor(w, w.shape[-2] * (w.shape[0] if w.dim() == 3 else 1),
+                               w.shape[-1], w.stride(-2), [bk, bn])
     if x_desc is None or w_desc is None:
         return x, w, False
     return x_desc, w_desc, True
@@ -465,28 +493,47 @@ def gemm_operands(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> tuple:
 
 def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts: Sequence[int], *,
                     signal: bool = True, check: bool = True, config: Optional[dict] = None,
-                    plan: Optional[GemmPlan] = None, copy_out: bool = True
+                    plan: Optional[GemmPlan] = None, copy_out: bool = True,
+                    group_counts: Optional[Sequence[Sequence[int]]] = None
                     ) -> Optional[torch.Tensor]:
     """Y = X @ W with Y's rows sent to the ranks by `send_counts` (all_to_all_single order).
+
+    Grouped products: W [G, K, N] and `group_counts` [world][G] (summing to send_counts):
+    the rows for destination d are G segments, segment (d, g) multiplied by W[g].
 
     `signal=False` runs the same kernel without done counters, signals, waits or acks (the
     benchmark's baseline for the cost of the fusion machinery; the result is then only
     right at world size 1). `copy_out=False` (benchmarks) skips copying the result out of
     the receive buffer and returns None."""
     from . import triton_gemm_a2a as tk
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[0]:
+    grouped = w.dim() == 3
+    if x.dim() != 2 or w.dim() not in (2, 3) or x.shape[1] != w.shape[-2] or (
+            grouped != (group_counts is not None)):
         raise errors.InvalidArgumentError(
-            f"gemm_all_to_all: expected X [M, K] and W [K, N], got {tuple(x.shape)} and "
-            f"{tuple(w.shape)}")
+            f"gemm_all_to_all: expected X [M, K] and W [K, N] (or [G, K, N] with group "
+            f"counts), got {tuple(x.shape)} and {tuple(w.shape)}")
+    if grouped:
+        gc = np.asarray(group_counts, dtype=np.int64)
+        if gc.shape != (arena.world, w.shape[0]) or (gc < 0).any() or \
+                list(gc.sum(axis=1)) != [int(c) for c in send_counts]:
+            raise errors.InvalidArgumentError(
+                f"gemm_all_to_all: group counts {gc.tolist()} must be [world={arena.world}, "
+                f"G={w.shape[0]}], >= 0, and sum to send_counts {list(send_counts)}")
     if x.dtype != w.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise errors.DTypeError(
             f"gemm_all_to_all: X and W must share one of float32/bfloat16/float16, got "
             f"{x.dtype} and {w.dtype}")
     m, k = x.shape
-    n = w.shape[1]
+    n = w.shape[-1]
     cfg = dict(config or gemm_config(x.device, x.dtype))
     if plan is None:
         plan = plan_gemm(arena, m, n, send_counts, cfg)
+        if grouped:
+            plan = plan_gemm_agreed(arena, plan.counts, n, cfg, group_counts=group_counts)
+    if plan.groups != (w.shape[0] if grouped else 0):
+        raise errors.InvalidArgumentError(
+            f"gemm_all_to_all: the plan has {plan.groups} groups, W {tuple(w.shape)}: a plan "
+            "is only valid for the shapes it was made for")
     if int(plan.counts[arena.rank].sum()) != m:
         raise errors.InvalidArgumentError(
             f"gemm_all_to_all: the plan's counts {list(plan.counts[arena.rank])} do not sum to "
@@ -508,6 +555,11 @@ def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts:
     # and the kernel reach the GPU back to back (host work between them idles the GPU)
     plan_args = (i64(plan.row_start), i64(list(plan.counts[arena.rank])), i64(plan.dest_rows),
                  i32(plan.order), i32(plan.prefix))
+    if grouped:
+        seg_args = (i32(plan.seg_prefix), i64(plan.seg_row0), i64(plan.seg_rows),
+                    i64(plan.seg_out))
+    else:  # (not read: GROUPS_P2 = 0 compiles the plain path)
+        seg_args = (plan_args[4], plan_args[0], plan_args[0], plan_args[0])
     total = plan.prefix[-1]
     nprog = _num_programs(dev, total, cfg.get("PROGRAMS_PER_SM"))
     launch = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg and dev.type != "cpu"}
@@ -517,14 +569,17 @@ def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts:
     ws.status.zero_()
     # the kernel waits for the destinations' acks and, in its last program, for every
     # source's slice (no separate wait launches)
+    groups = plan.groups
     kernel[(nprog,)](
         x_arg, w_arg, arena.peer_bases, *plan_args, ws.counters, ws.slots, ws.status,
-        recv_offset, ws.signal_offset, epoch, arena.rank, world, total, nprog, n, k,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), budget,
+        *seg_args, recv_offset, ws.signal_offset, epoch, arena.rank, world, total, nprog, n, k,
+        max(groups, 1), x.stride(0), x.stride(1), w.stride(0) if grouped else 0,
+        w.stride(-2), w.stride(-1), budget,
         WORLD_P2=max(2, 1 << (world - 1).bit_length()), BLOCK_M=cfg["BLOCK_M"],
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], SIGNAL=signal,
         FP32_IEEE=x.dtype == torch.float32, EVEN_N=n % cfg["BLOCK_N"] == 0,
-        EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=use_tma, **launch)
+        EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=use_tma,
+        GROUPS_P2=(1 << groups.bit_length()) if grouped else 0, **launch)
     nbytes = plan.recv_rows * n * x.element_size()
     out = recv[:nbytes].view(x.dtype).view(plan.recv_rows, n).clone() if copy_out else None
     if signal:

@@ -186,7 +186,31 @@ class _GemmAllToAll(torch.autograd.Function):
         return None, (g @ w.float().t()).to(x.dtype), (x.float().t() @ g).to(w.dtype), None
 
 
+class _RowsAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, ctx, y, send_counts):
+        out, recv = alltoallv_rows(ctx, y, send_counts)
+        fctx.ctx, fctx.recv = ctx, recv
+        return out
+
+    @staticmethod
+    def backward(fctx, gy):
+        g, _ = alltoallv_rows(fctx.ctx, gy.contiguous(), fctx.recv)
+        return None, g, None
+
+
 def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> torch.Tensor:  # noqa: N803
-    """matmul, then MPI Alltoallv of the rows (after an alltoall of the counts)."""
+    """matmul, then MPI Alltoallv of the rows (after an alltoall of the counts). Grouped
+    (W [G, K, N], send_counts [world, G]): each segment's own matmul, then the same."""
+    ctx = resolve_context(ctx)
+    if W.dim() == 3:
+        counts = torch.as_tensor(send_counts, dtype=torch.int64).reshape(-1, W.shape[0])
+        pieces, at = [], 0
+        for row in counts.tolist():
+            for g, rows in enumerate(row):
+                pieces.append((X[at:at + rows].float() @ W[g].float()).to(X.dtype))
+                at += rows
+        y = torch.cat(pieces) if pieces else X.new_zeros((0, W.shape[-1]))
+        return _RowsAllToAll.apply(ctx, y, [int(v) for v in counts.sum(1)])
     counts = send_counts.tolist() if isinstance(send_counts, torch.Tensor) else list(send_counts)
-    return _GemmAllToAll.apply(resolve_context(ctx), X, W, [int(c) for c in counts])
+    return _GemmAllToAll.apply(ctx, X, W, [int(c) for c in counts])

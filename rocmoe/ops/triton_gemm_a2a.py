@@ -61,16 +61,24 @@ def _poll_slots(slot_ptrs, status_ptrs, mask, target, budget):
 def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
                     row_start_ptr, send_counts_ptr, dest_row_ptr,
                     order_ptr, task_prefix_ptr, counters_ptr, slots_ptr, status_ptr,
+                    seg_prefix_ptr, seg_row0_ptr, seg_rows_ptr, seg_out_ptr,
                     recv_offset, signal_offset, epoch, rank, world, total_tasks, num_programs,
-                    N, K,
-                    stride_xm, stride_xk, stride_wk, stride_wn, wait_budget,
+                    N, K, G,
+                    stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, wait_budget,
                     WORLD_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SIGNAL: tl.constexpr,
                     FP32_IEEE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                    USE_TMA: tl.constexpr = False):
+                    USE_TMA: tl.constexpr = False, GROUPS_P2: tl.constexpr = 0):
     # USE_TMA (Hopper): x_ptr / w_ptr are tensor descriptors of X [M, K] and W [K, N] with
     # [BLOCK_M, BLOCK_K] / [BLOCK_K, BLOCK_N] blocks; the copy engine fetches the tiles
     # (zero-filled past the edges) instead of every thread computing addresses for cp.async.
+    # GROUPS_P2 > 0 (grouped products, a power of two > G): W is [G, K, N] (with USE_TMA, a
+    # descriptor of it as [G*K, N]; K is then a multiple of BLOCK_K) and a destination's
+    # slice is G segments, segment g's rows multiplied by W[g]. seg_prefix [world, G + 1]:
+    # the slice's tile numbers where each segment starts; seg_row0 / seg_rows / seg_out
+    # [world, G]: each segment's first row of X, its rows, and its first row inside this
+    # rank's part of the destination's buffer. The slice keeps one task when every segment
+    # is empty (its signal is still raised).
     if USE_TMA:
         out_ty = x_ptr.dtype
     else:
@@ -103,8 +111,30 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
         first = tl.load(task_prefix_ptr + pos)
         tiles = tl.load(task_prefix_ptr + pos + 1) - first
         tile = task - first
-        rows = tl.load(send_counts_ptr + dest)
-        row0 = tl.load(row_start_ptr + dest)
+        out_row0 = tl.load(dest_row_ptr + dest)
+        w_row0 = 0  # with TMA: W's first row for this tile's group
+        w_group = w_ptr  # without TMA: this tile's group of W
+        if GROUPS_P2 > 0:
+            segs = tl.arange(0, GROUPS_P2)
+            seg_ends = tl.load(seg_prefix_ptr + dest * (G + 1) + 1 + segs, mask=segs < G,
+                               other=2147483647)
+            g = tl.minimum(tl.sum((seg_ends <= tile).to(tl.int32), axis=0), G - 1)
+            in_seg = tile - tl.load(seg_prefix_ptr + dest * (G + 1) + g)
+            seg = dest * G + g
+            # past the last segment (a slice whose segments are all empty): nothing to do
+            rows = tl.where(in_seg < tl.load(seg_prefix_ptr + dest * (G + 1) + g + 1) -
+                            tl.load(seg_prefix_ptr + dest * (G + 1) + g),
+                            tl.load(seg_rows_ptr + seg), 0)
+            row0 = tl.load(seg_row0_ptr + seg)
+            out_row0 += tl.load(seg_out_ptr + seg)
+            if USE_TMA:
+                w_row0 = g * K
+            else:
+                w_group = w_ptr + g.to(tl.int64) * stride_wg
+            tile = in_seg
+        else:
+            rows = tl.load(send_counts_ptr + dest)
+            row0 = tl.load(row_start_ptr + dest)
         free = tl.sum((dest_free & (positions == dest)).to(tl.int32), axis=0) > 0
         if (rows > 0) & free:
             # grouped tile order inside the slice: GROUP_M row tiles share W's columns in L2
@@ -133,16 +163,16 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
                     # rows past the slice (other slices' rows, or past M: zeros) are computed
                     # and never stored
                     a = x_ptr.load([(row0 + m_tile * BLOCK_M).to(tl.int32), k0])
-                    b = w_ptr.load([k0, (n_tile * BLOCK_N).to(tl.int32)])
+                    b = w_ptr.load([w_row0 + k0, (n_tile * BLOCK_N).to(tl.int32)])
                 elif EVEN_K:
                     a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk)
-                    b = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk
+                    b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
                                 + w_cols[None, :] * stride_wn)
                 else:
                     k_ok = ks < K
                     a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
                                 mask=k_ok[None, :], other=0.0)
-                    b = tl.load(w_ptr + ks[:, None].to(tl.int64) * stride_wk
+                    b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
                                 + w_cols[None, :] * stride_wn,
                                 mask=k_ok[:, None], other=0.0)
                 if FP32_IEEE:  # float32 inputs: full-precision products, like the host path
@@ -156,7 +186,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
             # (the hint must sit on the pointer: the integer's is lost in the cast)
             dest_base = tl.load(peer_bases_ptr + dest) + recv_offset
             out_ptr = tl.multiple_of(dest_base.to(tl.pointer_type(out_ty)), 16)
-            out_rows = (tl.load(dest_row_ptr + dest) + local_rows).to(tl.int64)
+            out_rows = (out_row0 + local_rows).to(tl.int64)
             tl.store(out_ptr + out_rows[:, None] * N + cols[None, :].to(tl.int64),
                      acc.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
         if SIGNAL:
@@ -202,14 +232,15 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             x_ptr=p, w_ptr=p, peer_bases_ptr=i64, row_start_ptr=i64, send_counts_ptr=i64,
             dest_row_ptr=i64, order_ptr=i32, task_prefix_ptr=i32, counters_ptr=i32,
             slots_ptr=i64, status_ptr=i32,
+            seg_prefix_ptr=i32, seg_row0_ptr=i64, seg_rows_ptr=i64, seg_out_ptr=i64,
             recv_offset="i64", signal_offset="i64", epoch="i64", rank="i32", world="i32",
-            total_tasks="i32", num_programs="i32", N="i32", K="i32",
-            stride_xm="i32", stride_xk="i32", stride_wk="i32", stride_wn="i32",
-            wait_budget="i32",
+            total_tasks="i32", num_programs="i32", N="i32", K="i32", G="i32",
+            stride_xm="i32", stride_xk="i32", stride_wg="i32", stride_wk="i32",
+            stride_wn="i32", wait_budget="i32",
             WORLD_P2="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
             BLOCK_K="constexpr", GROUP_M="constexpr", SIGNAL="constexpr",
             FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
-            USE_TMA="constexpr"),
+            USE_TMA="constexpr", GROUPS_P2="constexpr"),
         "signal_peers_kernel": dict(peer_bases_ptr=i64, slot_offset="i64", rank="i32",
                                     value="i64"),
     }

@@ -105,6 +105,18 @@ def gemm_case(tag: int, dtype):
     return x, w, counts
 
 
+def gemm_grouped_case(tag: int, dtype):
+    """Grouped products: W [G, K, N] and counts [world][G] (some segments empty)."""
+    rng = shared_rng(tag)
+    g = local_gen(tag)
+    groups, n, k = rng.choice([1, 2, 3]), rng.choice([1, 5, 16]), rng.choice([1, 4, 17])
+    counts = torch.randint(0, 6, (WORLD, groups), generator=g)
+    counts[torch.rand(WORLD, groups, generator=g) < 0.3] = 0
+    x = torch.randn(int(counts.sum()), k, generator=g).to(dtype)
+    w = torch.randn(groups, k, n, generator=g).to(dtype)
+    return x, w, counts.tolist()
+
+
 # ---- groups ----------------------------------------------------------------------------------
 def check_forward():
     tag = 1
@@ -137,6 +149,13 @@ def check_forward():
                 ok, d = close(ops.gemm_all_to_all(x, w, counts),
                               ref.gemm_all_to_all(x, w, counts), dtype, 4.0)
                 report(ok, f"gemm forward {dtype} ({mode}) X{tuple(x.shape)} counts={counts}", d)
+            for _ in range(2):
+                tag += 1
+                x, w, counts = gemm_grouped_case(tag, dtype)
+                ok, d = close(ops.gemm_all_to_all(x, w, counts),
+                              ref.gemm_all_to_all(x, w, counts), dtype, 4.0)
+                report(ok, f"grouped gemm forward {dtype} ({mode}) W{tuple(w.shape)} "
+                           f"counts={counts}", d)
     os.environ.pop("ROCMOE_HOST_GEMM", None)
     # the same y on every rank, bit for bit (the owner reduces once and broadcasts)
     w, x = gemv_case(99, torch.float32)
@@ -187,6 +206,16 @@ def check_backward():
         _, g2 = _grads(lambda: ref.gemm_all_to_all(x, w, counts), [x, w], local_gen(tag))
         oks = [close(a, b, dtype, 8.0) for a, b in zip(g1, g2)]
         report(all(ok for ok, _ in oks), f"gemm backward {dtype} counts={counts}",
+               "; ".join(d for _, d in oks))
+        tag += 1
+        x, w, counts = gemm_grouped_case(tag, dtype)
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        _, g1 = _grads(lambda: ops.gemm_all_to_all(x, w, counts), [x, w], local_gen(tag))
+        _, g2 = _grads(lambda: ref.gemm_all_to_all(x, w, counts), [x, w], local_gen(tag))
+        oks = [close(a, b, dtype, 8.0) for a, b in zip(g1, g2)]
+        report(all(ok for ok, _ in oks) and all(a is not None for a in g1),
+               f"grouped gemm backward {dtype} W{tuple(w.shape)} counts={counts}",
                "; ".join(d for _, d in oks))
 
 
@@ -300,6 +329,24 @@ def check_errors():
         expect_error("gemm N differs across ranks", "gemm_all_to_all",
                      lambda bad: ops.gemm_all_to_all(X, torch.randn(3, 6) if bad else Wm, counts),
                      bad_rank, good_gemm)
+    # grouped products: counts [world][G] must match W's G groups and X's rows
+    Wg = torch.randn(2, 3, 5, generator=g)
+    gcounts = [[c // 2, c - c // 2] for c in counts]
+    good_grouped = lambda: ops.gemm_all_to_all(X, Wg, gcounts)  # noqa: E731
+    expect_error("grouped gemm counts for the wrong number of groups", "gemm_all_to_all",
+                 lambda bad: ops.gemm_all_to_all(X, Wg, [row + [0] for row in gcounts]
+                                                 if bad else gcounts), bad_rank, good_grouped)
+    expect_error("grouped gemm counts not summing to M", "gemm_all_to_all",
+                 lambda bad: ops.gemm_all_to_all(
+                     X, Wg, [[a + 1, b] for a, b in gcounts] if bad else gcounts),
+                 bad_rank, good_grouped)
+    expect_error("grouped gemm flat send_counts", "gemm_all_to_all",
+                 lambda bad: ops.gemm_all_to_all(X, Wg, counts if bad else gcounts), bad_rank,
+                 good_grouped)
+    expect_error("grouped gemm without groups", "gemm_all_to_all",
+                 lambda bad: ops.gemm_all_to_all(X, Wg[:0] if bad else Wg,
+                                                 [[] for _ in gcounts] if bad else gcounts),
+                 bad_rank, good_grouped)
 
     e = embedding_case(77, torch.float32, empty_rank=None)
     ew, ei, eo = e[0], e[1], e[2]

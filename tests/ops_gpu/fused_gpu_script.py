@@ -1,7 +1,7 @@
 """Multi-rank checks of the GPU path of the fused ops (run by tests/ops_gpu/*.py via mpiexec).
 
 usage: fused_gpu_script.py OPS ARENA [--calls N] [--dtype D[,D...]]
-  OPS    comma list of gemm | embedding | gemv | gemm_timeout | bad_counts
+  OPS    comma list of gemm | gemm_grouped | embedding | gemv | gemm_timeout | bad_counts
   ARENA  context (rocmoe.init(): ipc heap on GPUs, host heap on CPUs, where the Triton kernel
          runs under TRITON_INTERPRET=1) | torchipc (device memory shared by IPC handles)
 Every rank checks its result against a float64 reference computed from inputs that every
@@ -63,6 +63,36 @@ def check_gemm(arena, device, dtype, calls, rank, world):
             parts.append(y[start:start + int(counts[s, rank])])
         ref = torch.cat(parts)
         print(f"rank {rank} call {call} done", flush=True) if os.environ.get("DEBUG") else None
+        assert out.shape == ref.shape, (out.shape, ref.shape)
+        if ref.numel():
+            e = rel_err(out, ref)
+            assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
+
+
+def check_gemm_grouped(arena, device, dtype, calls, rank, world):
+    # grouped products: W [G, K, N], segment (d, g) of the rows multiplied by W[g]; empty
+    # segments, and an empty destination, among them
+    for call in range(calls):
+        g = torch.Generator().manual_seed(2000 + call)
+        groups, k, n = 3, 16 + 8 * call, 40
+        counts = torch.randint(0, 9, (world, world, groups), generator=g)  # [src, dst, group]
+        counts[:, :, 1] = 0  # a group with no rows anywhere
+        if world > 1:
+            counts[0, world - 1] = 0
+        xs = [torch.randn(int(counts[s].sum()), k, generator=g) for s in range(world)]
+        ws = [torch.randn(groups, k, n, generator=g) for _ in range(world)]
+        out = gpu.gemm_all_to_all(arena, xs[rank].to(device, dtype), ws[rank].to(device, dtype),
+                                  counts[rank].sum(1).tolist(),
+                                  group_counts=counts[rank].tolist())
+        parts = []
+        for s in range(world):
+            at = int(counts[s, :rank].sum())
+            for grp in range(groups):
+                rows = int(counts[s, rank, grp])
+                x_seg = xs[s][at:at + rows].to(dtype).double()
+                parts.append(x_seg @ ws[s][grp].to(dtype).double())
+                at += rows
+        ref = torch.cat(parts)
         assert out.shape == ref.shape, (out.shape, ref.shape)
         if ref.numel():
             e = rel_err(out, ref)
@@ -170,7 +200,8 @@ def main():
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     arena, device = make_arena(a.arena, comm)
-    checks = {"gemm": check_gemm, "embedding": check_embedding, "gemv": check_gemv,
+    checks = {"gemm": check_gemm, "gemm_grouped": check_gemm_grouped,
+              "embedding": check_embedding, "gemv": check_gemv,
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
               "gemv_mismatch": check_gemv_mismatch}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once

@@ -27,6 +27,15 @@ def test_gemm_all_to_all_matches_reference_over_repeated_calls(ranks):
     assert proc.stdout.count("OK gemm") == 2 * ranks, proc.stdout
 
 
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_grouped_gemm_all_to_all_matches_reference(ranks):
+    # W [G, K, N]: each destination's rows are G segments, each through its own W[g]
+    proc = run_mpi(SCRIPT, ranks, "gemm_grouped", "context", "--calls", "2", "--dtype",
+                   "fp32,fp16", timeout=300, env=_env(ROCMOE_TIMEOUT_S="30"))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK gemm_grouped") == 2 * ranks, proc.stdout
+
+
 def test_missing_peer_signal_times_out_with_comm_timeout_error():
     proc = run_mpi(SCRIPT, 2, "gemm_timeout", "context", timeout=240,
                    env=_env(ROCMOE_TIMEOUT_S="2"))

@@ -220,6 +220,11 @@ typedef struct rocmoe_gemm_a2a_args {
     const int64_t *dest_row_offsets; /* world: first row of this rank's part in each dest */
     int64_t recv_rows;               /* rows this rank receives in all */
     void *out;                       /* [recv_rows, n] */
+    /* Grouped products (0: one W). With groups = G > 0, w is [G, k, n] fp32 and each
+     * destination's rows are G consecutive segments, group_counts[d * G + g] rows for group
+     * g (summing to send_counts[d]); segment (d, g) is multiplied by W[g]. */
+    int64_t groups;
+    const int64_t *group_counts;     /* [world * groups] */
 } rocmoe_gemm_a2a_args;
 
 /* bytes of receive buffer and number of signal slots each op needs */

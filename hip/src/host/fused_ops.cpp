@@ -627,12 +627,29 @@ int gemm_a2a(const Kernel &k, const rocmoe_gemm_a2a_args &a) {
     if (row_start[k.world] != a.m)
         return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: send counts sum to %" PRId64
                     ", not to the %" PRId64 " rows", row_start[k.world], a.m);
+    // grouped products: segment (d, g) of destination d's rows is multiplied by W[g]
+    const int64_t groups = a.groups > 0 ? a.groups : 1;
+    std::vector<int64_t> seg_start(static_cast<size_t>(k.world) * (groups + 1), 0);
+    for (int d = 0; d < k.world; ++d) {
+        int64_t *st = seg_start.data() + static_cast<size_t>(d) * (groups + 1);
+        for (int64_t g = 0; g < groups; ++g) {
+            // (checked by rocmoe_host_gemm_a2a before the kernel started)
+            st[g + 1] = st[g] + (a.groups > 0 ? a.group_counts[d * groups + g] : a.send_counts[d]);
+        }
+    }
     // an empty Y may come as NULL: with no rows there is nothing to compute either way
     const bool compute = a.y == nullptr && a.m > 0;
     // computing: 16-row tiles (4 register tiles); moving: ~256 KiB per put
     const int64_t tile = compute ? 16 : std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(1, row_bytes));
     std::vector<float> panels;
-    if (compute) panels = pack_panels(a.w, a.k, n);
+    const size_t panel_floats = static_cast<size_t>((n + kPanel - 1) / kPanel) * a.k * kPanel;
+    if (compute) {
+        panels.reserve(panel_floats * groups);
+        for (int64_t g = 0; g < groups; ++g) {
+            std::vector<float> p = pack_panels(a.w + g * a.k * n, a.k, n);
+            panels.insert(panels.end(), p.begin(), p.end());
+        }
+    }
     std::vector<uint32_t> tasks(k.world), prefix;
     for (int d = 0; d < k.world; ++d) tasks[d] = sc::tasks_for_rows(a.send_counts[d], tile);
     std::vector<Phase> phases(1);
@@ -655,7 +672,14 @@ int gemm_a2a(const Kernel &k, const rocmoe_gemm_a2a_args &a) {
             xa = xs;
         }
         float *acc = stage(t_stage, rows * n);
-        gemm_packed(xa, rows, a.k, panels.data(), n, acc);
+        // the tile's rows, cut at the group boundaries of this destination
+        const int64_t *st = seg_start.data() + static_cast<size_t>(t.dest) * (groups + 1);
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t p0 = std::max(r0, st[g]), p1 = std::min(r1, st[g + 1]);
+            if (p1 > p0)
+                gemm_packed(xa + (p0 - r0) * a.k, p1 - p0, a.k, panels.data() + g * panel_floats,
+                            n, acc + (p0 - r0) * n);
+        }
         if (DT == ROCMOE_DTYPE_F32) return k.put(t.dest, dst, acc, rows * row_bytes);
         unsigned char *bytes = stage_bytes(rows * row_bytes);
         to_dtype<DT>(acc, bytes, rows * n);
@@ -807,6 +831,20 @@ int rocmoe_host_gemm_a2a(rocmoe_ctx *ctx, const rocmoe_gemm_a2a_args *a) {
                         ") for rank %d do not fit its receive buffer of %" PRIu64 " bytes",
                         a->dest_row_offsets[d], a->dest_row_offsets[d] + a->send_counts[d], d,
                         a->common.recv_bytes);
+    }
+    if (a->groups < 0 || (a->groups > 0 && a->group_counts == nullptr))
+        return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: %" PRId64 " groups without group counts",
+                    a->groups);
+    for (int d = 0; a->groups > 0 && d < world; ++d) {
+        int64_t sum = 0;
+        for (int64_t g = 0; g < a->groups; ++g) {
+            if (a->group_counts[d * a->groups + g] < 0)
+                return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: negative group count");
+            sum += a->group_counts[d * a->groups + g];
+        }
+        if (sum != a->send_counts[d])
+            return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: the group counts for rank %d sum "
+                        "to %" PRId64 ", not to its %" PRId64 " rows", d, sum, a->send_counts[d]);
     }
     rocmoe::Kernel k;
     rc = rocmoe::start_kernel(ctx, &a->common, "gemm_all_to_all", need, slots, &k);
