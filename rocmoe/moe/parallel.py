@@ -12,10 +12,11 @@ Rank r owns global experts ``[r * E_local, (r + 1) * E_local)``. A forward:
 
 With a rocmoe Context the layer's combine is ``rocmoe.ops.gemm_all_to_all`` (``combine=
 "gemm_all_to_all"``, the default there for float32/bfloat16/float16): per local expert e,
-the rows that arrived for e go through act(x W1[e]) (times x W3[e] with GLU), and the fused
-op computes the product with W2[e] and puts each finished slice straight into its source
-rank's heap, so the last GEMM and the return trip are one collective per local expert
-instead of a GEMM and then an all-to-all. The op's own backward returns the gradients. A
+the rows that arrived for e go through act(x W1[e]) (times x W3[e] with GLU), and one call
+of the fused op with grouped weights (W2 [E_local, F, H]) computes every local expert's
+product with its W2[e] and puts each finished slice straight into its source rank's heap,
+so the last GEMM and the return trip are one collective per layer instead of a GEMM and
+then an all-to-all. The op's own backward returns the gradients. A
 communicator-only context (MPI) and float64 use the block-sparse FFN and the transport's
 all-to-all (``combine="all_to_all"``).
 
@@ -265,45 +266,33 @@ def combine_kind(layer) -> str:
     return "all_to_all"
 
 
-def _fused_combine(layer, received, received_from, sent_to):
+def _fused_combine(layer, received, received_from):
     """Steps 4 and 5 with the last GEMM fused into the return trip (gemm_all_to_all).
 
     received: the rows that arrived, in segments (source s, local expert e), source-major;
-    received_from[s][e] / sent_to[r][e]: rows of each segment that arrived here / that this
-    rank sent to rank r's local expert e. Returns this rank's rows back, sorted by global
-    expert (the order they were sent in)."""
+    received_from[s][e]: rows of each segment. That is the grouped op's layout for the way
+    back (destination s, group e): one grouped gemm_all_to_all with W2 [E_local, F, H]
+    computes every local expert's last product and puts each finished slice straight into
+    its source rank's heap, in one collective for all local experts. What comes back is, from
+    each owner rank r in turn, this rank's rows for r's experts in expert order: the global
+    expert order the rows were sent in."""
     from .. import ops
+    from ..ops._kernels import group_major
     from .layer import _ACTIVATIONS
-    world, e_local = layer.world_size, layer.num_local_experts
     act = _ACTIVATIONS[layer.activation]
-    starts, at = [], 0
-    for s in range(world):
-        starts.append([])
-        for e in range(e_local):
-            starts[s].append(at)
-            at += received_from[s][e]
-    back = []
-    for e in range(e_local):
-        # expert e's rows, by source rank: the source-order slices gemm_all_to_all sends back
-        x_e = torch.cat([received[starts[s][e]:starts[s][e] + received_from[s][e]]
-                         for s in range(world)])
+    # the first product per local expert: its rows from every source together
+    perm, sizes = group_major(received_from)
+    index = torch.from_numpy(perm).to(received.device)
+    by_expert = received.index_select(0, index)
+    hidden = []
+    for e, x_e in enumerate(by_expert.split(sizes)):
         h = act(x_e @ layer.w1[e])
         if layer.w3 is not None:
             h = h * (x_e @ layer.w3[e])
-        # every rank calls it for every local index e, also with no rows: it is collective
-        back.append(ops.gemm_all_to_all(h, layer.w2[e], [received_from[s][e]
-                                                         for s in range(world)],
-                                        ctx=layer.ctx))
-    # back[e] holds, from each owner rank r in turn, the rows this rank sent to r's expert e:
-    # reassemble them in global expert order (r * e_local + e)
-    taken = [0] * e_local
-    pieces = []
-    for r in range(world):
-        for e in range(e_local):
-            n = sent_to[r][e]
-            pieces.append(back[e][taken[e]:taken[e] + n])
-            taken[e] += n
-    return torch.cat(pieces)
+        hidden.append(h)
+    # back to the arrival order (source-major), which the grouped op sends back by
+    h = torch.cat(hidden).index_select(0, torch.argsort(index))
+    return ops.gemm_all_to_all(h, layer.w2, received_from, ctx=layer.ctx)
 
 
 def expert_parallel_forward(layer, x, expert_ids, weights):
@@ -334,7 +323,7 @@ def expert_parallel_forward(layer, x, expert_ids, weights):
     sent = x.index_select(0, token_of_pair)
     received = all_to_all(sent, transport, send_splits, recv_splits)
     if combine == "gemm_all_to_all":
-        y_sorted = _fused_combine(layer, received, received_from, sent_to)
+        y_sorted = _fused_combine(layer, received, received_from)
     else:
         # 4. local experts; row i belongs to segment searchsorted(ends, i) = (source, expert)
         seg_ends = torch.cumsum(recv_counts.reshape(-1).long(), 0)
