@@ -300,7 +300,8 @@ def _pingpong(ctx, args, out) -> Optional[dict]:
         "poll_p99_us": round(float(np.percentile(results["poll"], 99)), 3),
         "baseline": PINGPONG_BASELINE, "baseline_median_us": round(base_median, 3),
         "baseline_p99_us": round(float(np.percentile(mpi_us, 99)), 3),
-        "ratio": round(base_median / median, 3),
+        # (4 significant digits: a starved run's ratio can be far below 0.001)
+        "ratio": float(f"{base_median / median:.4g}"),
         "ratio_definition": "baseline median / rocmoe median (> 1: the signal path is faster)",
     }
     emit(record, out)
