@@ -20,7 +20,7 @@ if has check1; then
   stamp "check: 1 rank, every op and dtype"
   for arena in torchipc context; do
     ROCMOE_TIMEOUT_S=10 timeout 45 mpirun -n 1 --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
-      gemm,embedding,gemv $arena --calls 3 --dtype fp32,bf16,fp16 > "$OUT/check1_$arena.log" 2>&1
+      gemm,gemm_grouped,embedding,gemv $arena --calls 3 --dtype fp32,bf16,fp16 > "$OUT/check1_$arena.log" 2>&1
     grep -E "RANK .* (OK|FAIL)|Error" "$OUT/check1_$arena.log" | head -20
   done
 fi
@@ -33,7 +33,7 @@ if has multi; then
     n=${na%%:*}; arena=${na#*:}
     stamp "check: $n ranks on one GPU, $arena"
     ROCMOE_TIMEOUT_S=15 timeout 40 mpirun -n $n --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
-      gemm,embedding,gemv $arena --calls 3 --dtype fp32,bf16 > "$OUT/multi_${n}_$arena.log" 2>&1
+      gemm,gemm_grouped,embedding,gemv $arena --calls 3 --dtype fp32,bf16 > "$OUT/multi_${n}_$arena.log" 2>&1
     grep -E "RANK .* (OK|FAIL)|Error" "$OUT/multi_${n}_$arena.log" | sort | uniq -c | head -20
   done
   stamp "timeout check"

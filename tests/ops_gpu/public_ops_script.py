@@ -69,6 +69,23 @@ for dname in names:
         (outr * go).sum().backward()
         report(f"{dname}/gemm/dX#{call}", *close(Xg.grad, Xc.grad, dtype))
 
+        # grouped: W [3, K, N], counts [world, 3] (a group empty on every rank's last slice)
+        gcounts = torch.randint(0, 20, (world, 3), generator=g)
+        gcounts[:, 1] = 0
+        Xs = torch.randn(int(gcounts.sum()), K, generator=g).to(dtype)
+        Wgr = torch.randn(3, K, N, generator=torch.Generator().manual_seed(15 + call)).to(dtype) / 8
+        Xsg, Wgrg, Xsc, Wgrc = leaf(Xs.to(dev)), leaf(Wgr.to(dev)), leaf(Xs), leaf(Wgr)
+        out = rocmoe.ops.gemm_all_to_all(Xsg, Wgrg, gcounts.tolist(), ctx=ctx)
+        outr = reference.gemm_all_to_all(Xsc, Wgrc, gcounts.tolist(), ctx=ctx)
+        report(f"{dname}/gemm_grouped/fwd#{call}", *close(out, outr, dtype)
+               if out.shape == outr.shape else (False, f"shape {tuple(out.shape)} vs "
+                                                       f"{tuple(outr.shape)}"))
+        go = torch.randn(outr.shape, generator=torch.Generator().manual_seed(19)).to(dtype)
+        (out * go.to(dev)).sum().backward()
+        (outr * go).sum().backward()
+        report(f"{dname}/gemm_grouped/dX#{call}", *close(Xsg.grad, Xsc.grad, dtype))
+        report(f"{dname}/gemm_grouped/dW#{call}", *close(Wgrg.grad, Wgrc.grad, dtype))
+
         # Embedding + all-to-all: rank r owns r % 3 tables (a rank may own none)
         B, D = 8 * world, 32
         tg = torch.Generator().manual_seed(55 + call + 1000 * rank)
