@@ -18,6 +18,10 @@ numbers are then only a smoke test). JSON lines on rank 0, one per measurement:
   counters, system-scope signals, consumer wait) against torch.matmul of the same bf16
   shapes (`ratio` = matmul time / fused time, goal >= 0.8 for M, N, K >= 4096); `overhead`
   against the same kernel with SIGNAL=False.
+* `gemm_a2a_grouped`: the grouped form (W [G, K, N], an expert-parallel layer's combine:
+  each local expert's rows through its W2[e]) in one call, against the same G products as G
+  calls of the op (what the combine did before: one collective, one status check each) and
+  against cuBLAS `torch.bmm` of the same balanced shapes (`ratio` = bmm time / grouped time).
 Timings are medians of CUDA-event-timed repetitions (triton.testing.do_bench) after warm-up,
 on random data, rotating nothing: every working set is several times the L2. do_bench times
 each call alone after flushing the L2, so a call's host-side launch work shows whenever it
@@ -226,12 +230,70 @@ def bench_gemm(arena, size, quick, emit_fn, configs):
     return rec
 
 
+def bench_gemm_grouped(arena, shape, emit_fn):
+    """G experts of R rows each: Y_e = X_e @ W[e] ([R, K] x [K, N]), rows split evenly over
+    the ranks, as one grouped call, as G calls, and as torch.bmm."""
+    from ..ops import gpu
+    groups, rows, k, n = shape
+    world = arena.world
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(arena.rank + 17)
+    w = torch.randn(groups, k, n, device="cuda", dtype=dtype, generator=g) / k ** 0.5
+    # rows of expert e for destination d: an even split (the remainder to the last rank)
+    split = [rows // world] * world
+    split[-1] += rows - sum(split)
+    group_counts = [[split[d]] * groups for d in range(world)]
+    send = [sum(r) for r in group_counts]
+    x = torch.randn(rows * groups, k, device="cuda", dtype=dtype, generator=g)
+    # the same rows expert by expert, for the per-expert calls and bmm
+    x_by_expert = x.view(world, groups, -1, k) if len(set(split)) == 1 else None
+    if x_by_expert is None:
+        raise ValueError(f"rows {rows} must split evenly over {world} ranks")
+    xe = x_by_expert.permute(1, 0, 2, 3).reshape(groups, rows, k).contiguous()
+    cfg = gpu.gemm_config(x.device, dtype)
+    plan = gpu.plan_gemm(arena, x.shape[0], n, send, cfg)
+    plan = gpu.plan_gemm_agreed(arena, plan.counts, n, cfg, group_counts=group_counts)
+    plan_e = gpu.plan_gemm(arena, rows, n, split, cfg)
+
+    def grouped():
+        return gpu.gemm_all_to_all(arena, x, w, send, config=cfg, plan=plan,
+                                   group_counts=group_counts)
+
+    def per_expert():
+        return [gpu.gemm_all_to_all(arena, xe[e], w[e], split, config=cfg, plan=plan_e)
+                for e in range(groups)]
+
+    def bmm():
+        return torch.bmm(xe, w)
+
+    err = None
+    if world == 1:
+        ref = torch.bmm(xe.float(), w.float()).reshape(-1, n)
+        err = float((grouped().float() - ref).norm() / ref.norm())
+    ms = {name: _bench(fn) for name, fn in (("grouped", grouped), ("per_expert", per_expert),
+                                            ("bmm", bmm))}
+    st = {name: _bench_steady(fn) for name, fn in (("grouped", grouped),
+                                                   ("per_expert", per_expert), ("bmm", bmm))}
+    flops = 2.0 * groups * rows * k * n
+    emit_fn(dict(bench="gemm_a2a_grouped", world=world, dtype="bfloat16", groups=groups,
+                 rows_per_group=rows, k=k, n=n, op_ms=ms["grouped"],
+                 op_tflops=flops / ms["grouped"] / 1e9,
+                 per_group_calls_ms=ms["per_expert"], baseline="torch.bmm, same shapes",
+                 baseline_ms=ms["bmm"], baseline_tflops=flops / ms["bmm"] / 1e9,
+                 ratio=ms["bmm"] / ms["grouped"],
+                 speedup_vs_per_group_calls=ms["per_expert"] / ms["grouped"],
+                 steady_op_ms=st["grouped"], steady_per_group_calls_ms=st["per_expert"],
+                 steady_baseline_ms=st["bmm"], steady_ratio=st["bmm"] / st["grouped"],
+                 steady_speedup_vs_per_group_calls=st["per_expert"] / st["grouped"],
+                 rel_err_vs_fp32=err))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--output", default=None, help="also write the records (JSON) here")
-    ap.add_argument("--only", default="embedding,gemv,gemm")
+    ap.add_argument("--only", default="embedding,gemv,gemm,gemm_grouped")
     ap.add_argument("--gemm-configs", default=None,
                     help="JSON list of GEMM+A2A tile configs to try (default: the platform's)")
     ap.add_argument("--sizes", default=None, help="GEMM sizes, comma-separated (default 4096,8192)")
@@ -279,6 +341,14 @@ def main(argv=None) -> int:
             sizes = tuple(int(v) for v in args.sizes.split(","))
         for size in sizes:
             guarded("gemm_a2a", bench_gemm, arena, size, args.quick, out, configs)
+    if "gemm_grouped" in only:
+        # (local experts, rows each, ffn, hidden): the combine of 64 experts over 8 GPUs at
+        # 65536 and at 8192 tokens (top-2), and of 4 experts on 1 GPU
+        shapes = [(8, 2048, 4096, 1024), (8, 256, 4096, 1024), (4, 4096, 16384, 4096)]
+        if args.quick:
+            shapes = shapes[1:2]
+        for shape in shapes:
+            guarded("gemm_a2a_grouped", bench_gemm_grouped, arena, shape, out)
     if root and args.output:
         with open(args.output, "w") as f:
             json.dump(dict(command="python -m rocmoe.bench.fused_gpu " + " ".join(argv or sys.argv[1:]),
