@@ -409,10 +409,14 @@ def check_compile():
     counts = [7 // WORLD] * WORLD
     counts[-1] += 7 - sum(counts)
 
+    # grouped products too: two groups, rows split between them
+    group_counts = [[c // 2, c - c // 2] for c in counts]
+
     def f(w, x, X):
         y = torch.ops.rocmoe.gemv_all_reduce(w, x, ops._common.context_id(ctx))
         z = ops.gemm_all_to_all(X, w.t(), counts)
-        return y.sum() + (z * 2).sum()
+        zg = ops.gemm_all_to_all(X, torch.stack([w.t(), 2 * w.t()]), group_counts)
+        return y.sum() + (z * 2).sum() + (zg * 3).sum()
 
     eager = f(w, x, X)
     eager.backward()
@@ -425,7 +429,8 @@ def check_compile():
     gc = [t.grad for t in (w, x, X)]
     ok = torch.allclose(out, eager, rtol=1e-5, atol=1e-4) and all(
         torch.allclose(a, b, rtol=1e-5, atol=1e-4) for a, b in zip(ge, gc))
-    report(ok, "torch.compile(aot_eager) forward+backward of gemv_all_reduce and gemm_all_to_all")
+    report(ok, "torch.compile(aot_eager) forward+backward of gemv_all_reduce and gemm_all_to_all"
+               " (plain and grouped)")
     e = embedding_case(4242, torch.float32)
     ew = [t.requires_grad_(True) for t in e[0]]
     emb_eager = ops.embedding_all_to_all(ew, e[1], e[2])
