@@ -530,10 +530,11 @@ def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts:
         plan = plan_gemm(arena, m, n, send_counts, cfg)
         if grouped:
             plan = plan_gemm_agreed(arena, plan.counts, n, cfg, group_counts=group_counts)
-    if plan.groups != (w.shape[0] if grouped else 0):
+    if plan.groups != (w.shape[0] if grouped else 0) or (
+            grouped and plan.seg_rows != [int(c) for row in group_counts for c in row]):
         raise errors.InvalidArgumentError(
-            f"gemm_all_to_all: the plan has {plan.groups} groups, W {tuple(w.shape)}: a plan "
-            "is only valid for the shapes it was made for")
+            f"gemm_all_to_all: the plan has {plan.groups} groups (rows {plan.seg_rows}), W "
+            f"{tuple(w.shape)}: a plan is only valid for the shapes and counts it was made for")
     if int(plan.counts[arena.rank].sum()) != m:
         raise errors.InvalidArgumentError(
             f"gemm_all_to_all: the plan's counts {list(plan.counts[arena.rank])} do not sum to "
