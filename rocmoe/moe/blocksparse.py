@@ -24,6 +24,8 @@ The layer's permuted tokens, activations and gradients always have them zero.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import os
 import types
@@ -171,6 +173,7 @@ def _dstd_torch(s, b, topo):
 # there the two narrow programs per SM hide each other's epilogue, which a 64-step K loop
 # amortises alone (benchmarks/results/moe_kernels_h200_long_experts.jsonl).
 KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
+                     backward_streams=1,
                      tma=True, fast_act=True, preload_scale=True, tma_store=False,
                      persistent=0, tail=True, group_m=1, sdd={},
                      dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={},
@@ -201,6 +204,11 @@ if torch.version.hip:
 # "tma_store" (DSᵀD, with TMA loads): the output tile goes out through a tensor descriptor.
 # "persistent" (SDD and DSᵀD, with TMA loads): 0 launches a program per output tile; k > 0
 # launches k programs per SM that loop over the tiles in one flat, software-pipelined loop.
+# "backward_streams": 2 runs the backward's weight gradients (DSᵀD) on a side stream, dW2
+# beside dh and dW1 beside dx. On an H200 that gained nothing: fwd+bwd 0.998-1.024x queued,
+# 1.00-1.02x under CUDA graphs, 0.94-1.00x from an idle GPU (extra host work), six shapes
+# (benchmarks/results/ab_backward_streams_h200.jsonl): each kernel's grid already fills the
+# GPU. It stays an option (1 by default) to measure where that is not so (CDNA, small grids).
 # "tail": skip padding rows where the topology knows the real ones: SDD and DSD compute
 # only the top half of a row block with at most B/2 real rows; DSᵀD reduces over an
 # expert's real rows (rounded up to block_k), not its whole last block.
@@ -219,6 +227,8 @@ def set_kernel_config(**kw) -> None:
     if unknown:
         raise ConfigurationError(f"unknown kernel config keys {sorted(unknown)}; "
                                  f"known: {sorted(known)}")
+    if kw.get("backward_streams", 1) not in (1, 2):
+        raise ConfigurationError(f"backward_streams must be 1 or 2, got {kw['backward_streams']!r}")
     if kw.get("act_fusion", "load") not in ("load", "store"):
         raise ConfigurationError(f"act_fusion must be 'load' or 'store', got {kw['act_fusion']!r}")
     for op in OPS:
@@ -604,19 +614,53 @@ class _FusedExpertFFN(torch.autograd.Function):
         x, w1, w2, h, a = ctx.saved_tensors
         topo, act = ctx.topo, ctx.act
         grad_y = grad_y.contiguous()
+        # With backward_streams = 2 the weight gradients (DSᵀD) run on a side stream, each
+        # beside the product it does not depend on: dW2 beside dh, dW1 beside dx. Every
+        # tensor is allocated on the caller's stream, which waits for the side stream before
+        # returning, so the caching allocator never sees a block in use on two streams.
+        side = _backward_side_stream(grad_y)
+        main = torch.cuda.current_stream(grad_y.device) if side is not None else None
+        grad_w1 = grad_w2 = None
+        if ctx.needs_input_grad[1]:
+            grad_w1 = torch.empty_like(w1, memory_format=torch.contiguous_format)
+        if ctx.needs_input_grad[2]:
+            s_w2 = a if ctx.store else h
+            grad_w2 = torch.empty_like(w2, memory_format=torch.contiguous_format)
+            if side is not None:
+                side.wait_stream(main)
+            with _on_stream(side):
+                _dstd(s_w2, grad_y, topo, "none" if ctx.store else act, out=grad_w2)
         if ctx.store:
             grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, scale_by=h)
         else:
             grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, act_grad_of=h, act=act)
-        grad_w2 = None
-        if ctx.needs_input_grad[2]:
-            grad_w2 = _dstd(a, grad_y, topo) if ctx.store else _dstd(h, grad_y, topo, act)
+        if grad_w1 is not None:
+            if side is not None:
+                side.wait_stream(main)  # grad_h is ready
+            with _on_stream(side):
+                _dstd(grad_h, x, topo, out=grad_w1.transpose(1, 2))
         grad_x = _dsd(grad_h, w1.transpose(1, 2), topo) if ctx.needs_input_grad[0] else None
-        grad_w1 = None
-        if ctx.needs_input_grad[1]:
-            grad_w1 = torch.empty_like(w1, memory_format=torch.contiguous_format)
-            _dstd(grad_h, x, topo, out=grad_w1.transpose(1, 2))
+        if side is not None:
+            main.wait_stream(side)
         return grad_x, grad_w1, grad_w2, None, None
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _backward_side_stream(t: torch.Tensor):
+    """The side stream of the fused FFN's backward on t's GPU, or None (one stream: the
+    config says so, or t is not on a GPU)."""
+    if KERNEL_CONFIG["backward_streams"] != 2 or t.device.type != "cuda":
+        return None
+    stream = _SIDE_STREAMS.get(t.device)
+    if stream is None:
+        stream = _SIDE_STREAMS[t.device] = torch.cuda.Stream(t.device)
+    return stream
+
+
+def _on_stream(stream):
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def fused_expert_ffn(x, w1, w2, topo, act="gelu"):

@@ -240,3 +240,50 @@ def test_gpu_grouped_tile_order_equals_torch_path(group_m):
         bs.set_backend("auto")
     for ref, got in zip(*results):
         assert _rel(got, ref) < 2e-2
+
+
+def test_gpu_backward_on_two_streams_equals_one_stream_bitwise():
+    # backward_streams=2 runs the weight gradients on a side stream beside dh and dx: the
+    # same kernels on the same inputs, so the gradients are identical, not just close; and
+    # the backward stays free of host syncs and capturable in a CUDA graph.
+    topo, x, w1, w2, gy = _ffn_many_row_blocks(256)
+    before = bs.KERNEL_CONFIG["backward_streams"]
+
+    def grads():
+        args = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
+        y = bs.fused_expert_ffn(*args, topo, "gelu")
+        return torch.autograd.grad(y, args, gy)
+
+    try:
+        bs.set_kernel_config(backward_streams=1)
+        one = grads()
+        bs.set_kernel_config(backward_streams=2)
+        two = grads()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            again = grads()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        args = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
+        out = {}
+
+        def step():
+            y = bs.fused_expert_ffn(*args, topo, "gelu")
+            out["grads"] = torch.autograd.grad(y, args, gy)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        captured = out["grads"]
+    finally:
+        bs.set_kernel_config(backward_streams=before)
+    for a, b, c, d in zip(one, two, again, captured):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
