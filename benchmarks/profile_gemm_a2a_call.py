@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from rocmoe.bench.timing import time_ms
 from rocmoe.ops import gpu
 
 
@@ -44,14 +45,9 @@ def main() -> None:
                 fn()
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3 / reps
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            stop.record()
-            torch.cuda.synchronize()
+            events = time_ms(fn, reps=1, warmup=0, calls=reps)
             print(f"G={groups} rows={rows} K={k} N={n} {name}: wall ms per call {wall:.3f}, "
-                  f"events {start.elapsed_time(stop) / reps:.3f}")
+                  f"events {events:.3f}")
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(10):

@@ -102,15 +102,10 @@ def _ffn_host_times(tokens, hidden, ffn, experts, x, w1, w2, ids, gen, calls, tr
             fn()
             idle.append((time.perf_counter() - t0) * 1e3)
         host = host_ms_per_call(fn, calls)
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        stop.record()
-        torch.cuda.synchronize()
+        gpu_ms = time_ms(fn, reps=1, warmup=0, calls=calls)
         print(f"{name}: host ms per call {host:.3f} (back to back), "
               f"{sorted(idle)[len(idle) // 2]:.3f} (from an idle GPU); "
-              f"GPU ms per call {start.elapsed_time(stop) / calls:.3f}")
+              f"GPU ms per call {gpu_ms:.3f}")
         if trace:
             _trace_one_call(name, fn, calls)
     # the backward alone (forwards recorded first), and the autograd engine's own cost: a

@@ -239,20 +239,17 @@ def bench_gemm_grouped(arena, shape, emit_fn):
     dtype = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(arena.rank + 17)
     w = torch.randn(groups, k, n, device="cuda", dtype=dtype, generator=g) / k ** 0.5
-    # rows of expert e for destination d: an even split (the remainder to the last rank)
+    # rows of expert e for destination d: an even split
     split = [rows // world] * world
-    split[-1] += rows - sum(split)
     group_counts = [[split[d]] * groups for d in range(world)]
     send = [sum(r) for r in group_counts]
+    if rows % world:
+        raise ValueError(f"rows {rows} must split evenly over {world} ranks")
     x = torch.randn(rows * groups, k, device="cuda", dtype=dtype, generator=g)
     # the same rows expert by expert, for the per-expert calls and bmm
-    x_by_expert = x.view(world, groups, -1, k) if len(set(split)) == 1 else None
-    if x_by_expert is None:
-        raise ValueError(f"rows {rows} must split evenly over {world} ranks")
-    xe = x_by_expert.permute(1, 0, 2, 3).reshape(groups, rows, k).contiguous()
+    xe = x.view(world, groups, -1, k).permute(1, 0, 2, 3).reshape(groups, rows, k).contiguous()
     cfg = gpu.gemm_config(x.device, dtype)
-    plan = gpu.plan_gemm(arena, x.shape[0], n, send, cfg)
-    plan = gpu.plan_gemm_agreed(arena, plan.counts, n, cfg, group_counts=group_counts)
+    plan = gpu.plan_gemm(arena, x.shape[0], n, send, cfg, group_counts=group_counts)
     plan_e = gpu.plan_gemm(arena, rows, n, split, cfg)
 
     def grouped():

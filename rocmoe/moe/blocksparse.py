@@ -619,29 +619,24 @@ class _FusedExpertFFN(torch.autograd.Function):
         # tensor is allocated on the caller's stream, which waits for the side stream before
         # returning, so the caching allocator never sees a block in use on two streams.
         side = _backward_side_stream(grad_y)
-        main = torch.cuda.current_stream(grad_y.device) if side is not None else None
         grad_w1 = grad_w2 = None
         if ctx.needs_input_grad[1]:
             grad_w1 = torch.empty_like(w1, memory_format=torch.contiguous_format)
         if ctx.needs_input_grad[2]:
-            s_w2 = a if ctx.store else h
             grad_w2 = torch.empty_like(w2, memory_format=torch.contiguous_format)
-            if side is not None:
-                side.wait_stream(main)
-            with _on_stream(side):
-                _dstd(s_w2, grad_y, topo, "none" if ctx.store else act, out=grad_w2)
+            with _after_caller_on(side):
+                _dstd(a if ctx.store else h, grad_y, topo, "none" if ctx.store else act,
+                      out=grad_w2)
         if ctx.store:
             grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, scale_by=h)
         else:
             grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, act_grad_of=h, act=act)
         if grad_w1 is not None:
-            if side is not None:
-                side.wait_stream(main)  # grad_h is ready
-            with _on_stream(side):
+            with _after_caller_on(side):  # (after grad_h)
                 _dstd(grad_h, x, topo, out=grad_w1.transpose(1, 2))
         grad_x = _dsd(grad_h, w1.transpose(1, 2), topo) if ctx.needs_input_grad[0] else None
         if side is not None:
-            main.wait_stream(side)
+            torch.cuda.current_stream(side.device).wait_stream(side)
         return grad_x, grad_w1, grad_w2, None, None
 
 
@@ -659,8 +654,16 @@ def _backward_side_stream(t: torch.Tensor):
     return stream
 
 
-def _on_stream(stream):
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+@contextlib.contextmanager
+def _after_caller_on(side):
+    """Run the block on `side` once everything the caller's stream has queued is done (or
+    on the caller's stream itself when side is None)."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream(side.device))
+    with torch.cuda.stream(side):
+        yield
 
 
 def fused_expert_ffn(x, w1, w2, topo, act="gelu"):

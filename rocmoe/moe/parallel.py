@@ -315,8 +315,7 @@ def expert_parallel_forward(layer, x, expert_ids, weights):
         raise InvalidArgumentError(
             f"expert-parallel layer: rank(s) {rejected} rejected their input (see the error "
             f"there); rank {transport.rank} stops before exchanging rows")
-    sent_to = counts.tolist()
-    send_splits = [sum(row) for row in sent_to]
+    send_splits = counts.sum(dim=1).tolist()
     recv_splits = [sum(row) for row in received_from]
     # 3. dispatch
     token_of_pair = order // top_k

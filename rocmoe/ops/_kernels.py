@@ -323,9 +323,6 @@ def _counts_list(send_counts, world: int, op: str, groups: int = 0) -> list[int]
                 or send_counts.is_complex()):
             raise errors.InvalidArgumentError(f"{op}: send_counts must be {what}")
         send_counts = send_counts.reshape(-1).tolist()
-    elif groups and isinstance(send_counts, (list, tuple)) and all(
-            isinstance(row, (list, tuple, np.ndarray)) for row in send_counts):
-        send_counts = [c for row in send_counts for c in row]
     try:
         counts = [int(c) for c in send_counts]
     except (TypeError, ValueError):
@@ -341,6 +338,11 @@ def _counts_list(send_counts, world: int, op: str, groups: int = 0) -> list[int]
     if any(c < 0 for c in counts):
         raise errors.InvalidArgumentError(f"{op}: send_counts {counts} has a negative count")
     return counts
+
+
+def split_groups(flat_counts: list[int], groups: int) -> list[list[int]]:
+    """Flat rank-major counts of grouped products -> [world][groups]."""
+    return [list(flat_counts[d:d + groups]) for d in range(0, len(flat_counts), groups)]
 
 
 def group_major(group_counts) -> tuple[np.ndarray, list[int]]:
@@ -367,14 +369,12 @@ def grouped_products(x: torch.Tensor, w: torch.Tensor, group_counts) -> torch.Te
     return y
 
 
-def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, group_counts,
-                        groups: int) -> torch.Tensor:
+def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, group_counts) -> torch.Tensor:
     """dW [G, K, N] of grouped_products: dW[g] = (x's rows of group g)^T (gy's), fp32."""
     perm, sizes = group_major(group_counts)
     index = torch.from_numpy(perm).to(x.device)
     xs, gs = x.index_select(0, index).float(), gy.index_select(0, index).float()
-    return torch.stack([xg.t() @ gg for xg, gg in zip(xs.split(sizes), gs.split(sizes))]) \
-        if groups else x.new_zeros((0, x.shape[1], gy.shape[1]), dtype=torch.float32)
+    return torch.stack([xg.t() @ gg for xg, gg in zip(xs.split(sizes), gs.split(sizes))])
 
 
 def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send_counts,
@@ -406,7 +406,7 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
             groups = int(w.shape[0]) if w.dim() == 3 else 0
         counts = _counts_list(send_counts, world, op, groups)
         if groups:
-            group_counts = [counts[d * groups:(d + 1) * groups] for d in range(world)]
+            group_counts = split_groups(counts, groups)
             counts = [sum(row) for row in group_counts]
         if sum(counts) != x.shape[0]:
             raise errors.InvalidArgumentError(

@@ -213,11 +213,9 @@ def _gemm_backward(ctx, gy, _grecv):
     # rows come back to their source in the order they were sent
     gy_local = _reverse_rows(gy, recv.tolist(), ctx.rows, ctx.ctx_id).float()
     if w.dim() == 3:  # grouped: segment (d, g) of the rows went through W[g]
-        groups = w.shape[0]
-        group_counts = [ctx.send_counts[d:d + groups]
-                        for d in range(0, len(ctx.send_counts), groups)]
+        group_counts = _kernels.split_groups(ctx.send_counts, w.shape[0])
         dx = _kernels.grouped_products(gy_local, w.transpose(1, 2), group_counts).to(x.dtype)
-        dw = _kernels.grouped_weight_grad(x, gy_local, group_counts, groups).to(w.dtype)
+        dw = _kernels.grouped_weight_grad(x, gy_local, group_counts).to(w.dtype)
     else:
         dx = (gy_local @ w.float().t()).to(x.dtype)
         dw = (x.float().t() @ gy_local).to(w.dtype)

@@ -407,9 +407,11 @@ class GemmPlan:
     seg_out: list = field(default_factory=list)
 
 
-def plan_gemm(arena: Arena, m: int, n: int, send_counts: Sequence[int], config: dict) -> GemmPlan:
-    """Agree on every rank's counts (one host all-gather) and lay out this rank's tasks.
-    Bad counts on any rank raise InvalidArgumentError on every rank, before any kernel."""
+def plan_gemm(arena: Arena, m: int, n: int, send_counts: Sequence[int], config: dict,
+              group_counts: Optional[Sequence[Sequence[int]]] = None) -> GemmPlan:
+    """Agree on every rank's counts (one host all-gather) and lay out this rank's tasks
+    (`group_counts`: grouped products, see plan_gemm_agreed). Bad counts on any rank raise
+    InvalidArgumentError on every rank, before any kernel."""
     w = arena.world
     counts_in = [int(c) for c in send_counts]
     # a wrong number of counts still sends a record of the agreed size (marked bad), so
@@ -423,7 +425,7 @@ def plan_gemm(arena: Arena, m: int, n: int, send_counts: Sequence[int], config: 
             f"and N must agree on every rank; ranks {bad or 'all'} disagree "
             f"(M, N, counts per rank: {rows})")
     return plan_gemm_agreed(arena, np.asarray([rec[2:] for rec in rows], dtype=np.int64), n,
-                            config)
+                            config, group_counts=group_counts)
 
 
 def plan_gemm_agreed(arena: Arena, counts: np.ndarray, n: int, config: dict,
@@ -527,9 +529,7 @@ def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts:
     n = w.shape[-1]
     cfg = dict(config or gemm_config(x.device, x.dtype))
     if plan is None:
-        plan = plan_gemm(arena, m, n, send_counts, cfg)
-        if grouped:
-            plan = plan_gemm_agreed(arena, plan.counts, n, cfg, group_counts=group_counts)
+        plan = plan_gemm(arena, m, n, send_counts, cfg, group_counts=group_counts)
     if plan.groups != (w.shape[0] if grouped else 0) or (
             grouped and plan.seg_rows != [int(c) for row in group_counts for c in row]):
         raise errors.InvalidArgumentError(

@@ -169,23 +169,6 @@ def gemv_all_reduce(W_local: torch.Tensor, x_local: torch.Tensor, ctx=None) -> t
 
 
 # ---- gemm ----------------------------------------------------------------------------------------
-class _GemmAllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, ctx, x, w, send_counts):
-        y = (x.float() @ w.float()).to(x.dtype)
-        out, recv = alltoallv_rows(ctx, y, send_counts)
-        fctx.ctx, fctx.recv = ctx, recv
-        fctx.save_for_backward(x, w)
-        return out
-
-    @staticmethod
-    def backward(fctx, gy):
-        x, w = fctx.saved_tensors
-        g, _ = alltoallv_rows(fctx.ctx, gy.contiguous(), fctx.recv)
-        g = g.float()
-        return None, (g @ w.float().t()).to(x.dtype), (x.float().t() @ g).to(w.dtype), None
-
-
 class _RowsAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(fctx, ctx, y, send_counts):
@@ -200,7 +183,8 @@ class _RowsAllToAll(torch.autograd.Function):
 
 
 def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> torch.Tensor:  # noqa: N803
-    """matmul, then MPI Alltoallv of the rows (after an alltoall of the counts). Grouped
+    """matmul (fp32), then MPI Alltoallv of the rows (after an alltoall of the counts); autograd
+    differentiates the matmul, the exchange's backward is the reverse exchange. Grouped
     (W [G, K, N], send_counts [world, G]): each segment's own matmul, then the same."""
     ctx = resolve_context(ctx)
     if W.dim() == 3:
@@ -213,4 +197,5 @@ def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> 
         y = torch.cat(pieces) if pieces else X.new_zeros((0, W.shape[-1]))
         return _RowsAllToAll.apply(ctx, y, [int(v) for v in counts.sum(1)])
     counts = send_counts.tolist() if isinstance(send_counts, torch.Tensor) else list(send_counts)
-    return _GemmAllToAll.apply(ctx, X, W, [int(c) for c in counts])
+    y = (X.float() @ W.float()).to(X.dtype)
+    return _RowsAllToAll.apply(ctx, y, [int(c) for c in counts])

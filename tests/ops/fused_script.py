@@ -198,25 +198,17 @@ def check_backward():
         _, g2 = _grads(lambda: ref.gemv_all_reduce(w, x), [w, x], torch.Generator().manual_seed(tag))
         oks = [close(a, b, dtype, 4.0) for a, b in zip(g1, g2)]
         report(all(ok for ok, _ in oks), f"gemv backward {dtype}", "; ".join(d for _, d in oks))
-        tag += 1
-        x, w, counts = gemm_case(tag, dtype)
-        x.requires_grad_(True)
-        w.requires_grad_(True)
-        _, g1 = _grads(lambda: ops.gemm_all_to_all(x, w, counts), [x, w], local_gen(tag))
-        _, g2 = _grads(lambda: ref.gemm_all_to_all(x, w, counts), [x, w], local_gen(tag))
-        oks = [close(a, b, dtype, 8.0) for a, b in zip(g1, g2)]
-        report(all(ok for ok, _ in oks), f"gemm backward {dtype} counts={counts}",
-               "; ".join(d for _, d in oks))
-        tag += 1
-        x, w, counts = gemm_grouped_case(tag, dtype)
-        x.requires_grad_(True)
-        w.requires_grad_(True)
-        _, g1 = _grads(lambda: ops.gemm_all_to_all(x, w, counts), [x, w], local_gen(tag))
-        _, g2 = _grads(lambda: ref.gemm_all_to_all(x, w, counts), [x, w], local_gen(tag))
-        oks = [close(a, b, dtype, 8.0) for a, b in zip(g1, g2)]
-        report(all(ok for ok, _ in oks) and all(a is not None for a in g1),
-               f"grouped gemm backward {dtype} W{tuple(w.shape)} counts={counts}",
-               "; ".join(d for _, d in oks))
+        for what, case in (("gemm", gemm_case), ("grouped gemm", gemm_grouped_case)):
+            tag += 1
+            x, w, counts = case(tag, dtype)
+            x.requires_grad_(True)
+            w.requires_grad_(True)
+            _, g1 = _grads(lambda: ops.gemm_all_to_all(x, w, counts), [x, w], local_gen(tag))
+            _, g2 = _grads(lambda: ref.gemm_all_to_all(x, w, counts), [x, w], local_gen(tag))
+            oks = [close(a, b, dtype, 8.0) for a, b in zip(g1, g2)]
+            report(all(ok for ok, _ in oks) and all(a is not None for a in g1),
+                   f"{what} backward {dtype} W{tuple(w.shape)} counts={counts}",
+                   "; ".join(d for _, d in oks))
 
 
 def check_repeat():

@@ -53,11 +53,11 @@ def test_grouped_weight_grad_equals_autograd_of_the_segment_products():
     gy = torch.randn(10, 5, generator=g)
     y = torch.cat([x[first:first + n] @ w[grp] for first, n, grp in _segments()])
     (y * gy).sum().backward()
-    torch.testing.assert_close(grouped_weight_grad(x, gy, COUNTS, 3), w.grad)
+    torch.testing.assert_close(grouped_weight_grad(x, gy, COUNTS), w.grad)
 
 
 def test_a_group_without_rows_gets_a_zero_weight_gradient():
     x = torch.randn(5, 4)
     gy = torch.randn(5, 6)
-    dw = grouped_weight_grad(x, gy, [[5, 0]], 2)
+    dw = grouped_weight_grad(x, gy, [[5, 0]])
     assert dw.shape == (2, 4, 6) and not dw[1].any()
