@@ -33,7 +33,7 @@ def check_records(records: list[dict], sizes: list[int], round_trips: int) -> No
         assert r["baseline"].startswith("numpy.copyto(private_dst, private_src)")
         for key in ("put_gbps", "raw_put_gbps", "baseline_gbps", "own_heap_copy_gbps"):
             assert r[key] > 0, (key, r)
-        # the ratio is computed from the two bandwidths of the same run (rounded to 3 places)
+        # the ratio is computed from the two bandwidths of the same run (4 significant digits)
         # paired per-trial ratios of the same run; the reported one is their median
         assert len(r["ratio_trials"]) == r["trials"]
         assert r["ratio"] == pytest.approx(statistics.median(r["ratio_trials"]), abs=2e-3)
