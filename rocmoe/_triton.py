@@ -68,19 +68,26 @@ def _descriptor_class():
 class KernelRegistry:
     def __init__(self) -> None:
         self._raw: dict = {}
+        self._options: dict = {}
         self._jitted: dict = {}
 
-    def kernel(self, fn):
-        """Decorator: register `fn` under its name (not jitted yet)."""
-        self._raw[fn.__name__] = fn
-        return fn
+    def kernel(self, fn=None, *, do_not_specialize=()):
+        """Decorator: register `fn` under its name (not jitted yet). `do_not_specialize`:
+        integer arguments that change from call to call (the JIT would otherwise compile
+        and key on whether they are 1 or multiples of 16)."""
+        def register(f):
+            self._raw[f.__name__] = f
+            self._options[f.__name__] = dict(do_not_specialize=list(do_not_specialize))
+            return f
+        return register(fn) if fn is not None else register
 
     def get(self, name: str):
         key = (name, interpreting())
         fn = self._jitted.get(key)
         if fn is None:
             import triton
-            fn = self._jitted[key] = triton.jit(self._raw[name])
+            options = {k: v for k, v in self._options.get(name, {}).items() if v}
+            fn = self._jitted[key] = triton.jit(self._raw[name], **options)
         return fn
 
     def names(self) -> list[str]:

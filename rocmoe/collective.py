@@ -21,9 +21,9 @@ from . import errors
 
 RECORD_WORDS = 16
 # record layout: [kind, seq, status, payload...]
-KIND_BOOTSTRAP, KIND_ALLOC, KIND_FREE, KIND_BARRIER, KIND_USER = 1, 2, 3, 4, 5
+KIND_BOOTSTRAP, KIND_ALLOC, KIND_FREE, KIND_BARRIER, KIND_USER, KIND_HANDLE = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {KIND_BOOTSTRAP: "init", KIND_ALLOC: "empty/zeros", KIND_FREE: "free",
-              KIND_BARRIER: "barrier", KIND_USER: "exchange"}
+              KIND_BARRIER: "barrier", KIND_USER: "exchange", KIND_HANDLE: "fused-op handle"}
 
 _broken_comms: list = []
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -125,6 +126,8 @@ class Context:
         self.channel = ControlChannel(self.comm, self.timeout_s)
         self.local_rank, self.local_size = _local_layout(self.comm)
         self._handle = None
+        # fused-op handles of this context: barrier() raises what their devices recorded
+        self._handles: "weakref.WeakSet" = weakref.WeakSet()
 
         # Every rank validates its own arguments, then all agree before anything is created,
         # so one rank's typo cannot leave the others waiting in the bootstrap.
@@ -386,9 +389,18 @@ class Context:
 
     # -- host coordination -----------------------------------------------------------
     def barrier(self) -> None:
-        """Collective, bounded by the context's timeout."""
+        """Collective, bounded by the context's timeout. Also raises what the devices recorded
+        for this context's fused-op handles (a timed-out wait, a peer's abort: the errors a
+        handle call does not synchronise for)."""
         self._live()
         self.channel.exchange(KIND_BARRIER, [], "barrier")
+        for handle in list(self._handles):
+            if handle.workspace is not None:
+                handle.check()
+
+    def register_handle(self, handle) -> None:
+        """Called by rocmoe.ops' handles when they are created."""
+        self._handles.add(handle)
 
     def allgather_ints(self, values) -> np.ndarray:
         """Collective: all-gather up to 14 int64 values per rank -> [world, n]."""

@@ -53,6 +53,7 @@ __global__ void rocmoe_facade_probe(sh::Team team, char *dst, const char *src, s
     sh::put_nbi_wg(team, dst, src, n, pe);
     sh::put_signal_nbi_wg(team, dst, src, n, sig, 1, pe);
     if (threadIdx.x == 0) {
+        sh::put_u64(team, sig + 1, 7, pe);
         sh::fence(team);
         sh::signal_set(team, sig, 2, pe);
         sh::signal_add(team, sig, 1, pe);

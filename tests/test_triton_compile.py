@@ -33,7 +33,7 @@ def compiled_not_interpreted(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def _compile(name, target_key, dtype="bf16", signal=True, groups_p2=0):
+def _compile(name, target_key, dtype="bf16", exchange=True, groups_p2=1):
     target, _, _, platform = TARGETS[target_key]
     signature = kernels.aot_signatures(dtype)[name]
     options = {}
@@ -41,8 +41,17 @@ def _compile(name, target_key, dtype="bf16", signal=True, groups_p2=0):
     if name == "gemm_a2a_kernel":
         cfg = kernels.default_config(platform, dtype == "fp32")
         options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-        constexprs = dict(cfg, WORLD_P2=8, SIGNAL=signal, FP32_IEEE=dtype == "fp32",
-                          EVEN_N=False, EVEN_K=False, USE_TMA=False, GROUPS_P2=groups_p2)
+        cfg.pop("USE_TMA", None)
+        constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2,
+                          MODE=kernels.MODE_EXCHANGE if exchange else kernels.MODE_LOCAL,
+                          COPY=False, FP32_IEEE=dtype == "fp32", EVEN_N=False, EVEN_K=False,
+                          USE_TMA=False)
+    elif name == "collect_kernel":
+        constexprs = dict(WORLD_P2=8, ROWS=64, BLOCK_N=128)
+    elif name == "abort_kernel":
+        constexprs = dict(WORLD_P2=8)
+    elif name == "grouped_weight_grad_kernel":
+        constexprs = dict(WORLD_P2=8, GROUPS_P2=8, BLOCK_K=64, BLOCK_N=64, BLOCK_M=64)
     src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
     return triton.compile(src, target=target, options=options)
 
@@ -69,8 +78,9 @@ def test_gemm_a2a_signal_is_system_scope_release_on_sm90():
     assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"
 
 
-def test_gemm_a2a_without_signal_has_no_system_scope_atomic_on_sm90():
-    ptx = _compile("gemm_a2a_kernel", "sm90", signal=False).asm["ptx"]
+def test_gemm_a2a_local_mode_has_no_system_scope_atomic_on_sm90():
+    # world size 1 (and the backward's grouped dX): no protocol, no cross-GPU memory order
+    ptx = _compile("gemm_a2a_kernel", "sm90", exchange=False).asm["ptx"]
     assert ".sys" not in ptx
 
 
@@ -82,12 +92,15 @@ def test_gemm_a2a_main_loop_is_pipelined_on_sm90():
     sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"], stride_xk="constexpr",
                stride_wn="constexpr")
     names = list(sig)
-    aligned = ["x_ptr", "w_ptr", "N", "K", "stride_xm", "stride_wk", "recv_offset"]
+    aligned = ["x_ptr", "w_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wk", "ws_offset",
+               "recv_off", "parity_bytes", "source_bytes"]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     cfg = kernels.default_config("cuda")
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-    constexprs = dict(cfg, WORLD_P2=8, SIGNAL=True, FP32_IEEE=False, EVEN_N=True, EVEN_K=True,
-                      stride_xk=1, stride_wn=1, USE_TMA=False, GROUPS_P2=0)
+    cfg.pop("USE_TMA", None)
+    constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=1, MODE=kernels.MODE_EXCHANGE, COPY=False,
+                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, stride_xk=1, stride_wn=1,
+                      USE_TMA=False)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs,
                     attrs=attrs)
     compiled = triton.compile(src, target=target, options=options)
@@ -99,14 +112,14 @@ def test_gemm_a2a_main_loop_is_pipelined_on_sm90():
 
 
 @pytest.mark.parametrize("target_key", sorted(TARGETS))
-@pytest.mark.parametrize("name", ["signal_peers_kernel"])
+@pytest.mark.parametrize("name", ["collect_kernel", "abort_kernel", "grouped_weight_grad_kernel"])
 def test_protocol_kernel_compiles(name, target_key):
     compiled = _compile(name, target_key)
     _, asm_key, _, _ = TARGETS[target_key]
     assert compiled.asm[asm_key]
 
 
-@pytest.mark.parametrize("groups_p2", [0, 8])
+@pytest.mark.parametrize("groups_p2", [1, 8])
 def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2):
     # USE_TMA: X and W arrive as tensor descriptors; the K loop must fetch them with bulk
     # tensor copies (TMA) feeding wgmma, and the epilogue still stores into the peer's heap
@@ -117,8 +130,8 @@ def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2
                x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     cfg.pop("USE_TMA", None)
-    constexprs = dict(cfg, WORLD_P2=8, SIGNAL=True, FP32_IEEE=False, EVEN_N=True, EVEN_K=True,
-                      USE_TMA=True, GROUPS_P2=groups_p2)
+    constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2, MODE=kernels.MODE_EXCHANGE,
+                      COPY=False, FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
     ptx = triton.compile(src, target=target, options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx

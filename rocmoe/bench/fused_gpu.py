@@ -1,357 +1,378 @@
-"""GPU fused ops: bandwidth / matrix rate against baselines measured in the same run.
+"""GPU fused ops against the torch op a user would call instead, at world size 1.
 
-    python -m rocmoe.bench.fused_gpu [--quick] [--ranks N] [--output FILE]
+    python -m rocmoe.bench.fused_gpu [--quick] [--only embedding,gemv,gemm,function,overlap]
+                                     [--reps N] [--output FILE]
 
-World size 1 (default) measures the compute path and the fusion machinery on one GPU;
-`--ranks N` re-launches under mpiexec with one GPU per rank (ranks > GPUs share GPUs:
-numbers are then only a smoke test). JSON lines on rank 0, one per measurement:
+Every record times the public call exactly as a user makes it: the persistent handle
+(``GemmAllToAll``, ``EmbeddingAllToAll``, ``GemvAllReduce``: made once, then called) or the
+functional op (``api: "function"``), with every check, allocation, copy-out and status read
+inside the timing, against the torch op on the same inputs in the same run
+(``torch.matmul``, ``F.embedding_bag`` once per table, ``torch.mv``). Three timings each,
+interleaved with the baseline's so that clock drift hits both alike (medians):
 
-* `copy_bandwidth`: torch device-to-device copy of a 2 GiB buffer, bytes read + written per
-  second: the baseline of the bandwidth-bound ops.
-* `embedding_a2a`: fused Embedding+A2A; bytes = indices + offsets read + gathered rows read
-  + output rows written (the fewest any implementation moves); `ratio` = its bandwidth over
-  copy_bandwidth (goal >= 0.7). `kernel_*`: the producer kernel + signal wait alone (no
-  copy-out of the heap); `overhead` = fused / (same kernel with signalling off) - 1 (goal
-  <= 0.05).
-* `gemv_allreduce`: bytes = W + x read + y written; ratio over copy bandwidth (goal >= 0.8).
-* `gemm_a2a`: Triton persistent GEMM+A2A kernel (stores into the receive heap, done
-  counters, system-scope signals, consumer wait) against torch.matmul of the same bf16
-  shapes (`ratio` = matmul time / fused time, goal >= 0.8 for M, N, K >= 4096); `overhead`
-  against the same kernel with SIGNAL=False.
-* `gemm_a2a_grouped`: the grouped form (W [G, K, N], an expert-parallel layer's combine:
-  each local expert's rows through its W2[e]) in one call, against the same G products as G
-  calls of the op (what the combine did before: one collective, one status check each) and
-  against cuBLAS `torch.bmm` of the same balanced shapes (`ratio` = bmm time / grouped time).
-Timings are medians of CUDA-event-timed repetitions (triton.testing.do_bench) after warm-up,
-on random data, rotating nothing: every working set is several times the L2. do_bench times
-each call alone after flushing the L2, so a call's host-side launch work shows whenever it
-outlasts the flush; the `steady_*` fields time 25 back-to-back calls between two events
-(the host runs ahead, as in a training loop), baselines likewise (`steady_copy_gbps`,
-`steady_baseline_ms`): the device-side cost of each op and of its signalling.
+* ``idle``: every sample starts from an idle GPU (synchronize, event, one call, event):
+  the host's launch latency counts, as for a call after a host sync;
+* ``queued``: back-to-back calls behind an untimed one, as inside a model: the GPU never
+  waits for the host unless the host falls behind;
+* ``graph``: replayed from a CUDA graph: no host work at all.
+
+``ratio_*`` = torch's time / rocmoe's (> 1: rocmoe faster). ``host_us``: host wall time per
+call while the GPU is kept busy (so the host never waits for it): the Python, checks and
+launch work alone. ``syncs_per_call``: synchronising CUDA operations torch's sync debug mode
+saw per call. ``rel_err`` against the baseline's result. ``copy_bandwidth`` (one record): a
+device-to-device copy, bytes read + written; GEMV records give their own bytes over time
+as ``tbps`` and its fraction of that copy (a second figure; the ratio against torch.mv is
+the headline). ``overlap``: a handle call queued behind three long matmuls returns to Python
+while they still run (no hidden synchronisation).
+
+Goals (issue 14): embedding and GEMV >= 1.0 x the torch op, GEMM >= 0.95 x torch.matmul
+(bf16, square 2048-8192 and skinny M <= 512), host_us <= 20, syncs_per_call == 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+import warnings
 
 import torch
+import torch.nn.functional as F
 
-from . import emit, inside_mpi_job, relaunch_under_mpiexec
-from .timing import time_ms
+from . import emit
+from .timing import captured
 
-
-def _bench(fn, rep_ms=200, warmup_ms=50):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-
-
-def _bench_steady(fn, calls=25, repeats=7):
-    """Steady-state time per call: `calls` back-to-back calls between two CUDA events (the
-    host runs ahead, as in a training step), median over `repeats`. _bench's per-call timing
-    (L2 flushed, each call alone) also counts host launch work the GPU waits for."""
-    return time_ms(fn, reps=repeats, warmup=3, calls=calls)
-
-
-def _device_name():
-    return torch.cuda.get_device_name(torch.cuda.current_device())
-
-
-def copy_bandwidth(quick):
-    n = (512 << 20) if quick else (2 << 30)
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    return dict(bench="copy_bandwidth", bytes=2 * n, ms=ms, gbps=2 * n / ms / 1e6,
-                baseline="self (torch.Tensor.copy_ device-to-device, read+write bytes)")
+# (tables, rows, dim, global batch, lookups per bag, dtype, mode); the first two are the
+# issue's measured shapes (DLRM-like: 26 Criteo tables; a few 1M-row tables)
+EMBEDDING = [
+    (26, 100_000, 128, 8192, 8, "fp32", "sum"),
+    (8, 1_000_000, 64, 16384, 20, "fp32", "sum"),
+    (26, 100_000, 128, 8192, 8, "bf16", "mean"),
+    (2, 10_000_000, 64, 2048, 1, "fp32", "sum"),
+    (4, 10_000, 256, 16384, 80, "bf16", "sum"),
+    (16, 1_000_000, 256, 4096, 32, "bf16", "mean"),
+]
+EMBEDDING_QUICK = [(4, 10_000, 64, 2048, 8, "fp32", "sum")]
+# (N, K, dtype): 8192^2 and 28672 x 8192 (a 70B-class MLP projection) of the issue
+GEMV = [(8192, 8192, "fp32"), (8192, 8192, "bf16"), (28672, 8192, "fp32"),
+        (28672, 8192, "bf16"), (16384, 16384, "bf16")]
+GEMV_QUICK = [(2048, 2048, "bf16")]
+# (M, K, N) bf16: square 2048-8192 and skinny M <= 512 (decode-like)
+GEMM = [(2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (128, 4096, 4096),
+        (256, 4096, 4096), (512, 4096, 4096), (512, 8192, 8192)]
+GEMM_QUICK = [(512, 512, 512)]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_arena(ranks_mode):
-    from ..ops import gpu
-    if not ranks_mode:
-        return gpu.SingleRankArena(nbytes=3 << 30, timeout_s=10.0)
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-    torch.cuda.set_device(comm.Get_rank() % torch.cuda.device_count())
-    return gpu.TorchIpcArena(comm, nbytes=3 << 30)
+def _events():
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
-def bench_embedding(arena, copy_gbps, quick, dtype, emit_fn):
-    from ..ops import gpu
-    world = arena.world
-    tables, rows, dim, pool = (4, 200_000, 128, 32) if quick else (8, 1_000_000, 128, 32)
-    batch = 16384 * world
-    g = torch.Generator(device="cuda").manual_seed(arena.rank + 7)
-    weights = [torch.randn(rows, dim, device="cuda", dtype=dtype, generator=g) for _ in range(tables)]
-    indices = [torch.randint(0, rows, (batch * pool,), device="cuda", generator=g)
-               for _ in range(tables)]
-    offsets = [torch.arange(0, batch * pool, pool, device="cuda") for _ in range(tables)]
-    layout = ([tables] * world, dim, batch)
+def _median(v):
+    v = sorted(v)
+    return v[len(v) // 2]
 
-    def fused(signal=True):
-        return gpu.embedding_all_to_all(arena, weights, indices, offsets, "sum", batch=batch,
-                                        signal=signal, check=False, layout=layout)
-    out = fused()
+
+def idle_ms(fns: dict, reps: int) -> dict:
+    """Median ms of one call from an idle GPU, per function, interleaved."""
+    samples = {k: [] for k in fns}
+    for _ in range(reps):
+        for key, fn in fns.items():
+            torch.cuda.synchronize()
+            start, stop = _events()
+            start.record()
+            fn()
+            stop.record()
+            torch.cuda.synchronize()
+            samples[key].append(start.elapsed_time(stop))
+    return {k: _median(v) for k, v in samples.items()}
+
+
+def stream_ms(fns: dict, reps: int, calls: int = 5) -> dict:
+    """Median ms per call of `calls` back-to-back calls behind an untimed one."""
+    samples = {k: [] for k in fns}
+    for _ in range(reps):
+        for key, fn in fns.items():
+            fn()  # untimed: the timed calls find the GPU busy
+            start, stop = _events()
+            start.record()
+            for _ in range(calls):
+                fn()
+            stop.record()
+            torch.cuda.synchronize()
+            samples[key].append(start.elapsed_time(stop) / calls)
+    return {k: _median(v) for k, v in samples.items()}
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host wall time per call with the GPU busy the whole time (it never waits for us, we
+    never wait for it): Python, checks and launches only."""
     torch.cuda.synchronize()
-    ws = arena.workspace("embedding_a2a")
-    gpu.check_status(ws, ws.epoch, "embedding_all_to_all")
-    # correctness of what is timed: one table against torch's EmbeddingBag
-    if world == 1:
-        ref = torch.nn.functional.embedding_bag(indices[0], weights[0].float(), offsets[0],
-                                                mode="sum")
-        err = float((out[:, 0].float() - ref).norm() / ref.norm())
-    else:
-        err = None
-    elt = weights[0].element_size()
-    b_local = batch // world
-    moved = (tables * batch * pool * 8 + tables * batch * 8            # indices, offsets
-             + tables * batch * pool * dim * elt                          # gathered rows
-             + b_local * tables * world * dim * elt)                      # output rows
-    ms = _bench(lambda: fused(True))
-    ms_off = _bench(lambda: fused(False))
-    st, st_off, st_copy = (_bench_steady(lambda: fused(True)), _bench_steady(lambda: fused(False)),
-                           _steady_copy_gbps())
-    rec = dict(bench="embedding_a2a", world=world, dtype=str(dtype).replace("torch.", ""),
-               tables_per_rank=tables, rows=rows, dim=dim, pooling=pool, batch=batch,
-               bytes=moved, ms=ms, gbps=moved / ms / 1e6,
-               baseline="copy_bandwidth (torch device-to-device copy, same run)",
-               baseline_gbps=copy_gbps, ratio=moved / ms / 1e6 / copy_gbps, goal_ratio=0.7,
-               signal_off_ms=ms_off, overhead=ms / ms_off - 1.0, goal_overhead=0.05,
-               rel_err_vs_torch=err, **_steady_fields(moved, st, st_off, st_copy))
-    emit_fn(rec)
-    return rec
-
-
-def _steady_copy_gbps():
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / _bench_steady(lambda: dst.copy_(src), calls=10) / 1e6
-
-
-def _steady_fields(moved, ms, ms_off, copy_gbps):
-    return dict(steady_ms=ms, steady_copy_gbps=copy_gbps,
-                steady_ratio=moved / ms / 1e6 / copy_gbps, steady_signal_off_ms=ms_off,
-                steady_overhead=ms / ms_off - 1.0)
-
-
-def bench_gemv(arena, copy_gbps, quick, dtype, emit_fn):
-    from ..ops import gpu
-    n, k = (8192, 8192) if quick else (16384, 16384)
-    g = torch.Generator(device="cuda").manual_seed(arena.rank + 11)
-    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g)
-    x = torch.randn(k, device="cuda", dtype=dtype, generator=g)
-    y = gpu.gemv_all_reduce(arena, w, x)
-    err = None
-    if arena.world == 1:
-        ref = w.float() @ x.float()
-        err = float((y.float() - ref).norm() / ref.norm())
-    moved = n * k * w.element_size() + k * x.element_size() + n * w.element_size()
-    ms = _bench(lambda: gpu.gemv_all_reduce(arena, w, x, check=False))
-    ms_off = _bench(lambda: gpu.gemv_all_reduce(arena, w, x, signal=False, check=False))
-    ms_torch = _bench(lambda: w @ x)
-    st, st_off, st_copy = (_bench_steady(lambda: gpu.gemv_all_reduce(arena, w, x, check=False)),
-                           _bench_steady(lambda: gpu.gemv_all_reduce(arena, w, x, signal=False,
-                                                                     check=False)),
-                           _steady_copy_gbps())
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) * 1e6 / calls
     torch.cuda.synchronize()
-    rec = dict(bench="gemv_allreduce", world=arena.world, dtype=str(dtype).replace("torch.", ""),
-               n=n, k_per_rank=k, bytes=moved, ms=ms, gbps=moved / ms / 1e6,
-               baseline="copy_bandwidth (torch device-to-device copy, same run)",
-               baseline_gbps=copy_gbps, ratio=moved / ms / 1e6 / copy_gbps, goal_ratio=0.8,
-               signal_off_ms=ms_off, overhead=ms / ms_off - 1.0, goal_overhead=0.05,
-               torch_matvec_ms=ms_torch, rel_err_vs_torch=err,
-               **_steady_fields(moved, st, st_off, st_copy))
-    emit_fn(rec)
-    return rec
+    return us
 
 
-def bench_gemm(arena, size, quick, emit_fn, configs):
-    from ..ops import gpu
-    m = n = k = size
-    dtype = torch.bfloat16
-    world = arena.world
-    g = torch.Generator(device="cuda").manual_seed(arena.rank + 13)
-    x = torch.randn(m, k, device="cuda", dtype=dtype, generator=g)
-    w = torch.randn(k, n, device="cuda", dtype=dtype, generator=g)
-    counts = [m // world] * world
-    counts[-1] += m - sum(counts)
-    ms_mm = _bench(lambda: x @ w)
-    best = None
-    for cfg in configs:
-        plan = gpu.plan_gemm(arena, m, n, counts, cfg)
+def syncs_per_call(fn, calls: int = 5) -> float:
+    """Synchronising CUDA operations per call, as torch's sync debug mode reports them."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
         try:
-            y = gpu.gemm_all_to_all(arena, x, w, counts, config=cfg, plan=plan)
-        except Exception as exc:  # a config that does not fit this GPU: say so, try the next
-            emit_fn(dict(bench="gemm_a2a_config_failed", config=cfg, error=str(exc)[:300]))
-            continue
-        ms = _bench(lambda: gpu.gemm_all_to_all(arena, x, w, counts, check=False, config=cfg,
-                                                plan=plan))
-        # every candidate's whole-op time, so a sweep shows what each tile choice gives
-        emit_fn(dict(bench="gemm_a2a_candidate", m=m, n=n, k=k, config=cfg, op_ms=ms,
-                     op_tflops=2.0 * m * n * k / ms / 1e9, baseline_ms=ms_mm,
-                     op_ratio=ms_mm / ms))
-        if best is None or ms < best[0]:
-            best = (ms, cfg, plan, y)
-    ms_full, cfg, plan, y = best
-    err = None
-    if world == 1:
-        ref = (x.float() @ w.float())
-        err = float((y.float() - ref).norm() / ref.norm())
-    # the kernel alone (with its in-kernel waits and the ack, no copy-out of the receive
-    # buffer) vs SIGNAL off: the cost of the fusion machinery
-    def kernel(signal):
-        gpu.gemm_all_to_all(arena, x, w, counts, signal=signal, check=False, config=cfg,
-                            plan=plan, copy_out=False)
+            for _ in range(calls):
+                fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught) / calls
 
-    ms_sig = ms_nosig = st_sig = st_nosig = None
-    if world == 1:  # without signals the peers' buffers are unguarded: one rank only
-        ms_sig = _bench(lambda: kernel(True))
-        ms_nosig = _bench(lambda: kernel(False))
-        st_sig = _bench_steady(lambda: kernel(True))
-        st_nosig = _bench_steady(lambda: kernel(False))
-    st_mm = _bench_steady(lambda: x @ w)
-    flops = 2.0 * m * n * k
-    rec = dict(bench="gemm_a2a", world=world, dtype="bfloat16", m=m, n=n, k=k,
-               config=cfg, kernel_ms=ms_sig, kernel_tflops=flops / ms_sig / 1e9 if ms_sig else None,
-               op_ms=ms_full, op_tflops=flops / ms_full / 1e9,
-               baseline="torch.matmul(X, W) bf16, same run", baseline_ms=ms_mm,
-               baseline_tflops=flops / ms_mm / 1e9,
-               ratio=(ms_mm / ms_sig) if ms_sig else ms_mm / ms_full, goal_ratio=0.8,
-               op_ratio=ms_mm / ms_full,
-               signal_off_ms=ms_nosig,
-               overhead=(ms_sig / ms_nosig - 1.0) if ms_sig else None, goal_overhead=0.05,
-               rel_err_vs_fp32=err, steady_baseline_ms=st_mm, steady_kernel_ms=st_sig,
-               steady_ratio=(st_mm / st_sig) if st_sig else None,
-               steady_signal_off_ms=st_nosig,
-               steady_overhead=(st_sig / st_nosig - 1.0) if st_sig else None)
-    emit_fn(rec)
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / max(float(b.norm()), 1e-30))
+
+
+def compare(ours, theirs, reps: int, graph: bool = True) -> dict:
+    """The three timings, host time and syncs of `ours` against `theirs`."""
+    for _ in range(3):  # warm-up: compiles, tunes, fills the caches
+        ours()
+        theirs()
+    torch.cuda.synchronize()
+    fns = {"rocmoe": ours, "baseline": theirs}
+    rec = {}
+    for mode, ms in (("idle", idle_ms(fns, reps)), ("queued", stream_ms(fns, reps))):
+        rec[f"rocmoe_{mode}_ms"] = round(ms["rocmoe"], 5)
+        rec[f"baseline_{mode}_ms"] = round(ms["baseline"], 5)
+        rec[f"ratio_{mode}"] = round(ms["baseline"] / ms["rocmoe"], 4)
+    if graph:
+        try:
+            replay = {"rocmoe": captured(ours), "baseline": captured(theirs)}
+            ms = stream_ms(replay, reps)
+            rec["rocmoe_graph_ms"] = round(ms["rocmoe"], 5)
+            rec["baseline_graph_ms"] = round(ms["baseline"], 5)
+            rec["ratio_graph"] = round(ms["baseline"] / ms["rocmoe"], 4)
+        except Exception as exc:  # noqa: BLE001 - reported, not hidden
+            rec["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    rec["rocmoe_host_us"] = round(host_us(ours), 2)
+    rec["baseline_host_us"] = round(host_us(theirs), 2)
+    rec["syncs_per_call"] = syncs_per_call(ours)
+    rec["baseline_syncs_per_call"] = syncs_per_call(theirs)
     return rec
 
 
-def bench_gemm_grouped(arena, shape, emit_fn):
-    """G experts of R rows each: Y_e = X_e @ W[e] ([R, K] x [K, N]), rows split evenly over
-    the ranks, as one grouped call, as G calls, and as torch.bmm."""
-    from ..ops import gpu
-    groups, rows, k, n = shape
-    world = arena.world
-    dtype = torch.bfloat16
-    g = torch.Generator(device="cuda").manual_seed(arena.rank + 17)
-    w = torch.randn(groups, k, n, device="cuda", dtype=dtype, generator=g) / k ** 0.5
-    # rows of expert e for destination d: an even split
-    split = [rows // world] * world
-    group_counts = [[split[d]] * groups for d in range(world)]
-    send = [sum(r) for r in group_counts]
-    if rows % world:
-        raise ValueError(f"rows {rows} must split evenly over {world} ranks")
-    x = torch.randn(rows * groups, k, device="cuda", dtype=dtype, generator=g)
-    # the same rows expert by expert, for the per-expert calls and bmm
-    xe = x.view(world, groups, -1, k).permute(1, 0, 2, 3).reshape(groups, rows, k).contiguous()
-    cfg = gpu.gemm_config(x.device, dtype)
-    plan = gpu.plan_gemm(arena, x.shape[0], n, send, cfg, group_counts=group_counts)
-    plan_e = gpu.plan_gemm(arena, rows, n, split, cfg)
+def judge(rec: dict, goal: float) -> dict:
+    rec["goal_ratio"] = goal
+    rec["meets_goal"] = {m: rec.get(f"ratio_{m}", 0) >= goal for m in ("idle", "queued", "graph")
+                         if f"ratio_{m}" in rec}
+    rec["meets_host_goal"] = rec["rocmoe_host_us"] <= 20.0
+    rec["meets_sync_goal"] = rec["syncs_per_call"] == 0
+    return rec
 
-    def grouped():
-        return gpu.gemm_all_to_all(arena, x, w, send, config=cfg, plan=plan,
-                                   group_counts=group_counts)
 
-    def per_expert():
-        return [gpu.gemm_all_to_all(arena, xe[e], w[e], split, config=cfg, plan=plan_e)
-                for e in range(groups)]
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    fns = {"copy": lambda: dst.copy_(src)}
+    for _ in range(3):
+        dst.copy_(src)
+    ms = stream_ms(fns, 7, calls=3)["copy"]
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e12
 
-    def bmm():
-        return torch.bmm(xe, w)
 
-    err = None
-    if world == 1:
-        ref = torch.bmm(xe.float(), w.float()).reshape(-1, n)
-        err = float((grouped().float() - ref).norm() / ref.norm())
-    ms = {name: _bench(fn) for name, fn in (("grouped", grouped), ("per_expert", per_expert),
-                                            ("bmm", bmm))}
-    st = {name: _bench_steady(fn) for name, fn in (("grouped", grouped),
-                                                   ("per_expert", per_expert), ("bmm", bmm))}
-    flops = 2.0 * groups * rows * k * n
-    emit_fn(dict(bench="gemm_a2a_grouped", world=world, dtype="bfloat16", groups=groups,
-                 rows_per_group=rows, k=k, n=n, op_ms=ms["grouped"],
-                 op_tflops=flops / ms["grouped"] / 1e9,
-                 per_group_calls_ms=ms["per_expert"], baseline="torch.bmm, same shapes",
-                 baseline_ms=ms["bmm"], baseline_tflops=flops / ms["bmm"] / 1e9,
-                 ratio=ms["bmm"] / ms["grouped"],
-                 speedup_vs_per_group_calls=ms["per_expert"] / ms["grouped"],
-                 steady_op_ms=st["grouped"], steady_per_group_calls_ms=st["per_expert"],
-                 steady_baseline_ms=st["bmm"], steady_ratio=st["bmm"] / st["grouped"],
-                 steady_speedup_vs_per_group_calls=st["per_expert"] / st["grouped"],
-                 rel_err_vs_fp32=err))
+def case_embedding(ctx, shape, reps, api="handle"):
+    from .. import ops
+    nt, rows, dim, batch, lookups, dname, mode = shape
+    dtype, dev = DTYPES[dname], ctx.device
+    g = torch.Generator(device=dev).manual_seed(1)
+    tables = [torch.randn(rows, dim, device=dev, generator=g).to(dtype) for _ in range(nt)]
+    indices = [torch.randint(0, rows, (batch * lookups,), device=dev, generator=g)
+               for _ in range(nt)]
+    offsets = [torch.arange(0, batch * lookups, lookups, device=dev) for _ in range(nt)]
+    if api == "handle":
+        h = ops.EmbeddingAllToAll(ctx, [rows] * nt, dim, batch, batch * lookups, mode, dtype)
+
+        def ours():
+            return h(tables, indices, offsets)
+    else:
+        def ours():
+            return ops.embedding_all_to_all(tables, indices, offsets, mode=mode)
+
+    def theirs():  # what a torch user calls: one F.embedding_bag per table
+        return [F.embedding_bag(i, t, o, mode=mode) for t, i, o in zip(tables, indices, offsets)]
+
+    with torch.no_grad():
+        got = ours()
+        want = torch.stack(theirs(), dim=1)
+        err = rel_err(got, want)
+        rec = compare(ours, theirs, reps, graph=api == "handle")
+    bytes_moved = nt * (batch * lookups * (8 + dim * tables[0].element_size()) + batch * 8
+                        + batch * dim * tables[0].element_size())
+    rec.update(bench="fused_gpu", op="embedding_all_to_all", api=api,
+               shape=dict(tables=nt, rows=rows, dim=dim, batch=batch, lookups=lookups,
+                          mode=mode), dtype=dname,
+               baseline="F.embedding_bag per table (summed over the tables)",
+               rel_err=err, tbps=round(bytes_moved / (rec["rocmoe_queued_ms"] * 1e-3) / 1e12, 3))
+    if api == "handle":
+        h.close()
+    return judge(rec, 1.0)
+
+
+def case_gemv(ctx, shape, reps, copy_tbps, api="handle"):
+    from .. import ops
+    n, k, dname = shape
+    dtype, dev = DTYPES[dname], ctx.device
+    g = torch.Generator(device=dev).manual_seed(2)
+    w = torch.randn(n, k, device=dev, generator=g).to(dtype)
+    x = torch.randn(k, device=dev, generator=g).to(dtype)
+    if api == "handle":
+        h = ops.GemvAllReduce(ctx, n, k, dtype)
+
+        def ours():
+            return h(w, x)
+    else:
+        def ours():
+            return ops.gemv_all_reduce(w, x)
+
+    def theirs():
+        return torch.mv(w, x)
+
+    with torch.no_grad():
+        err = rel_err(ours(), theirs())
+        rec = compare(ours, theirs, reps, graph=api == "handle")
+    nbytes = (n * k + k + n) * w.element_size()
+    tbps = nbytes / (rec["rocmoe_queued_ms"] * 1e-3) / 1e12
+    rec.update(bench="fused_gpu", op="gemv_all_reduce", api=api, shape=dict(n=n, k=k),
+               dtype=dname, baseline="torch.mv", rel_err=err, tbps=round(tbps, 3),
+               copy_tbps=round(copy_tbps, 3), fraction_of_copy=round(tbps / copy_tbps, 3),
+               baseline_tbps=round(nbytes / (rec["baseline_queued_ms"] * 1e-3) / 1e12, 3))
+    if api == "handle":
+        h.close()
+    return judge(rec, 1.0)
+
+
+def case_gemm(ctx, shape, reps, api="handle"):
+    from .. import ops
+    m, k, n = shape
+    dtype, dev = torch.bfloat16, ctx.device
+    g = torch.Generator(device=dev).manual_seed(3)
+    x = torch.randn(m, k, device=dev, generator=g).to(dtype)
+    w = (torch.randn(k, n, device=dev, generator=g) / k ** 0.5).to(dtype)
+    if api == "handle":
+        h = ops.GemmAllToAll(ctx, m, k, n, dtype)
+
+        def ours():
+            return h(x, w, [m])[0]
+    else:
+        def ours():
+            return ops.gemm_all_to_all(x, w, [m])
+
+    def theirs():
+        return torch.matmul(x, w)
+
+    with torch.no_grad():
+        err = rel_err(ours()[:m], theirs())
+        rec = compare(ours, theirs, reps)
+    flops = 2.0 * m * n * k
+    rec.update(bench="fused_gpu", op="gemm_all_to_all", api=api, shape=dict(m=m, k=k, n=n),
+               dtype="bf16", baseline="torch.matmul", rel_err=err,
+               tflops=round(flops / (rec["rocmoe_queued_ms"] * 1e-3) / 1e12, 1),
+               baseline_tflops=round(flops / (rec["baseline_queued_ms"] * 1e-3) / 1e12, 1))
+    if api == "handle":
+        rec["config"] = getattr(h, "_tuned", None)
+        h.close()
+    return judge(rec, 0.95)
+
+
+def case_overlap(ctx):
+    """A handle call behind three long matmuls returns before they end."""
+    from .. import ops
+    dev = ctx.device
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    h = ops.GemmAllToAll(ctx, 256, 1024, 1024, torch.bfloat16)
+    x = torch.randn(256, 1024, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device=dev, dtype=torch.bfloat16)
+    counts = torch.tensor([256], device=dev)
+    with torch.no_grad():
+        h(x, w, counts)
+        torch.cuda.synchronize()
+        results = []
+        for _ in range(5):
+            for _ in range(3):
+                a = a @ a / 90.5
+            done = torch.cuda.Event()
+            done.record()
+            t0 = time.perf_counter()
+            h(x, w, counts)
+            returned_us = (time.perf_counter() - t0) * 1e6
+            still_running = not done.query()
+            torch.cuda.synchronize()
+            results.append((still_running, returned_us))
+    h.synchronize()
+    h.close()
+    return dict(bench="fused_gpu", op="overlap", api="handle",
+                what="GemmAllToAll called behind three 8192^3 bf16 matmuls",
+                returned_while_matmuls_ran=[r for r, _ in results],
+                call_us=[round(u, 1) for _, u in results],
+                meets_goal=all(r for r, _ in results))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--ranks", type=int, default=1)
-    ap.add_argument("--output", default=None, help="also write the records (JSON) here")
-    ap.add_argument("--only", default="embedding,gemv,gemm,gemm_grouped")
-    ap.add_argument("--gemm-configs", default=None,
-                    help="JSON list of GEMM+A2A tile configs to try (default: the platform's)")
-    ap.add_argument("--sizes", default=None, help="GEMM sizes, comma-separated (default 4096,8192)")
+    ap = argparse.ArgumentParser(prog="rocmoe bench fused_gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one small shape per op")
+    ap.add_argument("--only", default="embedding,gemv,gemm,function,overlap")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--output", default=None)
     args = ap.parse_args(argv)
-    if args.ranks > 1 and not inside_mpi_job():
-        return relaunch_under_mpiexec("rocmoe.bench.fused_gpu", list(argv or sys.argv[1:]),
-                                      args.ranks)
     if not torch.cuda.is_available():
-        print("rocmoe.bench.fused_gpu needs a GPU", file=sys.stderr)
+        print("rocmoe bench fused_gpu needs a GPU", file=sys.stderr)
         return 2
-    arena = make_arena(args.ranks > 1)
-    root = arena.rank == 0
-    records = []
-
-    def out(rec):
-        rec = dict(rec, device=_device_name())
-        records.append(rec)
-        if root:
-            emit(rec)
-
-    copy = copy_bandwidth(args.quick)
-    out(copy)
+    import rocmoe
+    ctx = rocmoe.init()
+    if ctx.device.type != "cuda":
+        print(f"rocmoe bench fused_gpu needs a GPU backend (got {ctx.backend})", file=sys.stderr)
+        return 2
+    out = open(args.output, "a") if args.output else None
     only = set(args.only.split(","))
+    quick = args.quick
+    copy_tbps = copy_bandwidth(256 << 20 if quick else 2 << 30)
+    emit(dict(bench="fused_gpu", op="copy_bandwidth", tbps=round(copy_tbps, 3),
+              device=torch.cuda.get_device_name(), torch=torch.__version__,
+              argv=list(argv or sys.argv[1:])), out)
 
-    def guarded(name, fn, *a):
-        # one failing measurement is reported as such; the others still run
+    def run(fn, *a):
         try:
-            fn(*a)
-        except Exception as exc:
-            out(dict(bench=name, error=f"{type(exc).__name__}: {str(exc)[:400]}"))
+            emit(fn(*a), out)
+        except Exception as exc:  # noqa: BLE001 - a failing case is a record, not a crash
+            emit(dict(bench="fused_gpu", op=fn.__name__, args=repr(a[1:])[:200],
+                      error=f"{type(exc).__name__}: {str(exc)[:400]}"), out)
+        torch.cuda.empty_cache()
 
-    if "embedding" in only:
-        for dt in (torch.float32, torch.bfloat16):
-            guarded("embedding_a2a", bench_embedding, arena, copy["gbps"], args.quick, dt, out)
-    if "gemv" in only:
-        for dt in (torch.bfloat16, torch.float32):
-            guarded("gemv_allreduce", bench_gemv, arena, copy["gbps"], args.quick, dt, out)
     if "gemm" in only:
-        from ..ops import triton_gemm_a2a as tk
-        configs = [tk.default_config("hip" if torch.version.hip else "cuda")]
-        if args.gemm_configs:
-            configs = json.loads(args.gemm_configs)
-        sizes = (4096,) if args.quick else (4096, 8192)
-        if args.sizes:
-            sizes = tuple(int(v) for v in args.sizes.split(","))
-        for size in sizes:
-            guarded("gemm_a2a", bench_gemm, arena, size, args.quick, out, configs)
-    if "gemm_grouped" in only:
-        # (local experts, rows each, ffn, hidden): the combine of 64 experts over 8 GPUs at
-        # 65536 and at 8192 tokens (top-2), and of 4 experts on 1 GPU
-        shapes = [(8, 2048, 4096, 1024), (8, 256, 4096, 1024), (4, 4096, 16384, 4096)]
-        if args.quick:
-            shapes = shapes[1:2]
-        for shape in shapes:
-            guarded("gemm_a2a_grouped", bench_gemm_grouped, arena, shape, out)
-    if root and args.output:
-        with open(args.output, "w") as f:
-            json.dump(dict(command="python -m rocmoe.bench.fused_gpu " + " ".join(argv or sys.argv[1:]),
-                           when=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           records=records), f, indent=1)
-    arena.barrier()
+        for shape in GEMM_QUICK if quick else GEMM:
+            run(case_gemm, ctx, shape, args.reps)
+    if "gemv" in only:
+        for shape in GEMV_QUICK if quick else GEMV:
+            run(case_gemv, ctx, shape, args.reps, copy_tbps)
+    if "embedding" in only:
+        for shape in EMBEDDING_QUICK if quick else EMBEDDING:
+            run(case_embedding, ctx, shape, args.reps)
+    if "function" in only:  # the functional ops at the issue's measured shapes
+        for shape in (GEMM_QUICK if quick else [(4096, 4096, 4096), (8192, 8192, 8192)]):
+            run(case_gemm, ctx, shape, args.reps, "function")
+        for shape in (EMBEDDING_QUICK if quick else EMBEDDING[:2]):
+            run(case_embedding, ctx, shape, args.reps, "function")
+        for shape in (GEMV_QUICK if quick else GEMV[:4]):
+            run(case_gemv, ctx, shape, args.reps, copy_tbps, "function")
+    if "overlap" in only:
+        run(case_overlap, ctx)
+    ctx.finalize()
     return 0
 
 

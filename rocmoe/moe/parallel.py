@@ -277,7 +277,7 @@ def _fused_combine(layer, received, received_from):
     each owner rank r in turn, this rank's rows for r's experts in expert order: the global
     expert order the rows were sent in."""
     from .. import ops
-    from ..ops._kernels import group_major
+    from ..ops.products import group_major
     from .layer import _ACTIVATIONS
     act = _ACTIVATIONS[layer.activation]
     # the first product per local expert: its rows from every source together

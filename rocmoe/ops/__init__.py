@@ -10,6 +10,11 @@ Each is also `torch.ops.rocmoe.<name>` (autograd, fake kernels, torch.compile). 
 collective: all ranks call the same ops in the same order. Bad input on any rank raises a
 RocmoeError on every rank before anything is sent. The unfused baselines (compute, then MPI
 Alltoallv / Allreduce) are `rocmoe.ops.reference.*`.
+
+The fast path is the persistent handles (rocmoe/ops/handles.py): `GemmAllToAll`,
+`AllToAllRows`, `EmbeddingAllToAll`, `GemvAllReduce`, created once and then called with no
+host collective, no host synchronisation, and capturable in CUDA/HIP graphs. The functions
+above run on cached handles after agreeing on every call's shapes on the host.
 """
 
 from __future__ import annotations
@@ -21,11 +26,18 @@ import torch
 from .. import errors
 from . import _kernels, _ops  # noqa: F401  (registers torch.ops.rocmoe.*)
 from . import reference  # noqa: F401  (mpi4py is imported only when a reference runs)
-from ._common import context_id, release_workspaces, resolve_context
+from ._common import context_id, resolve_context
 from ._kernels import BAD_COUNTS
+from .handles import AllToAllRows, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce
 
 __all__ = ["embedding_all_to_all", "gemv_all_reduce", "gemm_all_to_all", "release_workspaces",
-           "reference"]
+           "GemmAllToAll", "AllToAllRows", "EmbeddingAllToAll", "GemvAllReduce", "reference"]
+
+
+def release_workspaces(ctx=None) -> None:
+    """Collective: free the symmetric workspaces of the functional ops' cached handles (they
+    are made again on next use), e.g. before ctx.finalize() to reuse the heap."""
+    _kernels.release_handles(resolve_context(ctx))
 
 # Empty leaves passed to the ops whose backward is collective (embedding, GEMM): one that
 # requires grad makes every rank record the op's backward, also a rank without tables or with

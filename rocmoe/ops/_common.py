@@ -1,18 +1,13 @@
-"""What the three fused ops share: context lookup, the per-call agreement, and workspaces.
+"""What the fused ops share: context lookup, input checks, and the functional path's
+per-call agreement.
 
-Protocol of one fused call (DESIGN.md, "Signal protocol"):
-
-1. Every rank validates its own inputs (shapes, dtypes, devices, index ranges) without
-   touching any peer.
-2. One bounded control all-gather (`agree`) carries each rank's verdict and the sizes the
-   others need (batch, table counts, send counts). If any rank is bad, every rank raises
-   (the bad one its own error, the others an InvalidArgumentError naming it) and nothing was
-   written anywhere. The same all-gather is also the *credit* of the receive buffers: it
-   completes on a rank only after every rank has entered this call, i.e. has returned from
-   the previous call of the op and so has copied its previous output out of the buffer.
-3. The op's epoch increments (same on every rank), the workspace grows if the agreed sizes
-   need it (collective, identical decision everywhere), and the persistent kernel runs:
-   puts into the peers' receive buffers, epoch signals, bounded waits, copy-out.
+The functional ops (rocmoe.ops.embedding_all_to_all etc.) first validate on every rank
+without touching any peer, then run one bounded control all-gather (`agree`) that carries
+each rank's verdict and the sizes the others need (batch, table counts, send counts). If any
+rank is bad, every rank raises (the bad one its own error, the others an
+InvalidArgumentError naming it) and nothing was written anywhere. Then the call goes to a
+cached handle (rocmoe/ops/handles.py), whose own protocol (epochs, acks, counts with the
+data) needs no host collective.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import errors
-from .._native import check, ffi, lib
+from .._native import lib
 from ..collective import RECORD_WORDS
 
 # dtype codes of the C ABI (ROCMOE_DTYPE_*)
@@ -115,88 +110,3 @@ def agree(ctx, op: str, epoch: int, problem: Optional[Exception], payload) -> np
             f"{op}: rank(s) {bad} rejected their inputs (see their errors); no rank sent "
             "anything")
     return table[:, 4:4 + payload.size]
-
-
-# ---- workspaces ----------------------------------------------------------------------
-class Workspace:
-    """One op's symmetric receive buffer and signal slots on one context.
-
-    Slots are zeroed once, at creation; afterwards they only ever hold epochs, which grow by
-    one per call, so nothing is re-zeroed between calls (stale values are < the epoch)."""
-
-    def __init__(self, ctx, op: str):
-        self.ctx = ctx
-        self.op = op
-        self.epoch = 0
-        self.signals: Optional[torch.Tensor] = None
-        self.buffer: Optional[torch.Tensor] = None
-
-    def prepare(self, recv_bytes: int, slots: int) -> None:
-        """Collective: make room for `recv_bytes` and `slots`. The sizes come from the agreed
-        table, so every rank takes the same branch and the same allocations."""
-        ctx = self.ctx
-        if self.signals is None or self.signals.numel() < slots:
-            if self.signals is not None:
-                # a larger world cannot happen on one context; keep the code honest anyway
-                raise errors.ContextError(f"{self.op}: signal slots cannot grow on a context")
-            self.signals = ctx.zeros((max(slots, 1),), torch.int64)
-        have = 0 if self.buffer is None else self.buffer.numel()
-        if self.buffer is None or recv_bytes > have:
-            if self.buffer is not None:
-                ctx.free(self.buffer)
-                self.buffer = None
-            # grow geometrically so a slowly growing batch does not reallocate every call
-            size = max(recv_bytes, min(2 * have, recv_bytes * 2), 4096)
-            self.buffer = ctx.empty((size,), torch.uint8)
-
-    def common(self, cstruct) -> None:
-        heap = self.ctx.heap
-        cstruct.epoch = self.epoch
-        cstruct.signal_offset = heap.offset_of(self.signals)
-        cstruct.recv_offset = heap.offset_of(self.buffer)
-        cstruct.recv_bytes = self.buffer.numel()
-        cstruct.workers = 0
-        cstruct.ranks_per_node = self.ctx.local_size
-        cstruct.timeout_s = self.ctx.timeout_s
-
-    def release(self) -> None:
-        """Collective: free the workspace (e.g. before ctx.finalize() to reuse the heap)."""
-        if self.buffer is not None:
-            self.ctx.free(self.buffer)
-            self.buffer = None
-        if self.signals is not None:
-            self.ctx.free(self.signals)
-            self.signals = None
-
-
-_workspaces: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
-
-
-def workspace(ctx, op: str) -> Workspace:
-    per_ctx = _workspaces.setdefault(ctx, {})
-    ws = per_ctx.get(op)
-    if ws is None:
-        ws = per_ctx[op] = Workspace(ctx, op)
-    return ws
-
-
-def release_workspaces(ctx=None) -> None:
-    """Collective: free every fused-op workspace of `ctx` (ops recreate them on next use)."""
-    ctx = resolve_context(ctx)
-    for ws in _workspaces.pop(ctx, {}).values():
-        ws.release()
-
-
-def workspace_sizes(fn, *args) -> tuple[int, int]:
-    recv = ffi.new("uint64_t *")
-    slots = ffi.new("uint64_t *")
-    check(fn(*args, recv, slots), "fused-op workspace")
-    return int(recv[0]), int(slots[0])
-
-
-def ptr(t: torch.Tensor):
-    return ffi.cast("void *", t.data_ptr())
-
-
-def i64_array(values):
-    return ffi.new("int64_t[]", [int(v) for v in values] or [0])

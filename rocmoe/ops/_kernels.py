@@ -1,74 +1,82 @@
-"""Eager implementations of the fused ops: validate, agree, run the persistent kernel.
+"""The functional fused ops (rocmoe.ops.embedding_all_to_all, gemv_all_reduce,
+gemm_all_to_all): validate, agree on the host, then call a cached handle.
 
-The persistent kernel is the host backend's (librocmoe, hip/src/host/fused_ops.cpp) on a host
-context; GPU backends plug their launchers into `LAUNCHERS` with the same argument structs
-(the GPU kernels run the same schedule.h and workspace layout).
+The functional path keeps the ops' original contract: exact-shape outputs and bad input
+raising on every rank before anything is sent. For that it agrees on every call's shapes
+(and, for the GEMM, on every rank's send counts) with one bounded host all-gather, which
+also tells every rank which cached handle (rocmoe/ops/handles.py) to use and when to make
+a bigger one: the decision comes from the agreed table, so it is the same on every rank.
+The handles are the fast path: no host collective at all per call.
 """
 
 from __future__ import annotations
 
-import os
+import weakref
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from .. import errors
-from .._native import check, ffi, lib
 from ._common import (CODE_DTYPES, DTYPE_CODES, agree, check_device, check_float_dtype,
-                      check_index_dtype, i64_array, ptr, workspace, workspace_sizes)
-
-# op -> backend name -> callable(handle, args) -> status. GPU launchers register here.
-LAUNCHERS: dict[str, dict[str, object]] = {
-    "embedding_all_to_all": {"host": lambda h, a: lib.rocmoe_host_embedding_a2a(h, a)},
-    "gemv_all_reduce": {"host": lambda h, a: lib.rocmoe_host_gemv_allreduce(h, a)},
-    "gemm_all_to_all": {"host": lambda h, a: lib.rocmoe_host_gemm_a2a(h, a)},
-}
+                      check_index_dtype)
+from .handles import MODES, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, rows_handle
+from .products import split_groups
 
 # stands for send_counts that were not integers at all (the custom op's schema needs ints)
 BAD_COUNTS = (-(2 ** 62),)
 
-MODES = {"sum": lib.ROCMOE_BAG_SUM, "mean": lib.ROCMOE_BAG_MEAN}
+# context -> {key: handle}; a key is made only of agreed values, identical on every rank
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _launch(ctx, op: str, args, what: str) -> None:
-    launcher = LAUNCHERS[op].get(ctx.backend)
-    if launcher is None:
-        raise errors.BackendUnavailableError(
-            f"{what}: no fused kernel for the {ctx.backend!r} backend in this build "
-            f"(available: {sorted(LAUNCHERS[op])}); use rocmoe.ops.reference.{op} meanwhile")
-    check(launcher(ctx._live(), args), what)
+# handles kept per context and kind; the least recently used one beyond this is closed
+_KEEP = 4
 
 
-def host_embedding_mode() -> str:
-    """How the host persistent kernel gets the pooled bags: "kernel" (gathered by the worker
-    threads, with prefetching) or "torch" (torch's EmbeddingBag pools every bag first, the
-    kernel then only puts its slices and signals)."""
-    mode = os.environ.get("ROCMOE_HOST_EMBEDDING", "torch").strip().lower()
-    if mode not in ("kernel", "torch"):
-        raise errors.ConfigurationError(
-            f"ROCMOE_HOST_EMBEDDING={mode!r}: use 'kernel' or 'torch'")
-    return mode
+def _cached(ctx, key, fits, make):
+    """The cached handle for `key` if it `fits`, else a new one from `make()` (collective:
+    keys and `fits` come from agreed values, so every rank decides alike). Least recently
+    used first in each context's dict."""
+    per_ctx = _CACHE.setdefault(ctx, {})
+    handle = per_ctx.pop(key, None)
+    if handle is not None and (handle.workspace is None or handle.broken is not None
+                               or not fits(handle)):
+        if handle.workspace is not None:
+            handle.close()
+        handle = None
+    if handle is None:
+        handle = make()
+    per_ctx[key] = handle
+    same_kind = [k for k in per_ctx if k[0] == key[0]]
+    for old in same_kind[:max(0, len(same_kind) - _KEEP)]:
+        victim = per_ctx.pop(old)
+        if victim.workspace is not None:
+            victim.close()
+    return handle
 
 
-def host_gemv_mode() -> str:
-    """How the host persistent kernel gets the partial products W_r x_r: "kernel" (dot
-    products by the worker threads) or "torch" (one torch matmul first; the kernel then does
-    the reduce-scatter and all-gather: puts, the reduction, signals)."""
-    mode = os.environ.get("ROCMOE_HOST_GEMV", "torch").strip().lower()
-    if mode not in ("kernel", "torch"):
-        raise errors.ConfigurationError(f"ROCMOE_HOST_GEMV={mode!r}: use 'kernel' or 'torch'")
-    return mode
+def release_handles(ctx) -> None:
+    """Collective: close every cached handle of `ctx` (they are made again on next use)."""
+    for handle in _CACHE.pop(ctx, {}).values():
+        handle.close()
+    from .handles import release_rows_handles
+    release_rows_handles(ctx)
 
 
-def host_gemm_mode() -> str:
-    """How the host persistent kernel gets Y = X @ W: "kernel" (tiles computed by the worker
-    threads, fp32 register-tiled C++) or "torch" (one torch matmul first, the kernel then only
-    puts and signals)."""
-    mode = os.environ.get("ROCMOE_HOST_GEMM", "torch").strip().lower()
-    if mode not in ("kernel", "torch"):
-        raise errors.ConfigurationError(f"ROCMOE_HOST_GEMM={mode!r}: use 'kernel' or 'torch'")
-    return mode
+def _round_up(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+_CALLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _next_call(ctx, op: str) -> int:
+    """This rank's call number of `op` on `ctx`: the agreement checks that every rank is in
+    the same call."""
+    per_ctx = _CALLS.setdefault(ctx, {})
+    per_ctx[op] = per_ctx.get(op, 0) + 1
+    return per_ctx[op]
 
 
 # ---- embedding bag + all-to-all ------------------------------------------------------------
@@ -96,6 +104,7 @@ def _check_embedding(ctx, weights, indices, offsets, mode, psw):
     if nt == 0:
         return 0, -1, -1, -1
     batch = dim = dtype = None
+    bounds = []  # per table: values that must all be <= 0 (read together: one sync on GPUs)
     for t, (w, idx, off) in enumerate(zip(weights, indices, offsets)):
         check_float_dtype(w, f"{op}: table {t}")
         check_index_dtype(idx, f"{op}: indices of table {t}")
@@ -122,6 +131,36 @@ def _check_embedding(ctx, weights, indices, offsets, mode, psw):
         n = idx.numel()
         if batch > 0:
             o = off.to(torch.int64)
+            first, last = o[0], o[-1]
+            bounds.append(torch.stack([first, -first, (o[1:] < o[:-1]).any().to(torch.int64),
+                                       last - n]))
+        if n > 0:
+            bounds.append(torch.stack([-idx.min().to(torch.int64),
+                                       idx.max().to(torch.int64) - (w.shape[0] - 1)]))
+        if psw is not None:
+            p = psw[t]
+            if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() != n:
+                raise errors.InvalidArgumentError(
+                    f"{op}: per_sample_weights of table {t} must be 1-D with one weight per index "
+                    f"({n})")
+            if not p.is_floating_point():
+                raise errors.DTypeError(f"{op}: per_sample_weights of table {t} must be floating")
+            check_device(ctx, p, f"{op}: per_sample_weights of table {t}")
+    _check_bounds(op, weights, indices, offsets, bounds, batch)
+    return nt, batch, dim, DTYPE_CODES[dtype]
+
+
+def _check_bounds(op, weights, indices, offsets, bounds, batch) -> None:
+    """Offsets start at 0, ascend and stay within the indices; indices within their table.
+    Every table's checks are reduced on the device and read back together."""
+    if not bounds:
+        return
+    if max(float(v.max()) for v in [torch.cat([b.reshape(-1) for b in bounds])]) <= 0:
+        return
+    for t, (w, idx, off) in enumerate(zip(weights, indices, offsets)):  # name the culprit
+        n = idx.numel()
+        if batch > 0:
+            o = off.to(torch.int64)
             if int(o[0]) != 0:
                 raise errors.InvalidArgumentError(
                     f"{op}: table {t}: offsets[0] is {int(o[0])}; the first bag starts at 0")
@@ -137,16 +176,6 @@ def _check_embedding(ctx, weights, indices, offsets, mode, psw):
                 bad = lo if lo < 0 else hi
                 raise errors.InvalidArgumentError(
                     f"{op}: table {t}: index {bad} is outside the table's {w.shape[0]} rows")
-        if psw is not None:
-            p = psw[t]
-            if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() != n:
-                raise errors.InvalidArgumentError(
-                    f"{op}: per_sample_weights of table {t} must be 1-D with one weight per index "
-                    f"({n})")
-            if not p.is_floating_point():
-                raise errors.DTypeError(f"{op}: per_sample_weights of table {t} must be floating")
-            check_device(ctx, p, f"{op}: per_sample_weights of table {t}")
-    return nt, batch, dim, DTYPE_CODES[dtype]
 
 
 def embedding_layout(table: "object", rank: int, world: int, op: str):
@@ -193,15 +222,16 @@ def table_signature(weights, offsets, mode, psw):
 def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
                       expect: Optional[Sequence[int]] = None) -> torch.Tensor:
     op = "embedding_all_to_all"
-    ws = workspace(ctx, op)
     problem, info = None, (0, -1, -1, -1)
     try:
         info = _check_embedding(ctx, weights, indices, offsets, mode, psw)
     except errors.RocmoeError as exc:
         problem = exc
     expect_hash = layout_hash(expect) if expect else 0
-    table = agree(ctx, op, ws.epoch + 1, problem,
-                  list(info) + [MODES.get(mode, -1), expect_hash])
+    rows_hash = layout_hash([int(w.shape[0]) for w in weights] or [0]) if problem is None else 0
+    most = max([int(i.numel()) for i in indices] or [0]) if problem is None else 0
+    table = agree(ctx, op, _next_call(ctx, op), problem,
+                  list(info) + [MODES.get(mode, -1), expect_hash, rows_hash, most])
     layout = embedding_layout(table, ctx.rank, ctx.world_size, op)
     total, base, batch, dim, dcode = layout[:5]
     # A rank that was traced with a layout (torch.compile) must get exactly that one; every
@@ -214,61 +244,28 @@ def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
             "or table counts changed since); call the op eagerly once with the new shapes")
     if problem is None:
         recorded_layouts[(id(ctx), table_signature(weights, offsets, mode, psw))] = layout
-    if ctx.backend != "host":  # GPU backends: the persistent HIP kernel (rocmoe/ops/gpu.py)
-        from . import gpu
-        counts = [int(c) for c in layout[5:5 + ctx.world_size]]
-        out = gpu.embedding_all_to_all(gpu.arena_for(ctx), weights, indices, offsets, mode, psw,
-                                       batch=batch,
-                                       layout=(counts, dim, batch, CODE_DTYPES[dcode]))
-        return out, layout
-    ws.epoch += 1
-    ws.prepare(*workspace_sizes(lib.rocmoe_embedding_a2a_workspace, ctx.world_size, batch,
-                                total, dim, dcode))
-    dtype = CODE_DTYPES[dcode]
-    out = torch.empty((batch // ctx.world_size, total, dim), dtype=dtype, device=ctx.device)
-    nt = len(weights)
-    keep = []  # keeps the contiguous copies alive during the call
+    # one handle per agreed table split (every rank's table count), dim and dtype, big
+    # enough for this batch; the tables' sizes and the mode are the call's business
+    counts_key = tuple(int(v) for v in table[:, 0])
+    nmax = int(table[:, 7].max())
 
-    def arr(ctype, tensors):
-        keep.extend(tensors)
-        array = ffi.new(f"{ctype}[]", [ffi.cast(ctype, t.data_ptr()) for t in tensors] or [ffi.NULL])
-        keep.append(array)  # a struct field does not own what it points to
-        return array
+    def make():
+        return EmbeddingAllToAll(
+            ctx, [int(w.shape[0]) for w in weights], dim,
+            _round_up(max(batch, 1) // ctx.world_size) * ctx.world_size, _round_up(nmax),
+            mode, CODE_DTYPES[dcode])
 
-    ws_w = [w.contiguous() for w in weights]
-    ws_i = [i.to(torch.int64).contiguous() for i in indices]
-    ws_o = [o.to(torch.int64).contiguous() for o in offsets]
-    args = ffi.new("rocmoe_embedding_a2a_args *")
-    ws.common(args.common)
-    args.dtype, args.mode = dcode, MODES[mode]
-    args.num_tables, args.total_tables, args.table_base = nt, total, base
-    args.batch, args.dim = batch, dim
-    args.weights = arr("void *", ws_w)
-    rows = i64_array([w.shape[0] for w in weights])
-    nidx = i64_array([i.numel() for i in indices])
-    args.rows, args.num_indices = rows, nidx
-    args.indices = arr("int64_t *", ws_i)
-    args.offsets = arr("int64_t *", ws_o)
-    args.per_sample_weights = (arr("float *", [p.to(torch.float32).contiguous() for p in psw])
-                               if psw is not None else ffi.NULL)
-    args.out = ptr(out)
-    args.bags = ffi.NULL
-    if nt and ctx.backend == "host" and host_embedding_mode() == "torch":
-        # torch pools in the table dtype with an fp32 accumulator (no copy of the tables)
-        bags = torch.stack([torch.nn.functional.embedding_bag(
-            i, w, o, mode=mode, per_sample_weights=None if psw is None else p.to(w.dtype))
-            for w, i, o, p in zip(ws_w, ws_i, ws_o, psw or [None] * nt)], dim=1).contiguous()
-        keep.append(bags)
-        args.bags = ptr(bags)
-    _launch(ctx, op, args, op)
+    handle = _cached(ctx, ("embedding", counts_key, dim, dcode),
+                     lambda h: h.max_batch >= batch and h.max_lookups >= nmax, make)
+    out = handle._lookup(weights, indices, offsets, psw, batch, mode) if batch else torch.empty(
+        (0, total, dim), dtype=CODE_DTYPES[dcode], device=ctx.device)
     return out, layout
 
 
 # ---- GEMV + all-reduce -------------------------------------------------------------------------
 def gemv_forward(ctx, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Tensor:
     op = "gemv_all_reduce"
-    ws = workspace(ctx, op)
-    problem, n, dcode = None, -1, -1
+    problem, n, k, dcode = None, -1, -1, -1
     try:
         for name, t in (("W_local", w_local), ("x_local", x_local)):
             if not isinstance(t, torch.Tensor):
@@ -282,33 +279,20 @@ def gemv_forward(ctx, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Ten
         if w_local.dtype != x_local.dtype:
             raise errors.DTypeError(
                 f"{op}: W_local is {w_local.dtype} but x_local is {x_local.dtype}")
-        n, dcode = int(w_local.shape[0]), DTYPE_CODES[w_local.dtype]
+        n, k, dcode = int(w_local.shape[0]), int(w_local.shape[1]), DTYPE_CODES[w_local.dtype]
     except errors.RocmoeError as exc:
         problem = exc
-    table = agree(ctx, op, ws.epoch + 1, problem, [n, dcode])
+    table = agree(ctx, op, _next_call(ctx, op), problem, [n, dcode, k])
     if (table[:, 0] != table[0, 0]).any() or (table[:, 1] != table[0, 1]).any():
-        got = ", ".join(f"rank {r}: N={int(a)} {CODE_DTYPES[int(b)]}" for r, (a, b) in
+        got = ", ".join(f"rank {r}: N={int(a)} {CODE_DTYPES[int(b)]}" for r, (a, b, _) in
                         enumerate(table))
         raise errors.InvalidArgumentError(
             f"{op}: ranks disagree on N or the dtype ({got}); y has the same shape everywhere")
-    if ctx.backend != "host":  # GPU backends: the persistent HIP kernel (rocmoe/ops/gpu.py)
-        from . import gpu
-        return gpu.gemv_all_reduce(gpu.arena_for(ctx), w_local, x_local, agreed=True)
-    ws.epoch += 1
-    ws.prepare(*workspace_sizes(lib.rocmoe_gemv_allreduce_workspace, ctx.world_size, n, dcode))
-    w_c, x_c = w_local.contiguous(), x_local.contiguous()
-    out = torch.empty((n,), dtype=w_local.dtype, device=ctx.device)
-    args = ffi.new("rocmoe_gemv_allreduce_args *")
-    ws.common(args.common)
-    args.dtype, args.n, args.k = dcode, n, int(w_local.shape[1])
-    args.w, args.x, args.out = ptr(w_c), ptr(x_c), ptr(out)
-    args.partial = ffi.NULL
-    if ctx.backend == "host" and host_gemv_mode() == "torch" and n:
-        partial = (w_c.float() @ x_c.float()) if w_c.dtype != torch.float32 else w_c @ x_c
-        partial = partial.contiguous()
-        args.partial = ffi.cast("float *", partial.data_ptr())
-    _launch(ctx, op, args, op)
-    return out
+    if n == 0:
+        return torch.empty(0, dtype=w_local.dtype, device=ctx.device)
+    handle = _cached(ctx, ("gemv", n, dcode), lambda h: True,
+                     lambda: GemvAllReduce(ctx, n, k, w_local.dtype))
+    return handle._reduce(w_local, x_local)
 
 
 # ---- GEMM + all-to-all (and the plain row all-to-all of the backward passes) ---------------
@@ -340,43 +324,6 @@ def _counts_list(send_counts, world: int, op: str, groups: int = 0) -> list[int]
     return counts
 
 
-def split_groups(flat_counts: list[int], groups: int) -> list[list[int]]:
-    """Flat rank-major counts of grouped products -> [world][groups]."""
-    return [list(flat_counts[d:d + groups]) for d in range(0, len(flat_counts), groups)]
-
-
-def group_major(group_counts) -> tuple[np.ndarray, list[int]]:
-    """Rows ordered by (destination, group) -> the permutation that orders them group-major
-    (each group's rows together, destinations in order inside it) and the rows per group."""
-    counts = np.asarray(group_counts, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(counts.reshape(-1))[:-1]]).reshape(counts.shape)
-    pieces = [np.arange(starts[d, g], starts[d, g] + counts[d, g])
-              for g in range(counts.shape[1]) for d in range(counts.shape[0])]
-    perm = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-    return perm, [int(v) for v in counts.sum(axis=0)]
-
-
-def grouped_products(x: torch.Tensor, w: torch.Tensor, group_counts) -> torch.Tensor:
-    """Y [M, N] with Y's rows of segment (d, g) = those rows of x @ w[g] (x's rows ordered by
-    (destination, group), w [G, K, N]); products in fp32, Y in x's dtype."""
-    perm, sizes = group_major(group_counts)
-    index = torch.from_numpy(perm).to(x.device)
-    xs = x.index_select(0, index)
-    parts = [(xg.float() @ w[g].float()) for g, xg in enumerate(xs.split(sizes))]
-    y = torch.empty(x.shape[0], w.shape[-1], dtype=x.dtype, device=x.device)
-    if parts:
-        y[index] = torch.cat(parts).to(x.dtype)
-    return y
-
-
-def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, group_counts) -> torch.Tensor:
-    """dW [G, K, N] of grouped_products: dW[g] = (x's rows of group g)^T (gy's), fp32."""
-    perm, sizes = group_major(group_counts)
-    index = torch.from_numpy(perm).to(x.device)
-    xs, gs = x.index_select(0, index).float(), gy.index_select(0, index).float()
-    return torch.stack([xg.t() @ gg for xg, gg in zip(xs.split(sizes), gs.split(sizes))])
-
-
 def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send_counts,
                   ) -> tuple[torch.Tensor, list[int]]:
     """Y = x @ w (or Y = x when w is None), rows split by `send_counts`, delivered like
@@ -385,8 +332,7 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     Grouped products: with w [G, K, N], send_counts holds world x G counts (rank-major): the
     rows for destination d are G consecutive segments, segment (d, g) multiplied by w[g]."""
     world = ctx.world_size
-    ws = workspace(ctx, op)
-    problem, n, dcode, counts, group_counts = None, -1, -1, [0] * world, None
+    problem, n, dcode, counts, group_counts, groups = None, -1, -1, [0] * world, None, 0
     try:
         check_float_dtype(x, f"{op}: X")
         check_device(ctx, x, f"{op}: X")
@@ -415,55 +361,29 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
         dcode = DTYPE_CODES[x.dtype]
     except errors.RocmoeError as exc:
         problem, counts, group_counts = exc, [0] * world, None
-    table = agree(ctx, op, ws.epoch + 1, problem, [n, dcode] + counts)
+    k_in = int(x.shape[1]) if problem is None and w is not None else -1
+    table = agree(ctx, op, _next_call(ctx, op), problem,
+                  [n, dcode, groups if problem is None else -1, k_in] + counts)
     if (table[:, 0] != table[0, 0]).any() or (table[:, 1] != table[0, 1]).any():
         got = ", ".join(f"rank {r}: N={int(a)} {CODE_DTYPES[int(b)]}" for r, (a, b) in
                         enumerate(table[:, :2]))
         raise errors.InvalidArgumentError(
             f"{op}: ranks disagree on the row width N or the dtype ({got})")
-    matrix = table[:, 2:]                      # [source, destination] row counts
+    matrix = table[:, 4:]                      # [source, destination] row counts
     recv_counts = [int(v) for v in matrix[:, ctx.rank]]
     recv_rows = sum(recv_counts)
-    dest_offsets = [int(matrix[:ctx.rank, d].sum()) for d in range(world)]
-    most = int(matrix.sum(axis=0).max()) if world else 0  # the same buffer size everywhere
-    if ctx.backend != "host":  # GPU backends: the persistent Triton kernel (rocmoe/ops/gpu.py)
-        from . import gpu
-        arena = gpu.arena_for(ctx)
-        # the backward's plain row exchange runs the same kernel with an identity W (exact in
-        # every dtype); a copy-only GPU kernel would halve its cost
-        w_gpu = w if w is not None else torch.eye(n, dtype=x.dtype, device=x.device)
-        plan = gpu.plan_gemm_agreed(arena, matrix, n, gpu.gemm_config(x.device, x.dtype),
-                                    group_counts=group_counts)
-        return gpu.gemm_all_to_all(arena, x, w_gpu, counts, plan=plan,
-                                   group_counts=group_counts), recv_counts
-    ws.epoch += 1
-    ws.prepare(*workspace_sizes(lib.rocmoe_gemm_a2a_workspace, world, most, n, dcode))
-    out = torch.empty((recv_rows, n), dtype=x.dtype, device=ctx.device)
-    x_c = x.contiguous()
-    keep = [x_c]
-    args = ffi.new("rocmoe_gemm_a2a_args *")
-    ws.common(args.common)
-    args.dtype, args.m, args.k, args.n = dcode, int(x.shape[0]), int(x.shape[1]), n
+    most = max(int(matrix.max()) if matrix.size else 0, 1)
+    dtype = CODE_DTYPES[dcode]
     if w is None:
-        args.x, args.w, args.y = ffi.NULL, ffi.NULL, ptr(x_c)
-    elif ctx.backend == "host" and host_gemm_mode() == "torch":
-        if group_counts is not None:
-            y = grouped_products(x_c, w, group_counts)
-        else:
-            y = (x_c.float() @ w.float()).to(x.dtype) if x.dtype != torch.float32 else x_c @ w
-        keep.append(y)
-        args.x, args.w, args.y = ffi.NULL, ffi.NULL, ptr(y)
+        handle = rows_handle(ctx, most, n, dtype)
     else:
-        w32 = w.to(torch.float32).contiguous()
-        keep.append(w32)
-        args.x, args.w, args.y = ptr(x_c), ffi.cast("float *", w32.data_ptr()), ffi.NULL
-        if group_counts is not None:
-            gc = i64_array([c for row in group_counts for c in row])
-            keep.append(gc)
-            args.groups, args.group_counts = len(group_counts[0]), gc
-    sc, do = i64_array(counts), i64_array(dest_offsets)
-    args.send_counts, args.dest_row_offsets = sc, do
-    args.recv_rows = recv_rows
-    args.out = ptr(out) if recv_rows else ffi.NULL
-    _launch(ctx, "gemm_all_to_all", args, op)
-    return out, recv_counts
+        # the workspace depends on the capacity, N and the dtype only; K and the groups are
+        # the call's business
+        handle = _cached(ctx, ("gemm", n, dcode), lambda h: h.max_rows >= most,
+                         lambda: GemmAllToAll(ctx, _round_up(most), int(x.shape[1]), n, dtype,
+                                              groups=max(groups, 1)))
+    if groups == 1:  # one group is the plain product
+        w, groups, group_counts = w[0], 0, None
+    flat = [c for row in group_counts for c in row] if group_counts is not None else counts
+    out, _ = handle._exchange(x, w, flat, None, groups)
+    return out[:recv_rows], recv_counts

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from . import _kernels
 from ._common import CODE_DTYPES, context_by_id
+from .products import bag_gradients, grouped_products, grouped_weight_grad, split_groups
 
 
 # ---- all_to_all_rows: the exchange of the backward passes ----------------------------------
@@ -119,28 +120,8 @@ def _embedding_backward(ctx, grad, _glayout):
     got = _reverse_rows(g, send, nt * batch, ctx_id)
     # from each source s: [nt, local, dim] -> [nt, batch, dim] in global bag order
     g_tables = got.reshape(world, nt, local, dim).permute(1, 0, 2, 3).reshape(nt, batch, dim)
-    w_grads, psw_grads = [], []
-    for t in range(nt):
-        (rows, d), dtype = ctx.shapes[t]
-        idx = indices[t].to(torch.int64)
-        off = offsets[t].to(torch.int64)
-        n = idx.numel()
-        lengths = torch.diff(off, append=torch.full((1,), n, dtype=torch.int64, device=off.device))
-        # bag of every index; searchsorted keeps shapes static (traceable by torch.compile)
-        bag = torch.searchsorted(off, torch.arange(n, device=off.device), right=True) - 1
-        per_index = g_tables[t].float()[bag]                       # [n, dim]
-        if mode == "mean":
-            scale = (1.0 / lengths.clamp(min=1).float())[bag]
-            contrib = per_index * scale[:, None]
-        elif psw is not None:
-            contrib = per_index * psw[t].float()[:, None]
-        else:
-            contrib = per_index
-        gw = torch.zeros((rows, d), dtype=torch.float32, device=grad.device)
-        gw.index_add_(0, idx, contrib)
-        w_grads.append(gw.to(dtype))
-        if psw is not None:
-            psw_grads.append((weights[t].float()[idx] * per_index).sum(-1).to(psw[t].dtype))
+    w_grads, psw_grads = bag_gradients(ctx.shapes, indices, offsets, psw, weights, g_tables,
+                                       mode)
     # list inputs take lists of gradients (None for the integer ones); psw is [] when unused
     none = [None] * nt
     # The anchor's (empty) gradient is made to depend on the exchange so that a graph compiler
@@ -213,9 +194,9 @@ def _gemm_backward(ctx, gy, _grecv):
     # rows come back to their source in the order they were sent
     gy_local = _reverse_rows(gy, recv.tolist(), ctx.rows, ctx.ctx_id).float()
     if w.dim() == 3:  # grouped: segment (d, g) of the rows went through W[g]
-        group_counts = _kernels.split_groups(ctx.send_counts, w.shape[0])
-        dx = _kernels.grouped_products(gy_local, w.transpose(1, 2), group_counts).to(x.dtype)
-        dw = _kernels.grouped_weight_grad(x, gy_local, group_counts).to(w.dtype)
+        group_counts = split_groups(ctx.send_counts, w.shape[0])
+        dx = grouped_products(gy_local, w.transpose(1, 2), group_counts).to(x.dtype)
+        dw = grouped_weight_grad(x, gy_local, group_counts).to(w.dtype)
     else:
         dx = (gy_local @ w.float().t()).to(x.dtype)
         dw = (x.float().t() @ gy_local).to(w.dtype)

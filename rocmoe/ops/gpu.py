@@ -1,41 +1,26 @@
-"""GPU path of the fused ops: workspaces on a symmetric arena, launches, waits, errors.
+"""GPU launchers of the fused-op handles (rocmoe/ops/handles.py): Triton for the GEMM and the
+row exchange, librocmoe's HIP kernels for the embedding and the GEMV.
 
-rocmoe.ops' public functions call these when their tensors are on a GPU:
+A call enqueues its kernels on the current stream and returns: nothing is read back, nothing
+synchronises, no host collective runs, so calls overlap with the work around them and can be
+captured in a CUDA/HIP graph. What can go wrong on the device (a wait that runs out, a count
+or an index out of range, a peer's abort) is written into the handle's status words
+(host-mapped memory) and raised by the handle at its next call, at `synchronize()` or at
+`ctx.barrier()`.
 
-* ``embedding_all_to_all(arena, weights, indices, offsets, mode, per_sample_weights)``
-* ``gemv_all_reduce(arena, w_local, x_local)``
-* ``gemm_all_to_all(arena, x, w, send_counts)``
-
-``arena`` is where the receive buffers and signal slots live, symmetric over the ranks:
-``ContextArena(ctx)`` (the ipc backend's device heap; also the host backend's shared
-memory, which lets the Triton kernel run under ``TRITON_INTERPRET=1`` on CPU processes) or
-``TorchIpcArena(comm)`` (device memory shared through CUDA/HIP IPC handles that torch
-makes, for GPU machines where the ipc backend is not built).
-
-Protocol of one call (DESIGN.md, "Signal protocol"), per op and arena:
-
-1. epoch ``e`` = 1, 2, 3, ... ; the receive buffer used is ``e % 2`` (double buffering);
-2. producer side: wait until every destination has acknowledged call ``e - 2`` (its buffer
-   ``e % 2`` is free again; normally long true), run the persistent kernel: tiles stored
-   straight into the destinations' buffers, each slice's completer stores ``e`` into the
-   destination's signal slot for this rank (release, system scope);
-3. consumer side: wait until every source's slot holds ``>= e``, copy the received data
-   out of the heap, acknowledge ``e`` to every source.
-
-Every wait is bounded (``timeout_s``, default the context's / ``ROCMOE_TIMEOUT_S``). A wait
-that runs out records a status on the device; the call synchronises, reads it and raises
-``CommTimeoutError`` naming the op, this rank, the peer and the slice.
+The peers are reached through the rocmoe context's symmetric heap: `peer_bases` is every
+rank's heap base as seen by this process (ipc backend: IPC-mapped device memory; the host
+backend's shared memory too, which lets the Triton kernels run under TRITON_INTERPRET=1 on
+CPU processes in the tests).
 """
 
 from __future__ import annotations
 
-import abc
 import math
 import os
-from dataclasses import dataclass, field
+import weakref
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from .. import errors
@@ -78,73 +63,19 @@ def task_prefix(order: Sequence[int], tasks_per_dest: Sequence[int]) -> list[int
 
 
 # ---------------------------------------------------------------------------------------
-# Symmetric arenas
+# What a context's kernels share: the peer table, the remote-first order
 # ---------------------------------------------------------------------------------------
 
 
-class Arena(abc.ABC):
-    """Symmetric memory for the fused ops: same offsets on every rank, peers' bases known."""
-
-    rank: int
-    world: int
-    ranks_per_node: int
-    device: torch.device
-    comm: object
-    timeout_s: float
-    peer_bases: torch.Tensor  # int64 [world] on `device`: each rank's base as seen here
-
-    @abc.abstractmethod
-    def alloc(self, nbytes: int) -> tuple[torch.Tensor, int]:
-        """(local view, heap offset) of `nbytes`, collectively: same offset on every rank."""
-
-    def barrier(self) -> None:
-        self.allgather([0], "fused ops barrier")
-
-    def allgather(self, values, what: str = "fused op agreement") -> list:
-        """Timed all-gather of a list of ints (same length on every rank): a rank that
-        never arrives becomes CommTimeoutError, not a hang (rocmoe.collective)."""
-        if self.world == 1:
-            return [list(values)]
-        channel = getattr(self, "_channel", None)
-        if channel is None:
-            from ..collective import ControlChannel
-            channel = self._channel = ControlChannel(self.comm, self.timeout_s)
-        table = channel.allgather(np.asarray(values, dtype=np.int64), what)
-        return [[int(v) for v in row] for row in table]
-
-    def base(self) -> int:
-        return int(self.peer_bases_host[self.rank])
-
-    def workspace(self, op: str) -> "Workspace":
-        ws = self._workspaces.get(op)
-        if ws is None:
-            ws = Workspace(self, op)
-            self._workspaces[op] = ws
-        return ws
-
-
-def _ranks_per_node(comm) -> int:
-    try:
-        from mpi4py import MPI
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        n = local.Get_size()
-        local.Free()
-        return n
-    except Exception:  # pragma: no cover - comms without Split_type
-        return comm.Get_size()
-
-
-class ContextArena(Arena):
-    """The rocmoe context's symmetric heap (ipc backend on GPUs; host backend on CPUs)."""
+class Team:
+    """Every rank's heap base as this process sees it (a device int64 tensor) and this
+    rank's remote-first slice order; made once per context."""
 
     def __init__(self, ctx):
-        from .._native import ffi, lib, check
-        self.ctx = ctx
-        self.comm = ctx.comm
+        from .._native import check, ffi, lib
         self.rank, self.world = ctx.rank, ctx.world_size
         self.ranks_per_node = getattr(ctx, "local_size", 0) or self.world
         self.device = ctx.device
-        self.timeout_s = ctx.timeout_s
         bases = []
         for r in range(self.world):
             out = ffi.new("void **")
@@ -152,185 +83,19 @@ class ContextArena(Arena):
             bases.append(int(ffi.cast("uintptr_t", out[0])))
         self.peer_bases_host = bases
         self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
-        self._workspaces = {}
-        self._owned = []
-
-    def alloc(self, nbytes: int) -> tuple[torch.Tensor, int]:
-        t = self.ctx.zeros((max(nbytes, ALIGN),), dtype=torch.uint8)
-        self._owned.append(t)
-        return t, self.ctx.heap.offset_of(t)
+        self.order = torch.tensor(slice_order(self.rank, self.world, self.ranks_per_node),
+                                  dtype=torch.int32, device=self.device)
+        self.world_p2 = max(2, 1 << (self.world - 1).bit_length())
 
 
-_arenas = None
+_TEAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def arena_for(ctx) -> "ContextArena":
-    """The ContextArena of a rocmoe Context, made once per context (its workspaces and epochs
-    must persist across calls). Creating it is collective (the first op call on every rank)."""
-    global _arenas
-    import weakref
-    if _arenas is None:
-        _arenas = weakref.WeakKeyDictionary()
-    arena = _arenas.get(ctx)
-    if arena is None:
-        arena = _arenas[ctx] = ContextArena(ctx)
-    return arena
-
-
-class TorchIpcArena(Arena):
-    """One device buffer per rank, shared with the ranks of this node through the IPC
-    handles torch makes for CUDA/HIP storages; a deterministic bump allocator on top keeps
-    offsets identical on every rank. For GPU machines without the ipc backend built."""
-
-    def __init__(self, comm=None, nbytes: int = 256 << 20, device: Optional[torch.device] = None,
-                 timeout_s: Optional[float] = None):
-        if comm is None:
-            from mpi4py import MPI
-            comm = MPI.COMM_WORLD
-        self.comm = comm
-        self.rank, self.world = comm.Get_rank(), comm.Get_size()
-        self.ranks_per_node = _ranks_per_node(comm)
-        if self.ranks_per_node != self.world:
-            raise errors.ConfigurationError(
-                "TorchIpcArena reaches peers through IPC handles, so all ranks must share one "
-                f"node ({self.ranks_per_node} of {self.world} ranks do); use the rocshmem/nvshmem "
-                "backend across nodes")
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        self.timeout_s = float(timeout_s if timeout_s is not None
-                               else os.environ.get("ROCMOE_TIMEOUT_S", 60))
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        torch.cuda.synchronize(device)
-        handle = self.buffer.untyped_storage()._share_cuda_()
-        offset_in_storage = 0
-        handles = comm.allgather(handle)
-        self._peer_storages = []
-        bases = []
-        for r, h in enumerate(handles):
-            if r == self.rank:
-                bases.append(self.buffer.data_ptr())
-                continue
-            storage = torch.UntypedStorage._new_shared_cuda(*h)
-            self._peer_storages.append(storage)
-            bases.append(storage.data_ptr() + offset_in_storage)
-        self.peer_bases_host = bases
-        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=device)
-        self._next = 0
-        self._workspaces = {}
-        comm.Barrier()
-
-    def alloc(self, nbytes: int) -> tuple[torch.Tensor, int]:
-        nbytes = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
-        if self._next + nbytes > self.buffer.numel():
-            raise errors.HeapExhaustedError(
-                f"TorchIpcArena: {nbytes} bytes requested, {self.buffer.numel() - self._next} of "
-                f"{self.buffer.numel()} left; create the arena with a larger nbytes")
-        offset = self._next
-        self._next += nbytes
-        return self.buffer[offset:offset + nbytes], offset
-
-
-class SingleRankArena(Arena):
-    """World size 1 without MPI (benchmarks on one GPU): the "peer" is this rank."""
-
-    class _Comm:
-        def Barrier(self):
-            pass
-
-        def allgather(self, v):
-            return [v]
-
-        def Get_rank(self):
-            return 0
-
-        def Get_size(self):
-            return 1
-
-    def __init__(self, nbytes: int = 1 << 30, device=None, timeout_s: float = 60.0):
-        self.comm = self._Comm()
-        self.rank, self.world, self.ranks_per_node = 0, 1, 1
-        self.device = device or torch.device("cuda", torch.cuda.current_device())
-        self.timeout_s = timeout_s
-        self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        self.peer_bases_host = [self.buffer.data_ptr()]
-        self.peer_bases = torch.tensor(self.peer_bases_host, dtype=torch.int64, device=self.device)
-        self._next = 0
-        self._workspaces = {}
-
-    alloc = TorchIpcArena.alloc
-
-
-# ---------------------------------------------------------------------------------------
-# Per-op workspace: signal and ack slots, double-buffered receive space, counters, epoch
-# ---------------------------------------------------------------------------------------
-
-
-class Workspace:
-    def __init__(self, arena: Arena, op: str):
-        self.arena, self.op = arena, op
-        w = arena.world
-        # slots[0:w] data signals (by source), [w:2w] acks (by destination), [2w:3w] a
-        # second signal set for two-phase ops (gemv_all_reduce's all-gather, by owner)
-        self.slots, self.slot_offset = arena.alloc(3 * w * 8)
-        self.slots = self.slots[:3 * w * 8].view(torch.int64)
-        self.signal_offset = self.slot_offset
-        self.ack_offset = self.slot_offset + w * 8
-        self.recv_bytes = 0
-        self.recv = []          # two local views
-        self.recv_offsets = []  # their heap offsets
-        self.epoch = 0
-        self._ints = {}
-        # next task, exited workers, two sets of per-slice done counters (the GEMV's two
-        # phases), a phase-1 done count: rocmoe_gpu_fused.counters in rocmoe.h
-        self.counters = torch.zeros(3 + 2 * w, dtype=torch.int32, device=arena.device)
-        self.status = torch.zeros(3 * w, dtype=torch.int32, device=arena.device)
-        arena.barrier()  # nobody signals into slots a peer has not zeroed yet
-
-    def ensure_recv(self, nbytes: int) -> None:
-        """Grow the receive buffers; collective: every rank passes the same (agreed) size."""
-        if nbytes <= self.recv_bytes and self.recv:
-            return
-        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
-        self.recv, self.recv_offsets = [], []
-        for _ in range(2):
-            t, off = self.arena.alloc(size)
-            self.recv.append(t)
-            self.recv_offsets.append(off)
-        self.recv_bytes = size
-        self.arena.barrier()
-
-    def device_ints(self, values, dtype: torch.dtype) -> torch.Tensor:
-        """A device tensor of `values`, cached: a fresh host->device copy of a pageable list
-        would synchronise the stream on every call, exposing the launch latency."""
-        key = (dtype, tuple(int(v) for v in values))
-        t = self._ints.pop(key, None)
-        if t is None:
-            t = torch.tensor(key[1], dtype=dtype, device=self.arena.device)
-        self._ints[key] = t  # most recently used last
-        while len(self._ints) > 32:
-            self._ints.pop(next(iter(self._ints)))
-        return t
-
-    def next_epoch(self, signal: bool = True) -> int:
-        """This call's epoch. A call with signalling off (benchmarks) raises no signals and
-        sends no acks, so it must not advance the epoch either: the next signalled call would
-        otherwise wait for an acknowledgement of a call nobody acknowledged."""
-        if not signal:
-            return self.epoch + 1
-        self.epoch += 1
-        return self.epoch
-
-    def buffer(self, epoch: int) -> tuple[torch.Tensor, int]:
-        return self.recv[epoch % 2], self.recv_offsets[epoch % 2]
-
-    @property
-    def signals(self) -> torch.Tensor:
-        return self.slots[:self.arena.world]
-
-    @property
-    def acks(self) -> torch.Tensor:
-        return self.slots[self.arena.world:2 * self.arena.world]
+def team_for(ctx) -> Team:
+    team = _TEAMS.get(ctx)
+    if team is None:
+        team = _TEAMS[ctx] = Team(ctx)
+    return team
 
 
 def _wait_budget(timeout_s: float) -> int:
@@ -340,35 +105,87 @@ def _wait_budget(timeout_s: float) -> int:
     return int(min(2**31 - 1, max(1, timeout_s * per_s)))
 
 
-def _launch_ack(arena: Arena, ws: Workspace, epoch: int) -> None:
-    from . import triton_gemm_a2a as tk
-    tk.get("signal_peers_kernel")[(arena.world,)](arena.peer_bases, ws.ack_offset, arena.rank,
-                                                  epoch)
+class _DeviceInts:
+    """Device int64 tensors of host lists, cached (most recent last): a fresh copy from
+    pageable memory would synchronise; a new list goes through pinned memory without one."""
+
+    def __init__(self, device: torch.device, keep: int = 32):
+        self.device, self.keep, self._cache = device, keep, {}
+
+    def __call__(self, values) -> torch.Tensor:
+        key = tuple(int(v) for v in values)
+        t = self._cache.pop(key, None)
+        if t is None:
+            host = torch.tensor(key or (0,), dtype=torch.int64)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            t = host.to(self.device, non_blocking=True)
+        self._cache[key] = t
+        while len(self._cache) > self.keep:
+            self._cache.pop(next(iter(self._cache)))
+        return t
 
 
-def check_status(ws: Workspace, epoch: int, what: str) -> None:
-    """Synchronise and turn a recorded wait timeout into CommTimeoutError."""
-    status = ws.status.cpu().numpy()
-    w = ws.arena.world
-    late_acks = [int(d) for d in np.nonzero(status[:w])[0]]
-    late_data = sorted({int(s) % w for s in np.nonzero(status[w:])[0]})
-    if late_data:
-        raise errors.CommTimeoutError(
-            f"{what}: rank {ws.arena.rank} waited {ws.arena.timeout_s:g} s for slice(s) from "
-            f"rank(s) {late_data} of call {epoch} (signal slot(s) {late_data}); a peer did not "
-            "reach this call, died, or was given different arguments")
-    if late_acks:
-        raise errors.CommTimeoutError(
-            f"{what}: rank {ws.arena.rank} waited {ws.arena.timeout_s:g} s for rank(s) "
-            f"{late_acks} to release their receive buffer of call {epoch - 2} (ack slot(s) "
-            f"{late_acks}); a peer stopped calling {what}")
+def _device_ints(handle) -> _DeviceInts:
+    ints = getattr(handle, "_device_ints", None)
+    if ints is None:
+        ints = handle._device_ints = _DeviceInts(handle.ctx.device)
+    return ints
 
 
 # ---------------------------------------------------------------------------------------
-# GEMM + All-to-All (Triton)
+# Triton launches without the binder's per-call work
 # ---------------------------------------------------------------------------------------
 
 _PLATFORM = "hip" if getattr(torch.version, "hip", None) else "cuda"
+
+
+class _Launcher:
+    """Launches one Triton kernel of triton_gemm_a2a. The first launch of a configuration
+    goes through the JIT (compiles and specialises); later ones call the compiled kernel
+    directly, which skips the binder's argument specialisation and cache lookup (most of the
+    host time of a Triton launch). The key must hold everything the JIT specialises on that
+    can change between calls: the constexprs, and the 16-byte alignment of every pointer."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._compiled: dict = {}
+        self.fast = os.environ.get("ROCMOE_TRITON_FAST_LAUNCH", "1") != "0"
+
+    def __call__(self, grid, args: tuple, constexprs: dict, options: dict, key) -> None:
+        from . import triton_gemm_a2a as tk
+        fn = tk.get(self.name)
+        if _interpreting():
+            fn[grid](*args, **constexprs, **options)
+            return
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = fn[grid](*args, **constexprs, **options)
+            names = fn.arg_names
+            self._compiled[key] = (compiled, [constexprs.get(n) for n in names[len(args):]])
+            return
+        kernel, tail = compiled
+        if self.fast:
+            try:
+                kernel[grid](*args, *tail)
+                return
+            except TypeError:  # this Triton's compiled-kernel launch takes other arguments
+                self.fast = False
+        fn[grid](*args, **constexprs, **options)
+
+
+_LAUNCHERS = {name: _Launcher(name) for name in
+              ("gemm_a2a_kernel", "collect_kernel", "abort_kernel", "grouped_weight_grad_kernel")}
+
+
+def _aligned(*tensors) -> tuple:
+    return tuple(bool(t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor) else True
+                 for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------
+# GEMM + all-to-all and the row exchange
+# ---------------------------------------------------------------------------------------
 
 
 def _num_programs(device: torch.device, total_tasks: int, per_sm: Optional[float] = None) -> int:
@@ -378,86 +195,13 @@ def _num_programs(device: torch.device, total_tasks: int, per_sm: Optional[float
     few (4096^3: 3.9) one program per tile ran at 0.78 of torch.matmul against 0.50
     persistent; with many (8192^3: 15.5) persistent won, 0.84 against 0.75."""
     if device.type == "cpu":
-        return min(total_tasks, 4)
+        return max(1, min(total_tasks, 4))
     sms = sm_count(device)
     if per_sm is None:
         per_sm = 0 if total_tasks <= 8 * sms else 1
     if per_sm <= 0:
         return max(1, total_tasks)
     return max(1, min(total_tasks, int(sms * per_sm)))
-
-
-@dataclass
-class GemmPlan:
-    counts: np.ndarray           # [world, world]: rows s sends to d
-    row_start: list
-    dest_rows: list              # first row of this rank's part at each destination
-    recv_rows: int
-    recv_capacity_rows: int      # max over ranks (the symmetric buffer size)
-    order: list
-    prefix: list
-    config: dict = field(default_factory=dict)
-    # grouped products (W [G, K, N]): per destination, the tile numbers where each of its G
-    # segments starts ([world * (G + 1)]), and each segment's first row of X, rows and first
-    # row inside this rank's part of the destination's buffer ([world * G] each)
-    groups: int = 0
-    seg_prefix: list = field(default_factory=list)
-    seg_row0: list = field(default_factory=list)
-    seg_rows: list = field(default_factory=list)
-    seg_out: list = field(default_factory=list)
-
-
-def plan_gemm(arena: Arena, m: int, n: int, send_counts: Sequence[int], config: dict,
-              group_counts: Optional[Sequence[Sequence[int]]] = None) -> GemmPlan:
-    """Agree on every rank's counts (one host all-gather) and lay out this rank's tasks
-    (`group_counts`: grouped products, see plan_gemm_agreed). Bad counts on any rank raise
-    InvalidArgumentError on every rank, before any kernel."""
-    w = arena.world
-    counts_in = [int(c) for c in send_counts]
-    # a wrong number of counts still sends a record of the agreed size (marked bad), so
-    # every rank learns about it and raises instead of deadlocking in the all-gather
-    record = [int(m), int(n)] + (counts_in if len(counts_in) == w else [-1] * w)
-    rows = arena.allgather(record, "gemm_all_to_all (agreeing on send_counts)")
-    bad = [s for s, rec in enumerate(rows) if any(c < 0 for c in rec[2:]) or sum(rec[2:]) != rec[0]]
-    if bad or len({rec[1] for rec in rows}) != 1:
-        raise errors.InvalidArgumentError(
-            f"gemm_all_to_all: send_counts must have {w} entries >= 0 that sum to the rows of X, "
-            f"and N must agree on every rank; ranks {bad or 'all'} disagree "
-            f"(M, N, counts per rank: {rows})")
-    return plan_gemm_agreed(arena, np.asarray([rec[2:] for rec in rows], dtype=np.int64), n,
-                            config, group_counts=group_counts)
-
-
-def plan_gemm_agreed(arena: Arena, counts: np.ndarray, n: int, config: dict,
-                     group_counts: Optional[Sequence[Sequence[int]]] = None) -> GemmPlan:
-    """The plan from a counts matrix every rank already agreed on ([world, world]: rows rank s
-    sends to rank d), without communicating: for callers that validated and all-gathered the
-    counts themselves (rocmoe.ops' public op does). `group_counts` ([world][G], this rank's
-    rows per destination and group, summing to its row of `counts`): grouped products."""
-    w, r = arena.world, arena.rank
-    counts = np.asarray(counts, dtype=np.int64).reshape(w, w)
-    row_start = [0] + list(np.cumsum(counts[r])[:-1])
-    dest_rows = [int(counts[:r, d].sum()) for d in range(w)]
-    recv = counts.sum(axis=0)
-    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-    n_tiles = math.ceil(n / bn) if n > 0 else 1
-    extra = {}
-    if group_counts is None:
-        tasks = [max(1, math.ceil(int(c) / bm) * n_tiles) for c in counts[r]]
-    else:
-        gc = np.asarray(group_counts, dtype=np.int64).reshape(w, -1)
-        groups = gc.shape[1]
-        seg_tiles = -(-gc // bm) * n_tiles                         # [world, G]
-        seg_prefix = np.concatenate([np.zeros((w, 1), np.int64), np.cumsum(seg_tiles, 1)], 1)
-        seg_out = np.concatenate([np.zeros((w, 1), np.int64), np.cumsum(gc, 1)[:, :-1]], 1)
-        seg_row0 = np.asarray(row_start, dtype=np.int64)[:, None] + seg_out
-        tasks = [max(1, int(t)) for t in seg_prefix[:, -1]]
-        extra = dict(groups=groups, seg_prefix=seg_prefix.reshape(-1).tolist(),
-                     seg_row0=seg_row0.reshape(-1).tolist(), seg_rows=gc.reshape(-1).tolist(),
-                     seg_out=seg_out.reshape(-1).tolist())
-    order = slice_order(r, w, arena.ranks_per_node)
-    return GemmPlan(counts, [int(v) for v in row_start], dest_rows, int(recv[r]), int(recv.max()),
-                    order, task_prefix(order, tasks), config, **extra)
 
 
 def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -473,133 +217,314 @@ def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> di
     return cfg
 
 
-def gemm_operands(x: torch.Tensor, w: torch.Tensor, cfg: dict) -> tuple:
-    """(X argument, W argument, USE_TMA) of the GEMM kernel: tensor descriptors for the
-    copy engine where the config asks for them and the GPU (Hopper or later) and the
-    operands' alignment allow; the tensors themselves otherwise. A grouped W [G, K, N] goes
-    as one [G*K, N] descriptor, which needs W contiguous and K a multiple of BLOCK_K (a box
-    must not reach into the next group)."""
-    if not (cfg.get("USE_TMA") and tma_capable(x.device) and x.dtype != torch.float32
-            and x.stride(1) == 1 and w.stride(-1) == 1):
+def copy_config(device: torch.device, width: int) -> dict:
+    """Tiles of the row exchange (no W): wide rows of a few rows each."""
+    if device.type == "cpu":
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=1)
+    bn = min(256, max(16, 1 << (max(width, 1) - 1).bit_length()))
+    return dict(BLOCK_M=32, BLOCK_N=bn, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=1)
+
+
+def gemm_operands(x: torch.Tensor, w: Optional[torch.Tensor], cfg: dict, descriptors=None) -> tuple:
+    """(X argument, W argument, USE_TMA) of the GEMM kernel: tensor descriptors for the copy
+    engine where the config asks for them and the GPU (Hopper or later) and the operands'
+    alignment allow; the tensors themselves otherwise. A grouped W [G, K, N] goes as one
+    [G*K, N] descriptor, which needs W contiguous and K a multiple of BLOCK_K (a box must
+    not reach into the next group). `descriptors`: a per-handle cache of W's descriptor."""
+    if w is None or not (cfg.get("USE_TMA") and tma_capable(x.device)
+                         and x.dtype != torch.float32 and x.stride(1) == 1
+                         and w.stride(-1) == 1 and x.shape[0] > 0):
         return x, w, False
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if w.dim() == 3 and not (w.is_contiguous() and w.shape[1] % bk == 0):
         return x, w, False
     x_desc = tensor_descriptor(x, x.shape[0], x.shape[1], x.stride(0), [bm, bk])
-    w_desc = tensor_descriptor(w, w.shape[-2] * (w.shape[0] if w.dim() == 3 else 1),
-                               w.shape[-1], w.stride(-2), [bk, bn])
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), bk, bn)
+    w_desc = descriptors.get(key) if descriptors is not None else None
+    if w_desc is None:
+        w_desc = tensor_descriptor(w, w.shape[-2] * (w.shape[0] if w.dim() == 3 else 1),
+                                   w.shape[-1], w.stride(-2), [bk, bn])
+        if descriptors is not None and w_desc is not None:
+            descriptors.clear()  # one W at a time per handle: weights rarely move
+            descriptors[key] = w_desc
     if x_desc is None or w_desc is None:
         return x, w, False
     return x_desc, w_desc, True
 
 
-def gemm_all_to_all(arena: Arena, x: torch.Tensor, w: torch.Tensor, send_counts: Sequence[int], *,
-                    signal: bool = True, check: bool = True, config: Optional[dict] = None,
-                    plan: Optional[GemmPlan] = None, copy_out: bool = True,
-                    group_counts: Optional[Sequence[Sequence[int]]] = None
-                    ) -> Optional[torch.Tensor]:
-    """Y = X @ W with Y's rows sent to the ranks by `send_counts` (all_to_all_single order).
+def _offsets_gemm(layout) -> tuple:
+    # the layout offsets of gemm_a2a_kernel's signature, after ws_offset
+    return (layout.data_signals, layout.acks, layout.counts, layout.local, layout.counters,
+            layout.recv, layout.parity_bytes, layout.source_bytes)
 
-    Grouped products: W [G, K, N] and `group_counts` [world][G] (summing to send_counts):
-    the rows for destination d are G segments, segment (d, g) multiplied by W[g].
 
-    `signal=False` runs the same kernel without done counters, signals, waits or acks (the
-    benchmark's baseline for the cost of the fusion machinery; the result is then only
-    right at world size 1). `copy_out=False` (benchmarks) skips copying the result out of
-    the receive buffer and returns None."""
-    from . import triton_gemm_a2a as tk
-    grouped = w.dim() == 3
-    if x.dim() != 2 or w.dim() not in (2, 3) or x.shape[1] != w.shape[-2] or (
-            grouped != (group_counts is not None)):
-        raise errors.InvalidArgumentError(
-            f"gemm_all_to_all: expected X [M, K] and W [K, N] (or [G, K, N] with group "
-            f"counts), got {tuple(x.shape)} and {tuple(w.shape)}")
-    if grouped:
-        gc = np.asarray(group_counts, dtype=np.int64)
-        if gc.shape != (arena.world, w.shape[0]) or (gc < 0).any() or \
-                list(gc.sum(axis=1)) != [int(c) for c in send_counts]:
-            raise errors.InvalidArgumentError(
-                f"gemm_all_to_all: group counts {gc.tolist()} must be [world={arena.world}, "
-                f"G={w.shape[0]}], >= 0, and sum to send_counts {list(send_counts)}")
-    if x.dtype != w.dtype or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise errors.DTypeError(
-            f"gemm_all_to_all: X and W must share one of float32/bfloat16/float16, got "
-            f"{x.dtype} and {w.dtype}")
-    m, k = x.shape
-    n = w.shape[-1]
-    cfg = dict(config or gemm_config(x.device, x.dtype))
-    if plan is None:
-        plan = plan_gemm(arena, m, n, send_counts, cfg, group_counts=group_counts)
-    if plan.groups != (w.shape[0] if grouped else 0) or (
-            grouped and plan.seg_rows != [int(c) for row in group_counts for c in row]):
-        raise errors.InvalidArgumentError(
-            f"gemm_all_to_all: the plan has {plan.groups} groups (rows {plan.seg_rows}), W "
-            f"{tuple(w.shape)}: a plan is only valid for the shapes and counts it was made for")
-    if int(plan.counts[arena.rank].sum()) != m:
-        raise errors.InvalidArgumentError(
-            f"gemm_all_to_all: the plan's counts {list(plan.counts[arena.rank])} do not sum to "
-            f"M={m}: a plan is only valid for the shapes it was made for")
+# tile configurations the GEMM tries on its first call with a shape (CUDA only; the fastest
+# on this GPU is kept for the handle): the default, a narrower tile for skinny inputs and
+# fewer tiles, and the default run persistent (one program per SM)
+_TUNE_CANDIDATES = (
+    {},
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
+    dict(PROGRAMS_PER_SM=1),
+)
+
+
+class _GemmLaunch:
+    """Everything of a handle's GEMM launch that stays fixed for a shape (K, groups, whether
+    the counts are known on the host): the tile config, the grid, the constexprs and the
+    launcher key; made once, so a call only fills in its tensors."""
+
+    def __init__(self, handle, team: Team, x: torch.Tensor, w: Optional[torch.Tensor],
+                 groups: int, cfg: dict):
+        dev = x.device
+        world = team.world
+        self.copy = w is None
+        self.local = world == 1
+        self.cfg = cfg
+        n, k = handle.N, int(x.shape[1])
+        g = max(groups, 1)
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        self.bm, self.n_tiles = bm, math.ceil(n / bn)
+        self.per = g
+        # the most tasks the counts could ask for (device counts are never read here)
+        tasks = world * (math.ceil(handle.max_rows / bm) + g) * self.n_tiles
+        if self.local and dev.type != "cpu":
+            sms = sm_count(dev)
+            per_sm = cfg.get("PROGRAMS_PER_SM")
+            self.nprog = (min(tasks, int(sms * per_sm)) if per_sm
+                          else (tasks if tasks <= 8 * sms else min(tasks, 4 * sms)))
+        else:
+            self.nprog = _num_programs(dev, tasks, cfg.get("PROGRAMS_PER_SM"))
+        self.options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages")
+                        if k2 in cfg and dev.type != "cpu"}
+        self.use_tma_wanted = bool(cfg.get("USE_TMA")) and not self.copy
+        self.constexprs = dict(
+            WORLD_P2=team.world_p2, GROUPS_P2=max(1, 1 << (g - 1).bit_length()), BLOCK_M=bm,
+            BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+            MODE=0 if self.local else 1, COPY=self.copy, FP32_IEEE=x.dtype == torch.float32,
+            EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False)
+        self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
+                    self.nprog)
+        layout = handle.layout
+        self.tail_args = (handle.status_address, handle.workspace_offset, *_offsets_gemm(layout),
+                          team.rank, world)
+        self.wait_budget = _wait_budget(handle.ctx.timeout_s)
+        self.capacity = layout.capacity
+        if not self.local:
+            rows = 64 if dev.type != "cpu" else 16
+            self.collect_blocks = math.ceil(layout.capacity / rows)
+            cn = min(256, max(16, 1 << (n - 1).bit_length())) if dev.type != "cpu" else 16
+            self.collect_args = (handle.status_address, handle.workspace_offset, layout.acks,
+                                 layout.counts, layout.local, layout.counters, layout.recv,
+                                 layout.parity_bytes, layout.source_bytes, team.rank, world, n,
+                                 layout.capacity, world * self.collect_blocks)
+            self.collect_const = dict(WORLD_P2=team.world_p2, ROWS=rows, BLOCK_N=cn)
+            self.collect_opts = {"num_warps": 4} if dev.type != "cpu" else {}
+            self.collect_key = (rows, cn, self.collect_blocks)
+
+    def launch(self, handle, team, x, w, counts, out, recv, descriptors) -> None:
+        if self.copy:
+            x_arg, w_arg, use_tma = x, x, False
+            strides_w = (0, 0, 0)
+        else:
+            x_arg, w_arg, use_tma = (gemm_operands(x, w, self.cfg, descriptors)
+                                     if self.use_tma_wanted else (x, w, False))
+            strides_w = (w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1))
+        constexprs = self.constexprs if not use_tma else dict(self.constexprs, USE_TMA=True)
+        args = (x_arg, w_arg, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
+                int(x.shape[0]), handle.N, int(x.shape[1]), self.per, self.capacity, self.nprog,
+                x.stride(0), x.stride(1), *strides_w, self.wait_budget)
+        _LAUNCHERS["gemm_a2a_kernel"]((self.nprog,), args, constexprs, self.options,
+                                      (self.key, use_tma, _aligned(x, w, out, counts, recv)))
+        if not self.local:
+            c_args = (out, team.peer_bases, recv, *self.collect_args)
+            _LAUNCHERS["collect_kernel"]((team.world, self.collect_blocks), c_args,
+                                         self.collect_const, self.collect_opts,
+                                         (self.collect_key, _aligned(out, recv)))
+
+
+def _tuned_launch(handle, team, x, w, groups, counts, out, recv) -> "_GemmLaunch":
+    """The fastest of _TUNE_CANDIDATES for this shape, timed in local mode (no protocol:
+    the compute alone) on scratch outputs; CUDA only, ROCMOE_GEMM_TUNE=0 turns it off."""
+    base = gemm_config(x.device, x.dtype)
+    if (w is None or x.device.type != "cuda" or _PLATFORM != "cuda"
+            or os.environ.get("ROCMOE_GEMM_TUNE", "1") == "0" or os.environ.get("ROCMOE_GEMM_CONFIG")):
+        return _GemmLaunch(handle, team, x, w, groups, base)
+    scratch_team = _LocalTeam(team)
+    scratch_out = torch.empty((max(1, x.shape[0]), handle.N), dtype=out.dtype, device=out.device)
+    best, best_ms = None, float("inf")
+    for extra in _TUNE_CANDIDATES:
+        cfg = dict(base, **extra)
+        plan = _GemmLaunch(handle, scratch_team, x, w, groups, cfg)
+        local_counts = counts.reshape(team.world, -1).sum(0) if counts.numel() else counts
+        try:
+            def run():
+                plan.launch(handle, scratch_team, x, w, local_counts, scratch_out, recv, {})
+            for _ in range(2):
+                run()
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                run()
+            stop.record()
+            stop.synchronize()
+            ms = start.elapsed_time(stop) / 5
+        except Exception:  # noqa: BLE001 - a candidate that does not compile here is skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    handle._tuned = {"config": best, "ms": best_ms}
+    return _GemmLaunch(handle, team, x, w, groups, best or base)
+
+
+class _LocalTeam:
+    """A team of one (this rank alone): what the tuner runs the kernel with."""
+
+    def __init__(self, team: Team):
+        self.rank, self.world, self.world_p2 = 0, 1, 2
+        self.order = team.order[:1] * 0
+        self.peer_bases = team.peer_bases[team.rank:team.rank + 1]
+
+
+def rows_exchange(handle, x: torch.Tensor, w: Optional[torch.Tensor], host_counts,
+                  dev_counts: Optional[torch.Tensor], groups: int, out: torch.Tensor
+                  ) -> torch.Tensor:
+    """One call of a GemmAllToAll / AllToAllRows handle: Y = X @ W (X itself without W),
+    rows to their destinations by the counts, what arrives packed into `out`. Returns the
+    device int64 tensor of rows received from each source."""
+    team = team_for(handle.ctx)
     dev = x.device
-    ws = arena.workspace("gemm_a2a")
-    ws.ensure_recv(plan.recv_capacity_rows * n * x.element_size())
-    epoch = ws.next_epoch(signal)
-    recv, recv_offset = ws.buffer(epoch)
-    world = arena.world
+    counts = dev_counts if dev_counts is not None else _device_ints(handle)(host_counts)
+    if not (x.stride(-1) == 1 and (x.shape[0] <= 1 or x.stride(0) == x.shape[1])):
+        x = x.contiguous()
+    recv = torch.empty(team.world, dtype=torch.int64, device=dev)
+    launches = handle.__dict__.setdefault("_launches", {})
+    key = (int(x.shape[1]), w is None, groups, x.dtype)
+    plan = launches.get(key)
+    if plan is None:
+        if w is None:
+            plan = _GemmLaunch(handle, team, x, w, groups, copy_config(dev, handle.N))
+        else:
+            plan = _tuned_launch(handle, team, x, w, groups, counts, out, recv)
+        launches[key] = plan
+    plan.launch(handle, team, x, w, counts, out, recv,
+                handle.__dict__.setdefault("_w_descriptors", {}))
+    return recv
 
-    def i64(v):
-        return ws.device_ints(v, torch.int64)
 
-    def i32(v):
-        return ws.device_ints(v, torch.int32)
+_ARANGES: dict = {}
 
-    # every argument is ready before the first launch, so the status clear, the ack wait
-    # and the kernel reach the GPU back to back (host work between them idles the GPU)
-    plan_args = (i64(plan.row_start), i64(list(plan.counts[arena.rank])), i64(plan.dest_rows),
-                 i32(plan.order), i32(plan.prefix))
-    if grouped:
-        seg_args = (i32(plan.seg_prefix), i64(plan.seg_row0), i64(plan.seg_rows),
-                    i64(plan.seg_out))
-    else:  # (not read: GROUPS_P2 = 0 compiles the plain path)
-        seg_args = (plan_args[4], plan_args[0], plan_args[0], plan_args[0])
-    total = plan.prefix[-1]
-    nprog = _num_programs(dev, total, cfg.get("PROGRAMS_PER_SM"))
-    launch = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg and dev.type != "cpu"}
-    kernel = tk.get("gemm_a2a_kernel")
-    x_arg, w_arg, use_tma = gemm_operands(x, w, cfg)
-    budget = _wait_budget(arena.timeout_s)
-    ws.status.zero_()
-    # the kernel waits for the destinations' acks and, in its last program, for every
-    # source's slice (no separate wait launches)
-    groups = plan.groups
-    kernel[(nprog,)](
-        x_arg, w_arg, arena.peer_bases, *plan_args, ws.counters, ws.slots, ws.status,
-        *seg_args, recv_offset, ws.signal_offset, epoch, arena.rank, world, total, nprog, n, k,
-        max(groups, 1), x.stride(0), x.stride(1), w.stride(0) if grouped else 0,
-        w.stride(-2), w.stride(-1), budget,
-        WORLD_P2=max(2, 1 << (world - 1).bit_length()), BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"], SIGNAL=signal,
-        FP32_IEEE=x.dtype == torch.float32, EVEN_N=n % cfg["BLOCK_N"] == 0,
-        EVEN_K=k % cfg["BLOCK_K"] == 0, USE_TMA=use_tma,
-        GROUPS_P2=(1 << groups.bit_length()) if grouped else 0, **launch)
-    nbytes = plan.recv_rows * n * x.element_size()
-    out = recv[:nbytes].view(x.dtype).view(plan.recv_rows, n).clone() if copy_out else None
-    if signal:
-        _launch_ack(arena, ws, epoch)
-    if check and signal:
-        check_status(ws, epoch, "gemm_all_to_all")
+
+def _arange_i32(n: int, device) -> torch.Tensor:
+    key = (n, str(device))
+    t = _ARANGES.get(key)
+    if t is None:
+        t = _ARANGES[key] = torch.arange(max(n, 1), dtype=torch.int32, device=device)
+    return t
+
+
+def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                  groups: int, max_rows: int, status_address: int, out: Optional[torch.Tensor] = None
+                  ) -> torch.Tensor:
+    """Y = grouped products of X's rows with device counts [sources, groups] (rows source-
+    major, then group): segment (s, g) through w[g] ([G, K, N], any strides), stored at the
+    rows' own positions. No protocol, no host read; rows outside every segment are left as
+    they are in `out` (zeros when it is made here). `max_rows`: the most rows one source
+    may hold (bounds the grid)."""
+    dev, world, g = x.device, int(counts.shape[0]) if counts.dim() == 2 else team.world, groups
+    k_in, n_out = int(x.shape[1]), int(w.shape[-1])
+    if out is None:
+        out = torch.zeros(x.shape[0], n_out, dtype=x.dtype, device=dev)
+    cfg = dict(gemm_config(dev, x.dtype), USE_TMA=False)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    tasks = world * (math.ceil(max(max_rows, 1) / bm) + g) * math.ceil(n_out / bn)
+    nprog = _num_programs(dev, tasks, 1)
+    recv = torch.empty(1, dtype=torch.int64, device=dev)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    # the kernel maps order positions to sources: any permutation serves in local mode
+    order = _arange_i32(world, dev)
+    constexprs = dict(WORLD_P2=max(2, 1 << (world - 1).bit_length()),
+                      GROUPS_P2=max(1, 1 << (g - 1).bit_length()),
+                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+                      MODE=0, COPY=False, FP32_IEEE=x.dtype == torch.float32,
+                      EVEN_N=n_out % bn == 0, EVEN_K=k_in % cfg["BLOCK_K"] == 0, USE_TMA=False)
+    options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg and dev.type != "cpu"}
+    # capacity: no bound here (the caller's counts are its own); status: the team's scratch
+    args = (x, w, out, counts, order, team.peer_bases, recv, status_address,
+            0, *([0] * 8), 0, world, int(x.shape[0]), n_out, k_in, g,
+            1 << 62, nprog, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+            w.stride(2), 1)
+    key = ("local", tuple(sorted(constexprs.items())), nprog, _aligned(x, w, out, counts))
+    _LAUNCHERS["gemm_a2a_kernel"]((nprog,), args, constexprs, options, key)
     return out
+
+
+def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, counts: torch.Tensor, groups: int,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """dW [G, K, N] of grouped_local: dW[g] = sum over sources s of X[(s, g)]^T dY[(s, g)],
+    fp32 accumulation, from device counts [sources, groups]."""
+    dev, world, g = x.device, int(counts.shape[0]), groups
+    k_out, n_in = int(x.shape[1]), int(gy.shape[1])
+    dw = torch.empty(g, k_out, n_in, dtype=out_dtype, device=dev)
+    bk, bn = (16, 16) if dev.type == "cpu" else (64, 64)
+    grid = (g, math.ceil(k_out / bk), math.ceil(n_in / bn))
+    const = dict(WORLD_P2=max(2, 1 << (world - 1).bit_length()),
+                 GROUPS_P2=max(1, 1 << (g - 1).bit_length()), BLOCK_K=bk, BLOCK_N=bn,
+                 BLOCK_M=16 if dev.type == "cpu" else 64)
+    x, gy = x.contiguous(), gy.contiguous()
+    args = (x, gy, dw, counts, world, g, k_out, n_in, k_out, n_in)
+    _LAUNCHERS["grouped_weight_grad_kernel"](grid, args, const,
+                                             {} if dev.type == "cpu" else {"num_warps": 4},
+                                             ("dw", tuple(sorted(const.items())),
+                                              _aligned(x, gy, dw, counts)))
+    return dw
+
+
+def grouped_backward(handle, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor,
+                     counts: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dX and dW of a grouped GemmAllToAll call with device counts [world, groups]: dX by the
+    GEMM kernel in local mode with W^T, dW by the grouped weight-gradient kernel. No host
+    read of the counts."""
+    team = team_for(handle.ctx)
+    counts = counts.reshape(team.world, groups)
+    dx = grouped_local(team, gy, w.transpose(1, 2), counts, groups, handle.max_rows,
+                       handle.status_address, out=torch.zeros_like(x))
+    dw = grouped_weight_grad(x, gy[:x.shape[0]], counts, groups, w.dtype)
+    return dx, dw
+
+
+# ---------------------------------------------------------------------------------------
+# Abort: this rank rejected its input; the peers must finish the call without it
+# ---------------------------------------------------------------------------------------
+
+
+def abort(handle) -> None:
+    """Take part in the handle's call without data (see rocmoe.h, "abort")."""
+    if handle.op == "gemm_all_to_all":
+        if handle.world == 1:
+            return  # nobody waits for anything at world size 1 (no protocol)
+        team = team_for(handle.ctx)
+        layout = handle.layout
+        args = (team.peer_bases, handle.status_address, handle.workspace_offset,
+                layout.data_signals, layout.acks, layout.phase2_signals, layout.counts,
+                layout.local, team.rank, team.world, _wait_budget(handle.ctx.timeout_s))
+        _LAUNCHERS["abort_kernel"]((1,), args, dict(WORLD_P2=team.world_p2), {}, ("abort",))
+        return
+    from .._native import check, ffi, lib
+    team = team_for(handle.ctx)
+    if handle.op == "embedding_all_to_all":
+        args = ffi.new("rocmoe_gpu_embedding_args *")
+        _fill(ffi, args, team, handle)
+        check(lib.rocmoe_gpu_embedding_a2a(args, 1), "EmbeddingAllToAll abort (GPU)")
+    else:
+        args = ffi.new("rocmoe_gpu_gemv_args *")
+        _fill(ffi, args, team, handle)
+        check(lib.rocmoe_gpu_gemv_allreduce(args, 1), "GemvAllReduce abort (GPU)")
 
 
 # ---------------------------------------------------------------------------------------
 # HIP kernels (librocmoe): Embedding + All-to-All, GEMV + AllReduce
 # ---------------------------------------------------------------------------------------
-
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def _native():
-    from .._native import ffi, lib
-    return ffi, lib
 
 
 def _stream_ptr(ffi, device):
@@ -608,185 +533,87 @@ def _stream_ptr(ffi, device):
     return ffi.cast("void *", torch.cuda.current_stream(device).cuda_stream)
 
 
-def _fill_team(ffi, arena: Arena):
-    team = ffi.new("rocmoe_gpu_team *")
-    team.peer_bases = ffi.cast("const void *", arena.peer_bases.data_ptr())
-    team.rank, team.world, team.ranks_per_node = arena.rank, arena.world, arena.ranks_per_node
-    return team
+def _fill(ffi, args, team: Team, handle) -> None:
+    """The team and fused parts of a HIP kernel's arguments (once per handle's struct)."""
+    args.team.peer_bases = ffi.cast("const void *", team.peer_bases.data_ptr())
+    args.team.rank, args.team.world = team.rank, team.world
+    args.team.ranks_per_node = team.ranks_per_node
+    args.fused.layout = handle.layout.cstruct[0]
+    args.fused.workspace = ffi.cast("void *", handle.workspace.data_ptr())
+    args.fused.stage = ffi.NULL  # every peer of an ipc heap is load/store reachable
+    args.fused.status = ffi.cast("int *", handle.status_address)
+    args.fused.workgroups = int(os.environ.get("ROCMOE_GPU_WORKGROUPS", "0"))
+    args.fused.timeout_s = handle.ctx.timeout_s
+    args.fused.stream = _stream_ptr(ffi, handle.ctx.device)
 
 
-def _fill_fused(ffi, arena: Arena, ws: Workspace, epoch: int, signal: bool, device):
-    common = ffi.new("rocmoe_gpu_fused *")
-    recv, _ = ws.buffer(epoch)
-    common.epoch = epoch
-    common.slots = ffi.cast("void *", ws.slots.data_ptr())
-    common.recv = ffi.cast("void *", recv.data_ptr())
-    common.stage = ffi.NULL  # every peer of an ipc / IPC-handle arena is load/store reachable
-    common.counters = ffi.cast("void *", ws.counters.data_ptr())
-    common.status = ffi.cast("int *", ws.status.data_ptr())
-    common.workgroups = int(os.environ.get("ROCMOE_GPU_WORKGROUPS", "0"))
-    common.signal_enabled = 1 if signal else 0
-    common.timeout_s = arena.timeout_s
-    common.stream = _stream_ptr(ffi, device)
-    return common
-
-
-def embedding_all_to_all(arena: Arena, weights: Sequence[torch.Tensor],
-                         indices: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor],
-                         mode: str = "sum",
-                         per_sample_weights: Optional[Sequence[torch.Tensor]] = None, *,
-                         batch: Optional[int] = None, signal: bool = True, check: bool = True,
-                         layout: Optional[tuple] = None) -> torch.Tensor:
-    """This rank's tables' bags over the global batch -> [B / world, T_total, D] here.
-
-    `layout` = (table counts of every rank, D, B[, dtype]) when the caller already agreed on
-    it (the public op does); otherwise it is all-gathered here."""
-    from .._native import check as native_check
-    ffi, lib = _native()
-    world, rank = arena.world, arena.rank
-    t_local = len(weights)
-    if mode not in ("sum", "mean"):
-        raise errors.InvalidArgumentError(f"embedding_all_to_all: mode must be 'sum' or 'mean', got {mode!r}")
-    if per_sample_weights is not None and mode != "sum":
-        raise errors.InvalidArgumentError("embedding_all_to_all: per_sample_weights needs mode='sum'")
-    if len(indices) != t_local or len(offsets) != t_local:
-        raise errors.InvalidArgumentError(
-            f"embedding_all_to_all: {t_local} tables but {len(indices)} index and "
-            f"{len(offsets)} offset tensors")
-    dim = int(weights[0].shape[1]) if t_local else None
-    dtype = weights[0].dtype if t_local else None
-    b_local = int(offsets[0].numel()) if t_local else batch
-    if layout is None:
-        codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-        record = [t_local, -1 if dim is None else dim, -1 if b_local is None else int(b_local),
-                  codes.get(dtype, -2) if dtype is not None else -1]
-        table = arena.allgather(record, "embedding_all_to_all (agreeing on the layout)")
-        dims = {d for _, d, _, _ in table if d >= 0}
-        batches = {b for _, _, b, _ in table if b >= 0}
-        dtypes = {t for _, _, _, t in table if t != -1}
-        if len(dims) != 1 or len(batches) != 1 or len(dtypes) != 1 or -2 in dtypes:
-            raise errors.InvalidArgumentError(
-                "embedding_all_to_all: ranks disagree on D / global batch / dtype, or the dtype "
-                f"is not float32/bfloat16/float16 (tables, D, batch, dtype code per rank: {table})")
-        counts = [c for c, _, _, _ in table]
-        dim, b_global = dims.pop(), batches.pop()
-        dtype = {v: k for k, v in codes.items()}[dtypes.pop()]
-    else:
-        # (table counts per rank, D, B[, dtype]): a rank without tables learns the dtype here
-        counts, dim, b_global = layout[:3]
-        if dtype is None and len(layout) > 3:
-            dtype = layout[3]
-    if b_global % world:
-        raise errors.InvalidArgumentError(
-            f"embedding_all_to_all: global batch {b_global} is not a multiple of the world "
-            f"size {world}")
-    t_total = sum(counts)
-    table_base = sum(counts[:rank])
-    b_loc = b_global // world
-    elt = torch.empty((), dtype=dtype).element_size()
-    ws = arena.workspace("embedding_a2a")
-    ws.ensure_recv(b_loc * t_total * dim * elt)
-    epoch = ws.next_epoch(signal)  # (the native op clears the status words itself)
-    dev = arena.device
-    for tname, group in (("weights", weights), ("indices", indices), ("offsets", offsets)):
-        for i, t in enumerate(group):
-            if t.device != dev:
-                raise errors.DeviceMismatchError(
-                    f"embedding_all_to_all: {tname}[{i}] is on {t.device}, expected {dev}")
-    # 16-byte vector loads need 16-byte aligned rows: realign a table that is an odd view
-    wts = [t.contiguous() if t.contiguous().data_ptr() % 16 == 0 else t.contiguous().clone()
+def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
+              out: torch.Tensor) -> None:
+    """Enqueue one EmbeddingAllToAll call (indices and offsets are checked on the device)."""
+    from .._native import check, ffi, lib
+    from .handles import MODES
+    team = team_for(handle.ctx)
+    nt = len(weights)
+    # 16-byte vector loads need 16-byte aligned rows: realign a table that is an odd view;
+    # int32 indices and offsets are widened (the kernel reads int64)
+    wts = [t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.contiguous().clone()
            for t in weights]
-    idx = [t.contiguous().to(torch.int64) for t in indices]
-    offs = [t.contiguous().to(torch.int64) for t in offsets]
-    psw = ([t.contiguous().to(torch.float32) for t in per_sample_weights]
-           if per_sample_weights is not None else None)
-    # per-table pointer arrays live on the device: the kernel indexes them by table
-    ptr_table = ws.device_ints(
-        [t.data_ptr() for t in wts] + [t.data_ptr() for t in idx] + [t.data_ptr() for t in offs]
-        + ([t.data_ptr() for t in psw] if psw else [0] * t_local)
-        + [int(t.shape[0]) for t in wts] + [int(t.numel()) for t in idx] or [0], torch.int64)
-    args = ffi.new("rocmoe_gpu_embedding_args *")
-    args.team = _fill_team(ffi, arena)[0]
-    args.fused = _fill_fused(ffi, arena, ws, epoch, signal, dev)[0]
-    args.dtype = _DTYPES[dtype]
-    args.mode = 0 if mode == "sum" else 1
-    args.num_tables = t_local
-    args.total_tables = t_total
-    args.table_base = table_base
-    args.batch = b_global
-    args.dim = dim
-    args.tables = ffi.cast("const int64_t *", ptr_table.data_ptr())
-    args.has_per_sample_weights = 1 if psw else 0
-    native_check(lib.rocmoe_gpu_embedding_a2a(args), "embedding_all_to_all (GPU)")
-    recv, _ = ws.buffer(epoch)
-    # receive layout: source s's block [B/world, T_s, D] at table offset sum(T_<s)
-    flat = recv[:b_loc * t_total * dim * elt].view(dtype)
-    parts = []
-    start = 0
-    for c in counts:
-        parts.append(flat[start:start + b_loc * c * dim].view(b_loc, c, dim))
-        start += b_loc * c * dim
-    out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
-    if signal:
-        _launch_ack(arena, ws, epoch)
-    # wts / idx / offs copies made above may be freed now: the caching allocator hands
-    # their memory only to work ordered after the kernel on this stream
-    if check and signal:
-        check_status(ws, epoch, "embedding_all_to_all")
-    return out
+    idx = [t if t.dtype == torch.int64 and t.is_contiguous() else t.contiguous().to(torch.int64)
+           for t in indices]
+    offs = [t if t.dtype == torch.int64 and t.is_contiguous() else t.contiguous().to(torch.int64)
+            for t in offsets]
+    ps = ([t if t.dtype == torch.float32 and t.is_contiguous() else t.contiguous().float()
+           for t in psw] if psw is not None else None)
+    args = getattr(handle, "_gpu_args", None)
+    if args is None:
+        args = handle._gpu_args = ffi.new("rocmoe_gpu_embedding_args *")
+        handle._gpu_tables = ffi.new("rocmoe_gpu_table[]", max(nt, 1))
+        _fill(ffi, args, team, handle)
+    args.fused.stream = _stream_ptr(ffi, handle.ctx.device)
+    tables = handle._gpu_tables
+    for t in range(nt):
+        rec = tables[t]
+        rec.weights = ffi.cast("const void *", wts[t].data_ptr())
+        rec.indices = ffi.cast("const int64_t *", idx[t].data_ptr())
+        rec.offsets = ffi.cast("const int64_t *", offs[t].data_ptr())
+        rec.per_sample_weights = (ffi.cast("const float *", ps[t].data_ptr()) if ps is not None
+                                  else ffi.NULL)
+        rec.rows, rec.num_indices = int(wts[t].shape[0]), int(idx[t].numel())
+    args.mode = MODES[mode]
+    args.num_tables, args.total_tables, args.table_base = nt, handle.total_tables, handle.table_base
+    args.batch, args.dim = batch, handle.dim
+    args.tables = tables
+    args.device_tables = ffi.NULL
+    keep = None
+    if nt > lib.rocmoe_gpu_embedding_inline_tables():
+        # too many for the launch's arguments: a device copy of the records, through pinned
+        # memory (no synchronisation; the caching allocator keeps it until the copy ran)
+        raw = torch.frombuffer(ffi.buffer(tables, ffi.sizeof("rocmoe_gpu_table") * nt),
+                               dtype=torch.uint8).clone().pin_memory()
+        keep = raw.to(handle.ctx.device, non_blocking=True)
+        args.device_tables = ffi.cast("const rocmoe_gpu_table *", keep.data_ptr())
+    args.out = ffi.cast("void *", out.data_ptr())
+    check(lib.rocmoe_gpu_embedding_a2a(args, 0), "EmbeddingAllToAll (GPU)")
+    del keep, wts, idx, offs, ps  # freed into stream order: reused only after the kernel
 
 
-def gemv_all_reduce(arena: Arena, w_local: torch.Tensor, x_local: torch.Tensor, *,
-                    signal: bool = True, check: bool = True, agreed: bool = False) -> torch.Tensor:
-    """y = sum over ranks of W_r @ x_r ([N], identical on every rank).
-
-    Unless `agreed` (the caller already all-gathered N and the dtype), every rank's N and
-    dtype are compared first (one timed host all-gather): a mismatch raises on every rank
-    before anything is written to a peer."""
-    from .._native import check as native_check
-    ffi, lib = _native()
-    problem = None
-    if w_local.dim() != 2 or x_local.dim() != 1 or w_local.shape[1] != x_local.shape[0]:
-        problem = errors.InvalidArgumentError(
-            f"gemv_all_reduce: expected W [N, K_r] and x [K_r], got {tuple(w_local.shape)} and "
-            f"{tuple(x_local.shape)}")
-    elif w_local.dtype != x_local.dtype or w_local.dtype not in _DTYPES:
-        problem = errors.DTypeError(
-            f"gemv_all_reduce: W and x must share one of float32/bfloat16/float16, got "
-            f"{w_local.dtype} and {x_local.dtype}")
-    if not agreed and arena.world > 1:
-        mine = [-1, -1] if problem else [int(w_local.shape[0]), _DTYPES[w_local.dtype]]
-        table = arena.allgather(mine, "gemv_all_reduce (agreeing on N and dtype)")
-        if problem is None and any(row != table[0] or row[0] < 0 for row in table):
-            problem = errors.InvalidArgumentError(
-                f"gemv_all_reduce: every rank must pass the same N and dtype (N, dtype code per "
-                f"rank: {table})")
-    if problem is not None:
-        raise problem
-    n, k = w_local.shape
-    world = arena.world
-    elt = w_local.element_size()
-    ws = arena.workspace("gemv_allreduce")
-    # receive space: fp32 partials from every source for this rank's chunk, then the
-    # all-gathered result [N] in the op's dtype
-    chunk_max = -(-n // world)
-    rs_bytes = (world * chunk_max * 4 + ALIGN - 1) // ALIGN * ALIGN
-    ws.ensure_recv(rs_bytes + n * elt)
-    epoch = ws.next_epoch(signal)  # (the native op clears the status words itself)
-    args = ffi.new("rocmoe_gpu_gemv_args *")
-    args.team = _fill_team(ffi, arena)[0]
-    args.fused = _fill_fused(ffi, arena, ws, epoch, signal, w_local.device)[0]
-    args.dtype = _DTYPES[w_local.dtype]
-    args.n, args.k = n, k
-    wc, xc = w_local.contiguous(), x_local.contiguous()
+def gemv(handle, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor) -> None:
+    """Enqueue one GemvAllReduce call."""
+    from .._native import check, ffi, lib
+    team = team_for(handle.ctx)
+    args = getattr(handle, "_gpu_args", None)
+    if args is None:
+        args = handle._gpu_args = ffi.new("rocmoe_gpu_gemv_args *")
+        _fill(ffi, args, team, handle)
+    args.fused.stream = _stream_ptr(ffi, handle.ctx.device)
+    wc = w_local if w_local.is_contiguous() else w_local.contiguous()
+    xc = x_local if x_local.is_contiguous() else x_local.contiguous()
+    args.n, args.k = int(wc.shape[0]), int(wc.shape[1])
     args.w = ffi.cast("const void *", wc.data_ptr())
     args.x = ffi.cast("const void *", xc.data_ptr())
-    args.gather_offset = rs_bytes
-    # the op waits for y, copies it into `out` and acknowledges the peers itself (one
-    # launch, not wait + copy + ack: the launches were most of the signalling overhead)
-    out = torch.empty(n, dtype=w_local.dtype, device=w_local.device)
     args.out = ffi.cast("void *", out.data_ptr())
-    native_check(lib.rocmoe_gpu_gemv_allreduce(args), "gemv_all_reduce (GPU)")
-    if check and signal:
-        check_status(ws, epoch, "gemv_all_reduce")
-    return out
+    check(lib.rocmoe_gpu_gemv_allreduce(args, 0), "GemvAllReduce (GPU)")
+
+
+__all__ = ["Team", "team_for", "rows_exchange", "grouped_backward", "abort", "embedding",
+           "gemv", "gemm_config", "gemm_operands", "slice_order", "task_prefix", "errors"]

@@ -1,30 +1,42 @@
-"""Triton persistent kernel of the fused GEMM + All-to-All (AMD and NVIDIA).
+"""Triton kernels of the fused GEMM + All-to-All and of the plain row exchange (AMD and
+NVIDIA), for the persistent handles of rocmoe/ops/handles.py.
 
-The kernel runs the schedule of ``hip/include/rocmoe/schedule.h``:
+Every call of a handle is one or two launches with no host work between them and nothing
+read back: the row counts are a device tensor, the epoch lives in the workspace, so a call
+can be replayed from a CUDA/HIP graph.
 
-* slices: one per destination rank (this rank's rows of ``Y = X @ W`` bound for it,
-  ``send_counts[d]`` rows starting at ``row_start[d]``); an empty slice still has one task,
-  so its signal is still raised;
-* tasks: the ``BLOCK_M x BLOCK_N`` output tiles of a slice; task numbers follow the
-  remote-first slice order given by ``order`` / ``task_prefix`` (computed on the host from
-  the same closed form as ``sched::slice_at``), and a program takes the next number from an
-  atomic counter until none are left;
-* every tile is stored straight into the destination's receive buffer (scale-up: the
-  destination's heap base comes from the ``peer_bases`` int64 tensor and is cast to a
-  pointer), then the program bumps the slice's done counter; the program whose bump
-  completes the slice re-zeroes it and stores the epoch into the destination's signal slot
-  for this rank with release semantics at system scope.
+``gemm_a2a_kernel`` runs the schedule of ``hip/include/rocmoe/schedule.h``:
 
-Counters (``next_task``, ``exited``, ``slice_done[world]``) are self-resetting exactly as in
-schedule.h, so they live in device memory across launches without a memset.
+* slices: one per destination rank d (this rank's rows for d, ``counts[d]`` of them, or the
+  G segments ``counts[d, g]`` of grouped products); an empty slice still has one task, so
+  its signal is still raised;
+* tasks: the ``BLOCK_M x BLOCK_N`` output tiles of a slice, numbered in the remote-first
+  slice order ``order`` (the closed form of ``sched::slice_at``, computed once per handle);
+  a program takes the next number from an atomic counter until none are left. The plan
+  (rows, tiles and prefix sums per slice and segment) is computed by every program from the
+  counts, in registers;
+* every tile is stored straight into the destination's receive buffer (its heap base from
+  ``peer_bases``, plus the workspace offset, buffer ``epoch % 2``, this rank's fixed-stride
+  region), then the program bumps the slice's done counter; the program whose bump completes
+  the slice writes this rank's count into the destination's count slot and stores the epoch
+  into its data signal for this rank (release, system scope).
 
-The buffer protocol's two waits run inside the kernel (each was a separate launch, and
-host launch work was a visible share of a 0.2 ms GEMM): every program first polls the ack
-slots of its destinations (their buffer of this parity is free once they acknowledged call
-``epoch - 2``), and the last program out polls this rank's signal slots until every source's
-slice has arrived. Both polls are bounded by an iteration budget and record a timeout in
-``status`` (acks at ``[0, world)``, data at ``[world, 2 world)``), so a missing peer becomes
-an error on the host instead of a hung stream.
+The buffer protocol's waits run inside the kernel: every program first polls the ack slots
+of the destinations (their buffer of this parity is free once they acknowledged call
+``epoch - 2``), and the last program out polls this rank's data signals until every source
+has delivered. Both polls are bounded by an iteration budget and record a timeout in the
+status words (host-mapped memory: rocmoe.ops raises it at the next call); counts that do not
+fit (negative, above the capacity, more rows than X has) make every slice signal-only with
+``ROCMOE_COUNT_BAD_INPUT`` and set this rank's own status word, so no peer waits and no
+wrong row lands anywhere.
+
+``collect_kernel`` then copies what arrived out of the heap (packed, sources in rank order),
+turns each source's count into a status word where it is not a row count, writes the device
+``recv_counts`` and acknowledges every source.
+
+MODE_LOCAL runs the same tiles with no protocol at all, storing into the output at the rows'
+own positions: world size 1 (the output is then the product itself, no heap, no copy) and
+the backward's grouped dX.
 
 As in ``rocmoe.moe.kernels``, the bodies are plain functions wrapped by ``triton.jit`` on
 first use, so ``TRITON_INTERPRET=1`` set by a test before the first call runs this very
@@ -41,11 +53,23 @@ from .._triton import KernelRegistry
 _REGISTRY = KernelRegistry()
 _kernel, get, names = _REGISTRY.kernel, _REGISTRY.get, _REGISTRY.names
 
+MODE_LOCAL, MODE_EXCHANGE = 0, 1
+
+# ROCMOE_STATUS_* / ROCMOE_COUNT_* of rocmoe.h (checked against the C ABI by the tests);
+# kernels may read globals only when they are constexprs
+STATUS_TIMEOUT = tl.constexpr(1)
+STATUS_PEER_ABORTED = tl.constexpr(2)
+STATUS_PEER_BAD_INPUT = tl.constexpr(3)
+STATUS_BAD_COUNT = tl.constexpr(4)
+STATUS_BAD_INPUT = tl.constexpr(6)
+COUNT_ABORTED = tl.constexpr(-1)
+COUNT_BAD_INPUT = tl.constexpr(-2)
+
 
 @triton.jit
-def _poll_slots(slot_ptrs, status_ptrs, mask, target, budget):
+def _poll_slots(slot_ptrs, status_ptrs, mask, target, budget, code):
     # Acquire-poll the masked slots until every one holds >= target or `budget` rounds
-    # pass; a slot still short is recorded as 1 in its status word. Returns the ready mask.
+    # pass; a slot still short gets `code` in its status word. Returns the ready mask.
     seen = tl.where(mask, tl.atomic_add(slot_ptrs, 0, mask=mask, sem="acquire", scope="sys"),
                     target)
     spins = 0
@@ -53,173 +77,332 @@ def _poll_slots(slot_ptrs, status_ptrs, mask, target, budget):
         seen = tl.where(mask, tl.atomic_add(slot_ptrs, 0, mask=mask, sem="acquire",
                                             scope="sys"), target)
         spins += 1
-    tl.store(status_ptrs, tl.full(seen.shape, 1, tl.int32), mask=mask & (seen < target))
+    tl.store(status_ptrs, tl.full(seen.shape, code, tl.int32), mask=mask & (seen < target))
     return mask & (seen >= target)
 
 
-@_kernel
-def gemm_a2a_kernel(x_ptr, w_ptr, peer_bases_ptr,
-                    row_start_ptr, send_counts_ptr, dest_row_ptr,
-                    order_ptr, task_prefix_ptr, counters_ptr, slots_ptr, status_ptr,
-                    seg_prefix_ptr, seg_row0_ptr, seg_rows_ptr, seg_out_ptr,
-                    recv_offset, signal_offset, epoch, rank, world, total_tasks, num_programs,
-                    N, K, G,
+@triton.jit
+def _pick(values, index, positions):
+    # values[index] of a register vector (the masked sum of a one-hot)
+    return tl.sum(tl.where(positions == index, values, 0), axis=0)
+
+
+@_kernel(do_not_specialize=("M",))
+def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr, recv_ptr,
+                    status_addr, ws_offset, signal_off, ack_off, count_off, epoch_off,
+                    counters_off, recv_off, parity_bytes, source_bytes,
+                    rank, world, M, N, K, G, capacity, num_programs,
                     stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, wait_budget,
-                    WORLD_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SIGNAL: tl.constexpr,
-                    FP32_IEEE: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                    USE_TMA: tl.constexpr = False, GROUPS_P2: tl.constexpr = 0):
-    # USE_TMA (Hopper): x_ptr / w_ptr are tensor descriptors of X [M, K] and W [K, N] with
-    # [BLOCK_M, BLOCK_K] / [BLOCK_K, BLOCK_N] blocks; the copy engine fetches the tiles
-    # (zero-filled past the edges) instead of every thread computing addresses for cp.async.
-    # GROUPS_P2 > 0 (grouped products, a power of two > G): W is [G, K, N] (with USE_TMA, a
-    # descriptor of it as [G*K, N]; K is then a multiple of BLOCK_K) and a destination's
-    # slice is G segments, segment g's rows multiplied by W[g]. seg_prefix [world, G + 1]:
-    # the slice's tile numbers where each segment starts; seg_row0 / seg_rows / seg_out
-    # [world, G]: each segment's first row of X, its rows, and its first row inside this
-    # rank's part of the destination's buffer. The slice keeps one task when every segment
-    # is empty (its signal is still raised).
+                    WORLD_P2: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    MODE: tl.constexpr, COPY: tl.constexpr, FP32_IEEE: tl.constexpr,
+                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr = False):
+    # counts [world, G] int64 (G = 1 for one W): rows of X, destination-major then group.
+    # COPY: no W, the "product" is X itself (the row exchange; N = K). USE_TMA (Hopper):
+    # x_ptr / w_ptr are tensor descriptors of X [M, K] and W [G*K, N] with [BLOCK_M, BLOCK_K]
+    # / [BLOCK_K, BLOCK_N] blocks (zero-filled past the edges). recv_ptr: with MODE_LOCAL,
+    # where the rows taken go ([0], int64), or the kernel's own scratch word.
     if USE_TMA:
         out_ty = x_ptr.dtype
     else:
         out_ty = x_ptr.dtype.element_ty
+    status = status_addr.to(tl.pointer_type(tl.int32))
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     positions = tl.arange(0, WORLD_P2)
-    # prefix[p + 1] for every order position; past-the-end lanes never count
-    next_prefix = tl.load(task_prefix_ptr + 1 + positions, mask=positions < world,
-                          other=2147483647)
+    in_world = positions < world
+    segs = tl.arange(0, GROUPS_P2)
+
+    # ---- the plan, from the counts (every program computes the same) ----------------
+    counts = tl.load(counts_ptr + positions[:, None] * G + segs[None, :],
+                     mask=in_world[:, None] & (segs[None, :] < G), other=0)
+    dest_rows = tl.sum(counts, axis=1)                           # [WORLD_P2], by rank
+    row_start = tl.cumsum(dest_rows, axis=0) - dest_rows         # first row of X for d
+    seg_tiles = tl.cdiv(counts, BLOCK_M) * n_tiles_n              # [WORLD_P2, GROUPS_P2]
+    seg_end = tl.cumsum(seg_tiles, axis=1)                        # tile numbers in a slice
+    seg_row = tl.cumsum(counts, axis=1) - counts                  # first row of segment
+    dest_tiles = tl.maximum(tl.sum(seg_tiles, axis=1), 1)        # an empty slice: 1 task
+    order = tl.load(order_ptr + positions, mask=in_world, other=0)
+    # tiles in order position p = dest_tiles[order[p]]
+    tiles_in_order = tl.sum(tl.where(order[:, None] == positions[None, :],
+                                     dest_tiles[None, :], 0), axis=1)
+    tiles_in_order = tl.where(in_world, tiles_in_order, 0)
+    next_prefix = tl.cumsum(tiles_in_order, axis=0)
+    total_tasks = tl.sum(tiles_in_order, axis=0)
+    # counts this rank could not have meant: nothing is computed, every slice is signalled
+    # with COUNT_BAD_INPUT, and the host raises for this rank
+    bad = (tl.min(tl.min(counts, axis=1), axis=0) < 0) | \
+        (tl.max(tl.where(in_world, dest_rows, 0), axis=0) > capacity) | \
+        (tl.sum(dest_rows, axis=0) > M)
+
+    if MODE == 1:
+        my_base = tl.load(peer_bases_ptr + rank) + ws_offset
+        epoch = tl.load((my_base + epoch_off).to(tl.pointer_type(tl.int64)), volatile=True) + 1
+        counters = (my_base + counters_off).to(tl.pointer_type(tl.int32))
+        # destination d's buffer of this parity is free once d acknowledged call epoch - 2
+        # (d stores that into this rank's ack slot d)
+        dest_free = in_world
+        if epoch > 2:
+            dest_free = _poll_slots((my_base + ack_off + positions * 8).to(
+                tl.pointer_type(tl.int64)), status + world + positions, in_world, epoch - 2,
+                wait_budget, STATUS_TIMEOUT)
+        parity_off = recv_off + (epoch % 2) * parity_bytes + rank * source_bytes
+        if bad:
+            if tl.program_id(0) == 0:
+                tl.store(status + 3 * world, STATUS_BAD_INPUT)
+                tl.store(status + 3 * world + 1, epoch.to(tl.int32))
+    else:
+        dest_free = in_world
+        if bad:
+            if tl.program_id(0) == 0:
+                tl.store(status + 3 * world, STATUS_BAD_INPUT)
+
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    in_world = positions < world
-
-    # Producer side of the buffer protocol, in the kernel (it was a separate wait launch):
-    # destination d's receive buffer of this call's parity is free once d acknowledged call
-    # epoch - 2 (ack slots: this rank's slots[world + d]). A destination that never does is
-    # recorded in status[d], and nothing is written to it.
-    dest_free = in_world
-    if SIGNAL:
-        if epoch > 2:
-            dest_free = _poll_slots(slots_ptr + world + positions, status_ptr + positions,
-                                    in_world, epoch - 2, wait_budget)
-
-    task = tl.atomic_add(counters_ptr, 1)
+    if MODE == 1:
+        task = tl.atomic_add(counters, 1)
+    else:
+        task = tl.program_id(0)
     while task < total_tasks:
         # locate(): the slice is the number of slices that end at or before this task
         pos = tl.sum((next_prefix <= task).to(tl.int32), axis=0)
-        dest = tl.load(order_ptr + pos)
-        first = tl.load(task_prefix_ptr + pos)
-        tiles = tl.load(task_prefix_ptr + pos + 1) - first
+        dest = _pick(order, pos, positions)
+        first = _pick(next_prefix - tiles_in_order, pos, positions)
+        tiles = _pick(tiles_in_order, pos, positions)
         tile = task - first
-        out_row0 = tl.load(dest_row_ptr + dest)
-        w_row0 = 0  # with TMA: W's first row for this tile's group
-        w_group = w_ptr  # without TMA: this tile's group of W
-        if GROUPS_P2 > 0:
-            segs = tl.arange(0, GROUPS_P2)
-            seg_ends = tl.load(seg_prefix_ptr + dest * (G + 1) + 1 + segs, mask=segs < G,
-                               other=2147483647)
-            g = tl.minimum(tl.sum((seg_ends <= tile).to(tl.int32), axis=0), G - 1)
-            in_seg = tile - tl.load(seg_prefix_ptr + dest * (G + 1) + g)
-            seg = dest * G + g
-            # past the last segment (a slice whose segments are all empty): nothing to do
-            rows = tl.where(in_seg < tl.load(seg_prefix_ptr + dest * (G + 1) + g + 1) -
-                            tl.load(seg_prefix_ptr + dest * (G + 1) + g),
-                            tl.load(seg_rows_ptr + seg), 0)
-            row0 = tl.load(seg_row0_ptr + seg)
-            out_row0 += tl.load(seg_out_ptr + seg)
-            if USE_TMA:
-                w_row0 = g * K
-            else:
-                w_group = w_ptr + g.to(tl.int64) * stride_wg
-            tile = in_seg
-        else:
-            rows = tl.load(send_counts_ptr + dest)
-            row0 = tl.load(row_start_ptr + dest)
-        free = tl.sum((dest_free & (positions == dest)).to(tl.int32), axis=0) > 0
+        # the segment of this tile inside the slice
+        seg_end_d = tl.sum(tl.where(positions[:, None] == dest, seg_end, 0), axis=0)
+        g = tl.minimum(tl.sum((seg_end_d <= tile).to(tl.int32), axis=0), G - 1)
+        counts_d = tl.sum(tl.where(positions[:, None] == dest, counts, 0), axis=0)
+        seg_row_d = tl.sum(tl.where(positions[:, None] == dest, seg_row, 0), axis=0)
+        seg_tiles_d = tl.sum(tl.where(positions[:, None] == dest, seg_tiles, 0), axis=0)
+        seg_first = _pick(seg_end_d - seg_tiles_d, g, segs)
+        rows = _pick(counts_d, g, segs)
+        in_seg = tile - seg_first
+        rows = tl.where((in_seg < _pick(seg_tiles_d, g, segs)) & (bad == 0), rows, 0)
+        row0 = _pick(row_start, dest, positions) + _pick(seg_row_d, g, segs)
+        out_row0 = _pick(seg_row_d, g, segs)  # inside this rank's region at the destination
+        free = _pick(dest_free.to(tl.int32), dest, positions) > 0
         if (rows > 0) & free:
-            # grouped tile order inside the slice: GROUP_M row tiles share W's columns in L2
+            # grouped tile order inside the segment: GROUP_M row tiles share W's columns in L2
             m_tiles = tl.cdiv(rows, BLOCK_M)
             in_group = GROUP_M * n_tiles_n
-            group_first = (tile // in_group) * GROUP_M
+            group_first = (in_seg // in_group) * GROUP_M
             group_rows = tl.minimum(m_tiles - group_first, GROUP_M)
-            m_tile = group_first + (tile % in_group) % group_rows
-            n_tile = (tile % in_group) // group_rows
+            m_tile = group_first + (in_seg % in_group) % group_rows
+            n_tile = (in_seg % in_group) // group_rows
 
             local_rows = m_tile * BLOCK_M + rm
             cols = n_tile * BLOCK_N + rn
             row_ok = local_rows < rows
             col_ok = cols < N
             x_rows = (row0 + tl.where(row_ok, local_rows, 0)).to(tl.int64)
-            if EVEN_N:
-                # no clamp: W's columns stay provably contiguous, so the loads are 16-byte
-                # vectors that the pipeliner turns into asynchronous copies
-                w_cols = cols.to(tl.int64)
+            if COPY:
+                acc = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk,
+                              mask=row_ok[:, None] & col_ok[None, :], other=0.0)
             else:
-                w_cols = tl.where(col_ok, cols, 0).to(tl.int64)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + rk
-                if USE_TMA:
-                    # rows past the slice (other slices' rows, or past M: zeros) are computed
-                    # and never stored
-                    a = x_ptr.load([(row0 + m_tile * BLOCK_M).to(tl.int32), k0])
-                    b = w_ptr.load([w_row0 + k0, (n_tile * BLOCK_N).to(tl.int32)])
-                elif EVEN_K:
-                    a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk)
-                    b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
-                                + w_cols[None, :] * stride_wn)
+                if EVEN_N:
+                    # no clamp: W's columns stay provably contiguous (16-byte vector loads)
+                    w_cols = cols.to(tl.int64)
                 else:
-                    k_ok = ks < K
-                    a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                                mask=k_ok[None, :], other=0.0)
-                    b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
-                                + w_cols[None, :] * stride_wn,
-                                mask=k_ok[:, None], other=0.0)
-                if FP32_IEEE:  # float32 inputs: full-precision products, like the host path
-                    acc = tl.dot(a, b, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(a, b, acc)
-
-            # scale-up: the tile goes straight into the destination's receive buffer
-            # heap bases and receive offsets are 256-byte aligned (rocmoe.heap.ALIGNMENT,
-            # gpu.ALIGN): saying so lets the tile go out as 16-byte stores, not 2-byte ones
-            # (the hint must sit on the pointer: the integer's is lost in the cast)
-            dest_base = tl.load(peer_bases_ptr + dest) + recv_offset
-            out_ptr = tl.multiple_of(dest_base.to(tl.pointer_type(out_ty)), 16)
-            out_rows = (out_row0 + local_rows).to(tl.int64)
-            tl.store(out_ptr + out_rows[:, None] * N + cols[None, :].to(tl.int64),
+                    w_cols = tl.where(col_ok, cols, 0).to(tl.int64)
+                w_group = w_ptr if USE_TMA else w_ptr + g.to(tl.int64) * stride_wg
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    ks = k0 + rk
+                    if USE_TMA:
+                        # rows past the segment (other segments', or past M: zeros) are
+                        # computed and never stored
+                        a = x_ptr.load([(row0 + m_tile * BLOCK_M).to(tl.int32), k0])
+                        b = w_ptr.load([(g * K + k0).to(tl.int32),
+                                        (n_tile * BLOCK_N).to(tl.int32)])
+                    elif EVEN_K:
+                        a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk)
+                        b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
+                                    + w_cols[None, :] * stride_wn)
+                    else:
+                        k_ok = ks < K
+                        a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                                    mask=k_ok[None, :], other=0.0)
+                        b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
+                                    + w_cols[None, :] * stride_wn,
+                                    mask=k_ok[:, None], other=0.0)
+                    if FP32_IEEE:  # float32 inputs: full-precision products, like the host
+                        acc = tl.dot(a, b, acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a, b, acc)
+            if MODE == 1:
+                # scale-up: the tile goes straight into the destination's receive buffer; heap
+                # bases and region offsets are 256-byte aligned (the hint must sit on the
+                # pointer: the integer's is lost in the cast)
+                dest_base = tl.load(peer_bases_ptr + dest) + ws_offset + parity_off
+                out = tl.multiple_of(dest_base.to(tl.pointer_type(out_ty)), 16)
+                out_rows = (out_row0 + local_rows).to(tl.int64)
+            else:
+                out = out_ptr
+                out_rows = (row0 + local_rows).to(tl.int64)
+            tl.store(out + out_rows[:, None] * N + cols[None, :].to(tl.int64),
                      acc.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
-        if SIGNAL:
+        if MODE == 1:
             if free:
                 # every thread's stores are issued before the one lane that bumps the counter
                 tl.debug_barrier()
-                done = tl.atomic_add(counters_ptr + 2 + dest, 1, sem="acq_rel", scope="gpu")
+                done = tl.atomic_add(counters + 2 + dest, 1, sem="acq_rel", scope="gpu")
                 if done + 1 == tiles:
-                    tl.atomic_xchg(counters_ptr + 2 + dest, 0, sem="relaxed", scope="gpu")
-                    sig_addr = tl.load(peer_bases_ptr + dest) + signal_offset + rank * 8
-                    tl.atomic_xchg(sig_addr.to(tl.pointer_type(tl.int64)), epoch,
-                                   sem="release", scope="sys")
-        task = tl.atomic_add(counters_ptr, 1)
+                    tl.atomic_xchg(counters + 2 + dest, 0, sem="relaxed", scope="gpu")
+                    dest_ws = tl.load(peer_bases_ptr + dest) + ws_offset
+                    sent = tl.where(bad, COUNT_BAD_INPUT, _pick(dest_rows, dest, positions))
+                    # the count travels with the data: ordered before the signal
+                    tl.atomic_xchg((dest_ws + count_off + ((epoch % 2) * world + rank) * 8).to(
+                        tl.pointer_type(tl.int64)), sent.to(tl.int64), sem="relaxed", scope="sys")
+                    tl.debug_barrier()
+                    tl.atomic_xchg((dest_ws + signal_off + rank * 8).to(tl.pointer_type(tl.int64)),
+                                   epoch, sem="release", scope="sys")
+            task = tl.atomic_add(counters, 1)
+        else:
+            task += num_programs
 
-    # exit_worker(): the last program out re-zeroes the task and exit counters
-    exited = tl.atomic_add(counters_ptr + 1, 1)
-    if exited + 1 == num_programs:
-        tl.atomic_xchg(counters_ptr, 0)
-        tl.atomic_xchg(counters_ptr + 1, 0)
-        if SIGNAL:
-            # Consumer side, by the last program out (it was a separate wait launch): every
-            # source's slice of this call has arrived (signals: this rank's slots[s]); a
-            # source that never signals is recorded in status[world + s].
-            _poll_slots(slots_ptr + positions, status_ptr + world + positions, in_world, epoch,
-                        wait_budget)
+    if MODE == 1:
+        # exit_worker(): the last program out re-zeroes the counters, advances the epoch and
+        # waits until every source's slice of this call has arrived (the consumer side; a
+        # source that never signals is recorded in its status word)
+        exited = tl.atomic_add(counters + 1, 1)
+        if exited + 1 == num_programs:
+            tl.atomic_xchg(counters, 0)
+            tl.atomic_xchg(counters + 1, 0)
+            tl.store((my_base + epoch_off).to(tl.pointer_type(tl.int64)), epoch)
+            ready = _poll_slots((my_base + signal_off + positions * 8).to(
+                tl.pointer_type(tl.int64)), status + positions, in_world, epoch, wait_budget,
+                STATUS_TIMEOUT)
+            if tl.min(tl.where(in_world, ready.to(tl.int32), 1), axis=0) == 0:
+                tl.store(status + 3 * world + 1, epoch.to(tl.int32))
+    else:
+        if tl.program_id(0) == 0:
+            tl.store(recv_ptr, tl.where(bad, 0, tl.sum(dest_rows, axis=0)))
 
 
 @_kernel
-def signal_peers_kernel(peer_bases_ptr, slot_offset, rank, value):
-    # one program per peer: store `value` into the peer's slot for this rank (release, system)
-    peer = tl.program_id(0)
-    addr = tl.load(peer_bases_ptr + peer) + slot_offset + rank * 8
-    tl.atomic_xchg(addr.to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys")
+def collect_kernel(out_ptr, peer_bases_ptr, recv_ptr, status_addr, ws_offset, ack_off,
+                   count_off, epoch_off, counters_off, recv_off, parity_bytes, source_bytes,
+                   rank, world, N, capacity, num_programs,
+                   WORLD_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program (source s, row block b): copies rows [b * ROWS, (b + 1) * ROWS) of what s sent
+    # (its region of this call's buffer) to the packed output; the last program out writes
+    # nothing more but the acks. Runs after gemm_a2a_kernel on the same stream, so the epoch
+    # word already holds this call's number.
+    s = tl.program_id(0)
+    block = tl.program_id(1)
+    status = status_addr.to(tl.pointer_type(tl.int32))
+    positions = tl.arange(0, WORLD_P2)
+    in_world = positions < world
+    my_base = tl.load(peer_bases_ptr + rank) + ws_offset
+    epoch = tl.load((my_base + epoch_off).to(tl.pointer_type(tl.int64)), volatile=True)
+    counts = tl.load((my_base + count_off + ((epoch % 2) * world + positions) * 8).to(
+        tl.pointer_type(tl.int64)), mask=in_world, other=0, volatile=True)
+    usable = (counts >= 0) & (counts <= capacity)
+    rows_from = tl.where(usable, counts, 0)
+    start = tl.cumsum(rows_from, axis=0) - rows_from
+    count_s = _pick(rows_from, s, positions)
+    start_s = _pick(start, s, positions)
+    if block == 0:
+        raw = _pick(counts, s, positions)
+        code = tl.where(raw == COUNT_ABORTED, STATUS_PEER_ABORTED,
+                        tl.where(raw == COUNT_BAD_INPUT, STATUS_PEER_BAD_INPUT, STATUS_BAD_COUNT))
+        if (raw < 0) | (raw > capacity):
+            tl.store(status + s, code)
+            tl.store(status + 3 * world + 1, epoch.to(tl.int32))
+        tl.store(recv_ptr + s, count_s)
+    src = (my_base + recv_off + (epoch % 2) * parity_bytes + s * source_bytes).to(
+        out_ptr.dtype)
+    src = tl.multiple_of(src, 16)
+    rr = block * ROWS + tl.arange(0, ROWS)
+    row_ok = rr < count_s
+    for c0 in range(0, N, BLOCK_N):
+        cols = c0 + tl.arange(0, BLOCK_N)
+        mask = row_ok[:, None] & (cols[None, :] < N)
+        v = tl.load(src + rr[:, None].to(tl.int64) * N + cols[None, :], mask=mask)
+        tl.store(out_ptr + (start_s + rr[:, None]).to(tl.int64) * N + cols[None, :], v,
+                 mask=mask)
+    # every read of this buffer is done once every program passed here: acknowledge
+    tl.debug_barrier()
+    counters = (my_base + counters_off).to(tl.pointer_type(tl.int32))
+    finished = tl.atomic_add(counters + 1, 1, sem="acq_rel", scope="gpu")
+    if finished + 1 == num_programs:
+        tl.atomic_xchg(counters + 1, 0)
+        peer = tl.load(peer_bases_ptr + positions, mask=in_world, other=0) + ws_offset
+        tl.atomic_xchg((peer + ack_off + rank * 8).to(tl.pointer_type(tl.int64)),
+                       tl.full((WORLD_P2,), 0, tl.int64) + epoch, mask=in_world,
+                       sem="release", scope="sys")
+
+
+@_kernel
+def abort_kernel(peer_bases_ptr, status_addr, ws_offset, signal_off, ack_off, phase2_off,
+                 count_off, epoch_off, rank, world, wait_budget, WORLD_P2: tl.constexpr):
+    # This rank rejected its input: take part in the call without data. After each
+    # destination released its buffer of this parity (call epoch - 2), write COUNT_ABORTED
+    # into its count slot and raise its data (and phase-2) signal; advance the epoch; then
+    # acknowledge every source at once (nothing of this call will be read here).
+    status = status_addr.to(tl.pointer_type(tl.int32))
+    positions = tl.arange(0, WORLD_P2)
+    in_world = positions < world
+    my_base = tl.load(peer_bases_ptr + rank) + ws_offset
+    epoch = tl.load((my_base + epoch_off).to(tl.pointer_type(tl.int64)), volatile=True) + 1
+    free = in_world
+    if epoch > 2:
+        free = _poll_slots((my_base + ack_off + positions * 8).to(tl.pointer_type(tl.int64)),
+                           status + world + positions, in_world, epoch - 2, wait_budget, 1)
+    peer = tl.load(peer_bases_ptr + positions, mask=in_world, other=0) + ws_offset
+    tl.atomic_xchg((peer + count_off + ((epoch % 2) * world + rank) * 8).to(
+        tl.pointer_type(tl.int64)), tl.full((WORLD_P2,), COUNT_ABORTED, tl.int64), mask=free,
+        sem="relaxed", scope="sys")
+    tl.debug_barrier()
+    value = tl.full((WORLD_P2,), 0, tl.int64) + epoch
+    tl.atomic_xchg((peer + signal_off + rank * 8).to(tl.pointer_type(tl.int64)), value,
+                   mask=free, sem="release", scope="sys")
+    tl.atomic_xchg((peer + phase2_off + rank * 8).to(tl.pointer_type(tl.int64)), value,
+                   mask=free, sem="release", scope="sys")
+    tl.store((my_base + epoch_off).to(tl.pointer_type(tl.int64)), epoch)
+    tl.atomic_xchg((peer + ack_off + rank * 8).to(tl.pointer_type(tl.int64)), value,
+                   mask=in_world, sem="release", scope="sys")
+
+
+@_kernel
+def grouped_weight_grad_kernel(x_ptr, gy_ptr, dw_ptr, counts_ptr, world, G, K, N,
+                               stride_xm, stride_gm, WORLD_P2: tl.constexpr,
+                               GROUPS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    # dW[g] = sum over destinations d of X[segment (d, g)]^T @ dY[segment (d, g)], fp32
+    # accumulation; program (g, k tile, n tile). Segments come from the device counts
+    # [world, G] (rows destination-major, then group), like gemm_a2a_kernel's.
+    g = tl.program_id(0)
+    kt = tl.program_id(1)
+    nt = tl.program_id(2)
+    positions = tl.arange(0, WORLD_P2)
+    segs = tl.arange(0, GROUPS_P2)
+    in_world = positions < world
+    counts = tl.load(counts_ptr + positions[:, None] * G + segs[None, :],
+                     mask=in_world[:, None] & (segs[None, :] < G), other=0)
+    counts = tl.maximum(counts, 0)
+    flat_start = tl.cumsum(tl.sum(counts, axis=1), axis=0) - tl.sum(counts, axis=1)
+    seg_row = tl.cumsum(counts, axis=1) - counts
+    ks = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+    ns = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for d in range(0, world):
+        count = tl.sum(tl.where((positions[:, None] == d) & (segs[None, :] == g), counts, 0))
+        row0 = _pick(flat_start, d, positions) + tl.sum(
+            tl.where((positions[:, None] == d) & (segs[None, :] == g), seg_row, 0))
+        for m0 in range(0, count, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            ok = rows < count
+            r = (row0 + rows).to(tl.int64)
+            xt = tl.load(x_ptr + r[None, :] * stride_xm + ks[:, None],
+                         mask=ok[None, :] & (ks[:, None] < K), other=0.0)
+            gy = tl.load(gy_ptr + r[:, None] * stride_gm + ns[None, :],
+                         mask=ok[:, None] & (ns[None, :] < N), other=0.0)
+            acc = tl.dot(xt, gy, acc)
+    tl.store(dw_ptr + (g * K + ks[:, None]).to(tl.int64) * N + ns[None, :],
+             acc.to(dw_ptr.dtype.element_ty), mask=(ks[:, None] < K) & (ns[None, :] < N))
 
 
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
@@ -227,22 +410,35 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
     p = "*" + dtype
     i64 = "*i64"
     i32 = "*i32"
+    offsets = dict(ws_offset="i64", signal_off="i64", ack_off="i64", count_off="i64",
+                   epoch_off="i64", counters_off="i64", recv_off="i64", parity_bytes="i64",
+                   source_bytes="i64")
     return {
         "gemm_a2a_kernel": dict(
-            x_ptr=p, w_ptr=p, peer_bases_ptr=i64, row_start_ptr=i64, send_counts_ptr=i64,
-            dest_row_ptr=i64, order_ptr=i32, task_prefix_ptr=i32, counters_ptr=i32,
-            slots_ptr=i64, status_ptr=i32,
-            seg_prefix_ptr=i32, seg_row0_ptr=i64, seg_rows_ptr=i64, seg_out_ptr=i64,
-            recv_offset="i64", signal_offset="i64", epoch="i64", rank="i32", world="i32",
-            total_tasks="i32", num_programs="i32", N="i32", K="i32", G="i32",
-            stride_xm="i32", stride_xk="i32", stride_wg="i32", stride_wk="i32",
-            stride_wn="i32", wait_budget="i32",
-            WORLD_P2="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
-            BLOCK_K="constexpr", GROUP_M="constexpr", SIGNAL="constexpr",
-            FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
-            USE_TMA="constexpr", GROUPS_P2="constexpr"),
-        "signal_peers_kernel": dict(peer_bases_ptr=i64, slot_offset="i64", rank="i32",
-                                    value="i64"),
+            x_ptr=p, w_ptr=p, out_ptr=p, counts_ptr=i64, order_ptr=i32, peer_bases_ptr=i64,
+            recv_ptr=i64, status_addr="i64", **offsets,
+            rank="i32", world="i32", M="i32", N="i32", K="i32", G="i32", capacity="i64",
+            num_programs="i32", stride_xm="i32", stride_xk="i32", stride_wg="i32",
+            stride_wk="i32", stride_wn="i32", wait_budget="i32",
+            WORLD_P2="constexpr", GROUPS_P2="constexpr", BLOCK_M="constexpr",
+            BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", MODE="constexpr",
+            COPY="constexpr", FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
+            USE_TMA="constexpr"),
+        "collect_kernel": dict(
+            out_ptr=p, peer_bases_ptr=i64, recv_ptr=i64, status_addr="i64", ws_offset="i64",
+            ack_off="i64", count_off="i64", epoch_off="i64", counters_off="i64",
+            recv_off="i64", parity_bytes="i64", source_bytes="i64", rank="i32", world="i32",
+            N="i32", capacity="i64", num_programs="i32", WORLD_P2="constexpr",
+            ROWS="constexpr", BLOCK_N="constexpr"),
+        "abort_kernel": dict(
+            peer_bases_ptr=i64, status_addr="i64", ws_offset="i64", signal_off="i64",
+            ack_off="i64", phase2_off="i64", count_off="i64", epoch_off="i64", rank="i32",
+            world="i32", wait_budget="i32", WORLD_P2="constexpr"),
+        "grouped_weight_grad_kernel": dict(
+            x_ptr=p, gy_ptr=p, dw_ptr=p, counts_ptr=i64, world="i32", G="i32", K="i32",
+            N="i32", stride_xm="i32", stride_gm="i32", WORLD_P2="constexpr",
+            GROUPS_P2="constexpr", BLOCK_K="constexpr", BLOCK_N="constexpr",
+            BLOCK_M="constexpr"),
     }
 
 

@@ -19,7 +19,6 @@ import torch
 import rocmoe
 import rocmoe.ops as ops
 from rocmoe.ops import reference as ref
-from rocmoe.ops._common import workspace
 
 torch.set_num_threads(1)
 ctx = rocmoe.init(backend="host", heap_size=256 << 20)
@@ -230,22 +229,60 @@ def check_repeat():
                       ref.embedding_all_to_all(*e[:3], mode=e[4]), torch.float32)
         if not ok:
             bad.append(f"embedding call {it}: {d}")
-    epochs = {op: workspace(ctx, op).epoch for op in
-              ("gemm_all_to_all", "gemv_all_reduce", "embedding_all_to_all")}
-    report(not bad, "100 repeated calls of each op without re-zeroing signals", "; ".join(bad[:3]))
-    report(all(e >= 100 for e in epochs.values()), f"epochs advanced once per call {epochs}")
+    report(not bad, "100 functional calls of each op, sizes changing every call",
+           "; ".join(bad[:3]))
+    check_handle_repeat()
+
+
+def check_handle_repeat():
+    """100 calls of one handle per op, rows / batch changing every call, signals never
+    re-zeroed: every result equals the reference and the epoch is exactly the call count."""
+    bad = []
+    gemm = ops.GemmAllToAll(ctx, max_rows=40, K=4, N=5, dtype=torch.float32)
+    gemv = ops.GemvAllReduce(ctx, 33, 6, torch.float32)
+    emb = ops.EmbeddingAllToAll(ctx, [7, 11], dim=3, max_batch=8 * WORLD, max_lookups=64)
+    for it in range(100):
+        g = local_gen(3000 + it)
+        m = int(torch.randint(0, 40, (1,), generator=g))
+        cuts = sorted(int(c) for c in torch.randint(0, m + 1, (WORLD - 1,), generator=g))
+        counts = [b - a for a, b in zip([0] + cuts, cuts + [m])]
+        x, w = torch.randn(m, 4, generator=g), torch.randn(4, 5, generator=g)
+        out, recv = gemm(x, w, counts)
+        ok, d = close(out[:int(recv.sum())], ref.gemm_all_to_all(x, w, counts), torch.float32,
+                      4.0)
+        if not ok:
+            bad.append(f"GemmAllToAll call {it}: {d}")
+        wv, xv = torch.randn(33, 6, generator=g), torch.randn(6, generator=g)
+        ok, d = close(gemv(wv, xv), ref.gemv_all_reduce(wv, xv), torch.float32, 4.0)
+        if not ok:
+            bad.append(f"GemvAllReduce call {it}: {d}")
+        batch = WORLD * int(shared_rng(3000 + it).randint(0, 8))
+        tables = [torch.randn(7, 3, generator=g), torch.randn(11, 3, generator=g)]
+        lookups = [torch.randint(0, 3, (batch,), generator=g) for _ in tables]
+        offsets = [torch.cumsum(n, 0) - n for n in lookups]
+        indices = [torch.randint(0, len(tab), (int(n.sum()),), generator=g)
+                   for tab, n in zip(tables, lookups)]
+        ok, d = close(emb(tables, indices, offsets, batch=batch),
+                      ref.embedding_all_to_all(tables, indices, offsets), torch.float32)
+        if not ok:
+            bad.append(f"EmbeddingAllToAll call {it}: {d}")
+    epochs = [gemm.epoch, gemv.epoch, emb.epoch]
+    report(not bad and epochs == [100, 100, 100],
+           f"100 calls of each handle without re-zeroing signals, epochs {epochs}",
+           "; ".join(bad[:3]))
+    for h in (gemm, gemv, emb):
+        h.close()
 
 
 def _snapshot(op):
-    ws = workspace(ctx, op)
-    return (ws.epoch, None if ws.buffer is None else ws.buffer.clone(),
-            None if ws.signals is None else ws.signals.clone())
+    """Every fused-op handle of the context: its epoch and its whole symmetric workspace."""
+    return [(h.epoch, h.workspace.clone()) for h in
+            sorted(ctx._handles, key=lambda h: h.workspace_offset) if h.workspace is not None]
 
 
 def _same(a, b):
-    return a[0] == b[0] and all((x is None and y is None) or (x is not None and y is not None
-                                                             and torch.equal(x, y))
-                                for x, y in zip(a[1:], b[1:]))
+    return len(a) == len(b) and all(x[0] == y[0] and torch.equal(x[1], y[1])
+                                    for x, y in zip(a, b))
 
 
 def expect_error(what: str, op: str, call, bad_rank: int, then):
@@ -253,6 +290,9 @@ def expect_error(what: str, op: str, call, bad_rank: int, then):
     every rank, leave every workspace untouched (nothing was put to any peer), and a valid
     call (`then`) must work afterwards."""
     then()  # workspaces exist and hold a previous call's data
+    # every rank has finished that call, and so has acknowledged it into its sources'
+    # workspaces: from here on only the bad call itself could change a workspace
+    ctx.barrier()
     before = _snapshot(op)
     try:
         call(RANK == bad_rank)

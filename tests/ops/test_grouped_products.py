@@ -4,7 +4,7 @@ process and pin down what the host path and the backward compute."""
 
 import torch
 
-from rocmoe.ops._kernels import group_major, grouped_products, grouped_weight_grad
+from rocmoe.ops.products import group_major, grouped_products, grouped_weight_grad
 
 COUNTS = [[2, 0, 3], [1, 4, 0]]  # [destination][group]: 10 rows, one empty segment each
 

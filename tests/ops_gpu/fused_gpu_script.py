@@ -1,25 +1,28 @@
-"""Multi-rank checks of the GPU path of the fused ops (run by tests/ops_gpu/*.py via mpiexec).
+"""Multi-rank checks of the device kernels of the fused-op handles (run by tests/ops_gpu/*.py
+via mpiexec).
 
-usage: fused_gpu_script.py OPS ARENA [--calls N] [--dtype D[,D...]]
-  OPS    comma list of gemm | gemm_grouped | embedding | gemv | gemm_timeout | bad_counts
-  ARENA  context (rocmoe.init(): ipc heap on GPUs, host heap on CPUs, where the Triton kernel
-         runs under TRITON_INTERPRET=1) | torchipc (device memory shared by IPC handles)
-Every rank checks its result against a float64 reference computed from inputs that every
-rank can regenerate (seeded per call), prints "RANK r OK <op>" and exits 0, or raises.
+usage: fused_gpu_script.py OPS [--calls N] [--dtype D[,D...]]
+  OPS    comma list of gemm | gemm_grouped | rows | embedding | gemv | gemm_timeout |
+         bad_counts | abort | gemv_mismatch | graph
+On a GPU the handles run their CUDA/HIP kernels (ipc backend); on a CPU-only machine the
+host backend's heap stands in and the Triton kernels (gemm, gemm_grouped, rows, the
+protocol cases) run under TRITON_INTERPRET=1. Every rank checks its result against a float64
+reference computed from inputs every rank can regenerate (seeded per call), prints
+"RANK r OK <op> <dtype>", and the script exits 1 if any check failed.
 """
 
 import argparse
 import os
 import sys
+import traceback
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from mpi4py import MPI  # noqa: E402
-
+import rocmoe  # noqa: E402
 from rocmoe import errors  # noqa: E402
-from rocmoe.ops import gpu  # noqa: E402
+from rocmoe import ops  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -32,195 +35,304 @@ def rel_err(out, ref):
     return float((out - ref).norm() / max(ref.norm(), 1e-30))
 
 
-def make_arena(kind, comm):
-    if kind == "context":
-        import rocmoe
-        ctx = rocmoe.init(comm=comm, heap_size=64 << 20, timeout_s=float(
-            os.environ.get("ROCMOE_TIMEOUT_S", 30)))
-        return gpu.ContextArena(ctx), ctx.device
-    torch.cuda.set_device(0 if torch.cuda.device_count() == 1 else comm.Get_rank())
-    return gpu.TorchIpcArena(comm, nbytes=256 << 20), torch.device("cuda", torch.cuda.current_device())
+def device_kernels(handle):
+    """On the host backend, run the handle's Triton kernels (under the interpreter)."""
+    if handle.ctx.backend == "host":
+        handle._engine = "triton"
+        ops.handles.rows_handle(handle.ctx, handle.max_rows, handle.N, handle.dtype)._engine = "triton"
+    return handle
 
 
-def check_gemm(arena, device, dtype, calls, rank, world):
-    for call in range(calls):
-        g = torch.Generator().manual_seed(1000 + call)
-        k, n = 24 + call, 40
-        counts = torch.randint(0, 20, (world, world), generator=g)
-        if world > 1:
-            counts[0, world - 1] = 0  # an empty slice is always present
-        xs = [torch.randn(int(counts[s].sum()), k, generator=g) for s in range(world)]
-        ws = [torch.randn(k, n, generator=g) for _ in range(world)]
-        x = xs[rank].to(device, dtype)
-        w = ws[rank].to(device, dtype)
-        out = torch.full((1,), float("nan"))
-        out = gpu.gemm_all_to_all(arena, x, w, counts[rank].tolist())
-        # reference: every source's rows for this rank, in source order
-        parts = []
-        for s in range(world):
-            start = int(counts[s, :rank].sum())
-            y = xs[s].to(dtype).double() @ ws[s].to(dtype).double()
-            parts.append(y[start:start + int(counts[s, rank])])
-        ref = torch.cat(parts)
-        print(f"rank {rank} call {call} done", flush=True) if os.environ.get("DEBUG") else None
-        assert out.shape == ref.shape, (out.shape, ref.shape)
-        if ref.numel():
-            e = rel_err(out, ref)
-            assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
-
-
-def check_gemm_grouped(arena, device, dtype, calls, rank, world):
-    # grouped products: W [G, K, N], segment (d, g) of the rows multiplied by W[g]; empty
-    # segments, and an empty destination, among them
-    for call in range(calls):
-        g = torch.Generator().manual_seed(2000 + call)
-        groups, k, n = 3, 16 + 8 * call, 40
-        counts = torch.randint(0, 9, (world, world, groups), generator=g)  # [src, dst, group]
+def gemm_case(call, world, k, n, groups, seed):
+    g = torch.Generator().manual_seed(seed + call)
+    counts = torch.randint(0, 9, (world, world, groups), generator=g)  # [src, dst, group]
+    if groups > 1:
         counts[:, :, 1] = 0  # a group with no rows anywhere
-        if world > 1:
-            counts[0, world - 1] = 0
-        xs = [torch.randn(int(counts[s].sum()), k, generator=g) for s in range(world)]
-        ws = [torch.randn(groups, k, n, generator=g) for _ in range(world)]
-        out = gpu.gemm_all_to_all(arena, xs[rank].to(device, dtype), ws[rank].to(device, dtype),
-                                  counts[rank].sum(1).tolist(),
-                                  group_counts=counts[rank].tolist())
-        parts = []
-        for s in range(world):
-            at = int(counts[s, :rank].sum())
-            for grp in range(groups):
-                rows = int(counts[s, rank, grp])
-                x_seg = xs[s][at:at + rows].to(dtype).double()
-                parts.append(x_seg @ ws[s][grp].to(dtype).double())
-                at += rows
-        ref = torch.cat(parts)
-        assert out.shape == ref.shape, (out.shape, ref.shape)
-        if ref.numel():
-            e = rel_err(out, ref)
-            assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
+    if world > 1:
+        counts[0, world - 1] = 0  # an empty slice is always present
+    xs = [torch.randn(int(counts[s].sum()) + 3, k, generator=g) for s in range(world)]  # +3: spare rows
+    ws = [torch.randn(groups, k, n, generator=g) for _ in range(world)]
+    return counts, xs, ws
 
 
-def check_embedding(arena, device, dtype, calls, rank, world):
+def gemm_reference(counts, xs, ws, rank, world, dtype):
+    parts = []
+    for s in range(world):
+        at = int(counts[s, :rank].sum())
+        for grp in range(counts.shape[2]):
+            rows = int(counts[s, rank, grp])
+            parts.append(xs[s][at:at + rows].to(dtype).double() @ ws[s][grp].to(dtype).double())
+            at += rows
+    return torch.cat(parts)
+
+
+def check_gemm(ctx, dtype, calls, groups=1):
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    k, n = 32, 48
+    h = device_kernels(ops.GemmAllToAll(ctx, max_rows=64, K=k, N=n, dtype=dtype, groups=groups))
     for call in range(calls):
-        g = torch.Generator().manual_seed(2000 + call)
-        dim = 16 + 8 * (call % 2)
-        counts = [1 + (s + call) % 3 for s in range(world)]
-        counts[world - 1] = 0 if world > 1 and call % 2 else counts[world - 1]  # a rank with no tables
-        b = 4 * world
-        mode = "mean" if call % 3 == 2 else "sum"
-        use_psw = mode == "sum" and call % 2 == 1
-        tables, idxs, offs, psws = [], [], [], []
-        for s in range(world):
-            for t in range(counts[s]):
-                rows = 50 + 7 * t
+        counts, xs, ws = gemm_case(call, world, k, n, groups, 1000 * groups)
+        x = xs[rank].to(dev, dtype)
+        w = (ws[rank] if groups > 1 else ws[rank][0]).to(dev, dtype)
+        # counts as a device tensor (the fast path) on odd calls, a list on even ones
+        mine = counts[rank] if groups > 1 else counts[rank, :, 0]
+        sent = mine.to(dev) if call % 2 else mine.tolist()
+        with torch.no_grad():
+            out, recv = h(x, w, sent)
+        h.synchronize()
+        ref = gemm_reference(counts, xs, ws, rank, world, dtype)
+        got = recv.cpu().tolist()
+        assert got == counts[:, rank].sum(1).tolist(), (got, counts[:, rank].sum(1).tolist())
+        if ref.numel():
+            e = rel_err(out[:ref.shape[0]], ref)
+            assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
+    assert h.epoch == calls, h.epoch
+
+
+def check_gemm_grouped(ctx, dtype, calls):
+    check_gemm(ctx, dtype, calls, groups=3)
+
+
+def check_rows(ctx, dtype, calls):
+    # the plain row exchange (the backward's): rows arrive packed, from rank 0 first
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    h = device_kernels(ops.AllToAllRows(ctx, max_rows=32, width=40, dtype=dtype))
+    for call in range(calls):
+        g = torch.Generator().manual_seed(5000 + call)
+        counts = torch.randint(0, 20, (world, world), generator=g)
+        rows = [torch.randn(int(counts[s].sum()), 40, generator=g) for s in range(world)]
+        with torch.no_grad():
+            out, recv = h(rows[rank].to(dev, dtype), counts[rank].to(dev))
+        h.synchronize()
+        ref = torch.cat([rows[s][int(counts[s, :rank].sum()):][:int(counts[s, rank])]
+                         for s in range(world)])
+        assert recv.cpu().tolist() == counts[:, rank].tolist()
+        assert torch.equal(out[:ref.shape[0]].cpu(), ref.to(dtype)), "rows differ"
+
+
+def check_embedding(ctx, dtype, calls):
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    dim, b_max = 16, 8 * world
+    counts = [1 + s % 3 for s in range(world)]
+    if world > 1:
+        counts[world - 1] = 0  # a rank with no tables
+    rows = [50 + 7 * t for t in range(sum(counts))]
+    base = sum(counts[:rank])
+    mine = list(range(base, base + counts[rank]))
+    for mode in ("sum", "mean"):
+        h = ops.EmbeddingAllToAll(ctx, [rows[i] for i in mine], dim, b_max, 512, mode, dtype)
+        for call in range(calls):
+            g = torch.Generator().manual_seed(2000 + call)
+            b = world * (1 + call % 8)
+            use_psw = mode == "sum" and call % 2 == 1
+            tables, idxs, offs, psws = [], [], [], []
+            for t in range(sum(counts)):
                 lens = torch.randint(0, 5, (b,), generator=g)
                 lens[0] = 0  # an empty bag
-                tables.append(torch.randn(rows, dim, generator=g))
-                idxs.append(torch.randint(0, rows, (int(lens.sum()),), generator=g))
+                tables.append(torch.randn(rows[t], dim, generator=g))
+                idxs.append(torch.randint(0, rows[t], (int(lens.sum()),), generator=g))
                 offs.append(torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]]))
                 psws.append(torch.rand(int(lens.sum()), generator=g))
-        base = sum(counts[:rank])
-        mine = range(base, base + counts[rank])
-        out = gpu.embedding_all_to_all(
-            arena, [tables[i].to(device, dtype) for i in mine],
-            [idxs[i].to(device) for i in mine], [offs[i].to(device) for i in mine], mode,
-            [psws[i].to(device) for i in mine] if use_psw else None, batch=b)
-        bl = b // world
-        ref = torch.zeros(bl, sum(counts), dim, dtype=torch.float64)
-        for t in range(sum(counts)):
-            bag = torch.nn.functional.embedding_bag(
-                idxs[t], tables[t].to(dtype).double(), offs[t], mode=mode,
-                per_sample_weights=psws[t].double() if use_psw else None)
-            ref[:, t] = bag[rank * bl:(rank + 1) * bl]
-        assert out.shape == ref.shape, (out.shape, ref.shape)
-        e = rel_err(out, ref)
-        assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
+            with torch.no_grad():
+                out = h([tables[i].to(dev, dtype) for i in mine], [idxs[i].to(dev) for i in mine],
+                        [offs[i].to(dev) for i in mine],
+                        [psws[i].to(dev) for i in mine] if use_psw else None, batch=b)
+            h.synchronize()
+            bl = b // world
+            ref = torch.zeros(bl, sum(counts), dim, dtype=torch.float64)
+            for t in range(sum(counts)):
+                bag = torch.nn.functional.embedding_bag(
+                    idxs[t], tables[t].to(dtype).double(), offs[t], mode=mode,
+                    per_sample_weights=psws[t].double() if use_psw else None)
+                ref[:, t] = bag[rank * bl:(rank + 1) * bl]
+            assert out.shape == ref.shape, (out.shape, ref.shape)
+            e = rel_err(out, ref)
+            assert e < TOL[dtype], f"rank {rank} {mode} call {call}: relative error {e}"
 
 
-def check_gemv(arena, device, dtype, calls, rank, world):
+def check_gemv(ctx, dtype, calls):
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    n = 37 + 64 * 3
+    ks = [16 + 8 * s for s in range(world)]
+    h = ops.GemvAllReduce(ctx, n, ks[rank], dtype)
     for call in range(calls):
         g = torch.Generator().manual_seed(3000 + call)
-        n = 37 + 64 * call
-        ks = [16 + 8 * s for s in range(world)]
         wsx = [(torch.randn(n, k, generator=g), torch.randn(k, generator=g)) for k in ks]
         w, x = wsx[rank]
-        out = gpu.gemv_all_reduce(arena, w.to(device, dtype), x.to(device, dtype))
+        with torch.no_grad():
+            out = h(w.to(dev, dtype), x.to(dev, dtype))
+        h.synchronize()
         ref = sum(a.to(dtype).double() @ v.to(dtype).double() for a, v in wsx)
         e = rel_err(out, ref)
         assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
 
 
-def check_gemm_timeout(arena, device, dtype, calls, rank, world):
-    # rank 0 calls once more than the others: its wait for their slices must time out
-    x = torch.randn(world * 2, 8).to(device, dtype)
-    w = torch.randn(8, 8).to(device, dtype)
-    plan = gpu.plan_gemm(arena, x.shape[0], 8, [2] * world, gpu.gemm_config(device))
-    gpu.gemm_all_to_all(arena, x, w, [2] * world, plan=plan)
+def check_gemm_timeout(ctx, dtype, calls):
+    # rank 0 calls once more than the others: its device-side wait for their slices must
+    # time out and become CommTimeoutError naming them (no host collective is involved)
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    h = device_kernels(ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype))
+    g = torch.Generator().manual_seed(11)  # the same X and W on every rank
+    x, w = torch.randn(2 * world, 16, generator=g), torch.randn(16, 16, generator=g)
+    x, w = x.to(dev, dtype), w.to(dev, dtype)
+    with torch.no_grad():
+        h(x, w, [2] * world)
+        if rank == 0:
+            h(x, w, [2] * world)
+    try:
+        h.synchronize()
+    except errors.CommTimeoutError as exc:
+        print(f"RANK {rank} TIMEOUT {exc}", flush=True)
+        return
     if rank == 0:
-        try:  # with the plan given, no host collective: the device-side wait must time out
-            gpu.gemm_all_to_all(arena, x, w, [2] * world, plan=plan)
-        except errors.CommTimeoutError as exc:
-            print(f"RANK {rank} TIMEOUT {exc}", flush=True)
-            return
         raise AssertionError("rank 0 did not time out")
 
 
-def check_bad_counts(arena, device, dtype, calls, rank, world):
-    # rank 1's counts do not add up to its rows: every rank must raise, none may hang
-    x = torch.randn(world * 2, 8).to(device, dtype)
-    w = torch.randn(8, 8).to(device, dtype)
-    counts = [2] * world
-    if rank == 1:
-        counts[0] = 3
+def check_bad_counts(ctx, dtype, calls):
+    # rank world-1's device counts ask for more rows than it has: it must report bad input,
+    # every other rank must raise naming it, and the handle stays usable
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    h = device_kernels(ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype))
+    g = torch.Generator().manual_seed(11)  # the same X and W on every rank
+    x, w = torch.randn(2 * world, 16, generator=g), torch.randn(16, 16, generator=g)
+    x, w = x.to(dev, dtype), w.to(dev, dtype)
+    counts = torch.full((world,), 2, dtype=torch.int64)
+    if rank == world - 1:
+        counts[0] = 7  # 2 * world + 5 rows asked, 2 * world there
     try:
-        gpu.gemm_all_to_all(arena, x, w, counts)
+        with torch.no_grad():
+            h(x, w, counts.to(dev))
+        h.synchronize()
     except errors.InvalidArgumentError as exc:
         print(f"RANK {rank} REJECTED {exc}", flush=True)
-        return
-    raise AssertionError("bad counts were accepted")
+    else:
+        raise AssertionError("bad counts were accepted")
+    with torch.no_grad():
+        out, recv = h(x, w, [2] * world)
+    h.synchronize()
+    assert recv.cpu().tolist() == [2] * world
 
 
-def check_gemv_mismatch(arena, device, dtype, calls, rank, world):
-    # rank 0 passes a different N: every rank must raise before any kernel runs
-    n = 8 + (1 if rank == 0 else 0)
+def check_abort(ctx, dtype, calls):
+    # rank world-1 passes X of the wrong width: it raises at once, the others raise
+    # InvalidArgumentError naming it at synchronize(), and the next call works everywhere
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    h = device_kernels(ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype))
+    g = torch.Generator().manual_seed(11)  # the same X and W on every rank
+    x, w = torch.randn(2 * world, 16, generator=g), torch.randn(16, 16, generator=g)
+    x, w = x.to(dev, dtype), w.to(dev, dtype)
+    bad = x[:, :8] if rank == world - 1 else x
     try:
-        gpu.gemv_all_reduce(arena, torch.randn(n, 4).to(device, dtype), torch.randn(4).to(device, dtype))
+        with torch.no_grad():
+            h(bad, w, [2] * world)
+        h.synchronize()
     except errors.InvalidArgumentError as exc:
+        ok = (rank == world - 1) or f"rank {world - 1} rejected" in str(exc)
+        assert ok, str(exc)
         print(f"RANK {rank} REJECTED {exc}", flush=True)
+    else:
+        raise AssertionError("the bad input was accepted")
+    with torch.no_grad():
+        out, recv = h(x, w, [2] * world)
+    h.synchronize()
+    ref = gemm_reference(torch.full((world, world, 1), 2), [x.cpu().float()] * world,
+                         [w.cpu().float()[None]] * world, rank, world, dtype)
+    e = rel_err(out[:2 * world], ref)
+    assert e < TOL[dtype], f"rank {rank}: relative error {e} after the abort"
+
+
+def check_gemv_mismatch(ctx, dtype, calls):
+    # rank 0 asks for a different N: handle creation raises on every rank
+    n = 8 + (1 if ctx.rank == 0 else 0)
+    try:
+        ops.GemvAllReduce(ctx, n, 4, dtype)
+    except errors.InvalidArgumentError as exc:
+        assert "N" in str(exc)
+        print(f"RANK {ctx.rank} REJECTED {exc}", flush=True)
         return
     raise AssertionError("mismatched N was accepted")
+
+
+def check_graph(ctx, dtype, calls):
+    # several calls of each handle captured in one CUDA graph, replayed: equal to eager
+    assert ctx.device.type == "cuda", "CUDA graphs need a GPU"
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    gemm = ops.GemmAllToAll(ctx, max_rows=64, K=32, N=48, dtype=dtype)
+    gemv = ops.GemvAllReduce(ctx, 96, 32, dtype)
+    emb = ops.EmbeddingAllToAll(ctx, [40, 50], 16, 8 * world, 256, "sum", dtype)
+    g = torch.Generator().manual_seed(77 + rank)
+    x = torch.randn(60, 32, generator=g).to(dev, dtype)
+    w = torch.randn(32, 48, generator=g).to(dev, dtype)
+    counts = torch.full((world,), 60 // world, dtype=torch.int64).to(dev)
+    wv, xv = torch.randn(96, 32, generator=g).to(dev, dtype), torch.randn(32, generator=g).to(dev, dtype)
+    tabs = [torch.randn(40, 16, generator=g).to(dev, dtype), torch.randn(50, 16, generator=g).to(dev, dtype)]
+    b = 8 * world
+    idx = [torch.randint(0, n, (3 * b,), generator=g).to(dev) for n in (40, 50)]
+    off = [torch.arange(0, 3 * b, 3, device=dev) for _ in tabs]
+
+    def step():
+        outs = []
+        for _ in range(3):
+            o, r = gemm(x, w, counts)
+            outs += [o[:int(60 // world * world)].clone(), r.clone()]
+            outs.append(gemv(wv, xv).clone())
+            outs.append(emb(tabs, idx, off).clone())
+        return outs
+
+    with torch.no_grad():
+        eager = step()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()  # warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(stream)
+        ctx.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        for _ in range(4):
+            graph.replay()
+            torch.cuda.synchronize()
+            for a, b_ in zip(eager, captured):
+                assert torch.equal(a, b_), "a replayed call differs from eager"
+    for h in (gemm, gemv, emb):
+        h.synchronize()
+    # the host counts Python calls (3 eager, 3 warm-up, 3 captured); the device advanced its
+    # own epoch by 3 per replay too, and the replays stayed equal: no stale signal was taken
+    assert gemm.epoch == 9 and gemv.epoch == 9, (gemm.epoch, gemv.epoch)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("op")
-    ap.add_argument("arena")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--dtype", default="fp32")
     a = ap.parse_args()
-    comm = MPI.COMM_WORLD
-    rank, world = comm.Get_rank(), comm.Get_size()
-    arena, device = make_arena(a.arena, comm)
-    checks = {"gemm": check_gemm, "gemm_grouped": check_gemm_grouped,
+    ctx = rocmoe.init(heap_size=256 << 20,
+                      timeout_s=float(os.environ.get("ROCMOE_TIMEOUT_S", 30)))
+    checks = {"gemm": check_gemm, "gemm_grouped": check_gemm_grouped, "rows": check_rows,
               "embedding": check_embedding, "gemv": check_gemv,
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
-              "gemv_mismatch": check_gemv_mismatch}
-    # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once
-    # a failing op / dtype is reported and the next one still runs: one GPU job shows every
-    # problem at once (the exit status still says that something failed)
+              "abort": check_abort, "gemv_mismatch": check_gemv_mismatch, "graph": check_graph}
+    # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once; a failing
+    # op / dtype is reported and the next one still runs (the exit status says it failed)
     failed = 0
     for op in a.op.split(","):
         for dname in a.dtype.split(","):
             try:
-                checks[op](arena, device, DTYPES[dname], a.calls, rank, world)
-                if device.type == "cuda":
+                checks[op](ctx, DTYPES[dname], a.calls)
+                if ctx.device.type == "cuda":
                     torch.cuda.synchronize()
             except Exception:
-                import traceback
                 failed += 1
-                print(f"RANK {rank} FAIL {op} {dname}:\n{traceback.format_exc()}", flush=True)
+                print(f"RANK {ctx.rank} FAIL {op} {dname}:\n{traceback.format_exc()}", flush=True)
+                if op == "gemm_timeout":
+                    break  # the handles of this context are broken now
                 continue
-            print(f"RANK {rank} OK {op} {dname}", flush=True)
-    arena.barrier()
+            print(f"RANK {ctx.rank} OK {op} {dname}", flush=True)
+    if "gemm_timeout" not in a.op:
+        ctx.barrier()
     sys.exit(1 if failed else 0)
 
 

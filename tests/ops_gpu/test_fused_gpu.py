@@ -1,44 +1,55 @@
-"""GPU path of the fused ops on a real GPU (skipped on CPU-only machines): every op, every
-dtype, 1, 2 and 4 ranks (ranks share the GPUs when there are fewer), both arenas: the
-ipc backend's heap (rocmoe.init) when librocmoe has a GPU build, and device memory shared
-through torch's IPC handles."""
+"""The fused-op handles' device kernels on a real GPU (skipped on CPU-only machines): every
+op and dtype at 1, 2 and 4 ranks (ranks share the GPU when there are fewer), the protocol's
+failure cases (a missing peer, bad device counts, a rank that rejects its input), and
+several calls of each handle captured in a CUDA graph and replayed."""
 
 import pytest
-import torch
 
 from gpu_testing import SCRIPT, librocmoe_has_gpu, require_gpu
 from rocmoe_testing import mpi_env, run_mpi
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
-OPS = ["gemm", "embedding", "gemv"]
+OPS = ["gemm", "gemm_grouped", "rows", "embedding", "gemv"]
+
+
+def _require_gpu_build():
+    require_gpu()
+    if not librocmoe_has_gpu():
+        pytest.fail("librocmoe was built without a GPU platform on a machine with a GPU")
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
-@pytest.mark.parametrize("arena", ["torchipc", "context"])
-def test_fused_ops_match_reference_on_gpu(arena, ranks):
-    require_gpu()
-    if not librocmoe_has_gpu():
-        pytest.skip("librocmoe was built without a GPU platform")
-    if arena == "context" and "ipc" not in _native_backends():
-        pytest.skip("librocmoe has no ipc backend")
-    # every op and dtype in one job per (arena, ranks): start-up is paid once
-    proc = run_mpi(SCRIPT, ranks, ",".join(OPS), arena, "--calls", "4",
-                   "--dtype", "fp32,bf16,fp16", timeout=400, env=mpi_env(ROCMOE_TIMEOUT_S="60"))
-    assert proc.returncode == 0, f"{arena}:\n{proc.stdout}"
+def test_handles_match_reference_on_gpu(ranks):
+    _require_gpu_build()
+    # every op and dtype in one job per rank count: start-up is paid once
+    proc = run_mpi(SCRIPT, ranks, ",".join(OPS), "--calls", "4", "--dtype", "fp32,bf16,fp16",
+                   timeout=500, env=mpi_env(ROCMOE_TIMEOUT_S="60"))
+    assert proc.returncode == 0, proc.stdout
     for op in OPS:
         for dtype in ("fp32", "bf16", "fp16"):
-            assert proc.stdout.count(f"OK {op} {dtype}") == ranks, f"{arena}:\n{proc.stdout}"
+            assert proc.stdout.count(f"OK {op} {dtype}") == ranks, proc.stdout
 
 
-def _native_backends():
-    from rocmoe import _native
-    return _native.backends_compiled()
-
-
-def test_missing_signal_times_out_on_gpu():
-    require_gpu()
-    proc = run_mpi(SCRIPT, 2, "gemm_timeout", "torchipc", timeout=300,
-                   env=mpi_env(ROCMOE_TIMEOUT_S="3"))
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_handles_replay_from_cuda_graphs_equal_to_eager(ranks):
+    _require_gpu_build()
+    proc = run_mpi(SCRIPT, ranks, "graph", "--dtype", "bf16,fp32", timeout=300,
+                   env=mpi_env(ROCMOE_TIMEOUT_S="60"))
     assert proc.returncode == 0, proc.stdout
-    assert "RANK 0 TIMEOUT" in proc.stdout, proc.stdout
+    assert proc.stdout.count("OK graph") == 2 * ranks, proc.stdout
+
+
+def test_bad_device_counts_and_a_rejected_input_raise_on_every_rank_on_gpu():
+    _require_gpu_build()
+    proc = run_mpi(SCRIPT, 2, "bad_counts,abort,gemv_mismatch", "--dtype", "bf16", timeout=300,
+                   env=mpi_env(ROCMOE_TIMEOUT_S="30"))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("REJECTED") == 6, proc.stdout
+
+
+def test_missing_peer_times_out_on_gpu():
+    _require_gpu_build()
+    proc = run_mpi(SCRIPT, 2, "gemm_timeout", "--dtype", "bf16", timeout=300,
+                   env=mpi_env(ROCMOE_TIMEOUT_S="3"))
+    assert "RANK 0 TIMEOUT" in proc.stdout and "rank(s) [1]" in proc.stdout, proc.stdout

@@ -1,7 +1,8 @@
-"""The Triton GEMM+All-to-All kernel and its signal protocol, run by the Triton interpreter
-on CPU processes whose "peers" are the host backend's shared-memory heap: the same kernel
-source, the same schedule, stores through peer base pointers, epoch signals, acks, and
-bounded waits as on a GPU (no GPU needed, runs in CI)."""
+"""The Triton kernels of the GemmAllToAll / AllToAllRows handles and their protocol, run by
+the Triton interpreter on CPU processes whose "peers" are the host backend's shared-memory
+heap: the same kernel source, the same schedule, stores through peer base pointers, epochs
+in the workspace, counts with the data, acks, status words and bounded waits as on a GPU
+(no GPU needed, runs in CI)."""
 
 import pytest
 
@@ -21,36 +22,41 @@ def _env(**extra):
 def test_gemm_all_to_all_matches_reference_over_repeated_calls(ranks):
     # fp32 and fp16 only: Triton 3.9's interpreter computes tl.dot of bfloat16 operands
     # wrongly (reinterprets the bits; a 16x16 product is off by 1e10), compiled code is fine
-    proc = run_mpi(SCRIPT, ranks, "gemm", "context", "--calls", "3", "--dtype", "fp32,fp16",
+    proc = run_mpi(SCRIPT, ranks, "gemm,rows", "--calls", "3", "--dtype", "fp32,fp16",
                    timeout=300, env=_env(ROCMOE_TIMEOUT_S="30"))
     assert proc.returncode == 0, proc.stdout
-    assert proc.stdout.count("OK gemm") == 2 * ranks, proc.stdout
+    assert proc.stdout.count("OK gemm ") == 2 * ranks, proc.stdout
+    assert proc.stdout.count("OK rows ") == 2 * ranks, proc.stdout
 
 
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_grouped_gemm_all_to_all_matches_reference(ranks):
     # W [G, K, N]: each destination's rows are G segments, each through its own W[g]
-    proc = run_mpi(SCRIPT, ranks, "gemm_grouped", "context", "--calls", "2", "--dtype",
+    proc = run_mpi(SCRIPT, ranks, "gemm_grouped", "--calls", "2", "--dtype",
                    "fp32,fp16", timeout=300, env=_env(ROCMOE_TIMEOUT_S="30"))
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.count("OK gemm_grouped") == 2 * ranks, proc.stdout
 
 
 def test_missing_peer_signal_times_out_with_comm_timeout_error():
-    proc = run_mpi(SCRIPT, 2, "gemm_timeout", "context", timeout=240,
-                   env=_env(ROCMOE_TIMEOUT_S="2"))
-    assert proc.returncode == 0, proc.stdout
+    proc = run_mpi(SCRIPT, 2, "gemm_timeout", timeout=240, env=_env(ROCMOE_TIMEOUT_S="2"))
     assert "RANK 0 TIMEOUT" in proc.stdout and "rank(s) [1]" in proc.stdout, proc.stdout
 
 
-def test_inconsistent_send_counts_rejected_on_every_rank():
-    proc = run_mpi(SCRIPT, 2, "bad_counts", "context", timeout=240, env=_env())
+def test_bad_device_counts_are_reported_by_every_rank_and_the_handle_stays_usable():
+    proc = run_mpi(SCRIPT, 2, "bad_counts", timeout=240, env=_env())
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("REJECTED") == 2, proc.stdout
+
+
+def test_a_rejected_input_aborts_the_call_on_every_rank_without_a_hang():
+    proc = run_mpi(SCRIPT, 2, "abort", timeout=240, env=_env())
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.count("REJECTED") == 2, proc.stdout
 
 
 def test_gemv_with_different_n_rejected_on_every_rank():
-    # the agreement runs before any launch, so it is checked here on the host backend too
-    proc = run_mpi(SCRIPT, 2, "gemv_mismatch", "context", timeout=240, env=_env())
+    # handle creation agrees on N before anything is allocated or launched
+    proc = run_mpi(SCRIPT, 2, "gemv_mismatch", timeout=240, env=_env())
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.count("REJECTED") == 2, proc.stdout

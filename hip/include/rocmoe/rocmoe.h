@@ -151,13 +151,32 @@ int rocmoe_ipc_wait_verify(rocmoe_ctx *ctx, uint64_t sig_offset, uint64_t value,
 /* host segments left behind by crashed jobs (name prefix "rocmoe.") */
 int rocmoe_host_segment_owner(const char *name, int *pid, int *alive);
 
-/* ---- fused ops (issue 3): host persistent kernels, hip/src/host/fused_ops.cpp ----
- * Each call runs the schedule of rocmoe/schedule.h on worker threads of this rank and puts
- * its slices into the peers' receive buffers (memcpy into their mappings), then waits for
- * every source's slice and copies the received data to `out`. The caller (rocmoe.ops) has
- * validated the inputs on every rank and agreed on the sizes before calling: these entry
- * points recheck only what could corrupt memory. Workspace sizes and the slot layout are
- * given by the *_workspace functions (same on every rank for the same arguments). */
+/* ---- fused ops: one protocol for every backend (DESIGN.md, "Signal protocol") ----
+ *
+ * A fused op runs through a handle (rocmoe.ops.GemmAllToAll, EmbeddingAllToAll,
+ * GemvAllReduce): created collectively once, it owns one symmetric workspace whose layout is
+ * rocmoe_workspace_layout below (the same offsets on every rank; rocmoe/workspace.h has the
+ * __host__ __device__ accessors). A call of the handle touches no host collective:
+ *
+ *   epoch     calls are numbered 1, 2, 3, ... per handle; on GPUs the number lives in the
+ *             workspace's local area and is advanced by the kernel itself (CUDA/HIP graphs
+ *             replay correctly); receive buffer e % 2 is used by call e (double buffering)
+ *   producer  before writing into destination d's buffer e % 2, wait until d acknowledged
+ *             call e - 2 (acks[d] >= e - 2); write the data, then this rank's count for d
+ *             into d's count slot (parity e % 2, source me), then release-store e into d's
+ *             data signal for me, at system scope
+ *   consumer  wait until every source's data signal is >= e, read its count (rows, or the
+ *             global batch for the embedding; negative: the source sent no data, see
+ *             ROCMOE_COUNT_*), copy the data out, then store e into every source's ack slot
+ *   abort     a rank that rejects its own input calls the op's abort entry point instead:
+ *             it writes ROCMOE_COUNT_ABORTED into every destination's count slot, signals,
+ *             and acknowledges, so its peers finish the call and report it, and every
+ *             rank's epoch stays the same
+ *
+ * Every wait is bounded (timeout_s). On the host backend a call returns an error code at
+ * once (ROCMOE_ERR_TIMEOUT, ROCMOE_ERR_INVALID naming the aborting rank). GPU kernels record
+ * status words (ROCMOE_STATUS_*) in host-mapped memory instead; rocmoe.ops raises them at
+ * the handle's next call, at handle.synchronize() or at ctx.barrier(). */
 enum {
     ROCMOE_DTYPE_F32 = 0,
     ROCMOE_DTYPE_BF16 = 1,
@@ -169,24 +188,81 @@ enum {
     ROCMOE_BAG_MEAN = 1
 };
 
+enum {
+    ROCMOE_OP_EMBEDDING_A2A = 1,     /* capacity: max global batch; width: total tables x dim */
+    ROCMOE_OP_GEMV_ALLREDUCE = 2,    /* capacity: N */
+    ROCMOE_OP_GEMM_A2A = 3           /* capacity: max rows one source sends one destination;
+                                        width: N (also the plain row exchange: N = row width) */
+};
+
+/* count-slot values below zero: the source sent no data in this call */
+enum {
+    ROCMOE_COUNT_ABORTED = -1,       /* it rejected its own input (before any write) */
+    ROCMOE_COUNT_BAD_INPUT = -2      /* its kernel found bad input (an index out of range) */
+};
+
+/* status words (int32, host-readable; one set per handle): 0 is fine */
+enum {
+    ROCMOE_STATUS_OK = 0,
+    ROCMOE_STATUS_TIMEOUT = 1,       /* a bounded wait ran out */
+    ROCMOE_STATUS_PEER_ABORTED = 2,  /* the peer rejected its input (its count slot said so) */
+    ROCMOE_STATUS_PEER_BAD_INPUT = 3,/* the peer's kernel found bad input */
+    ROCMOE_STATUS_BAD_COUNT = 4,     /* the peer's count exceeds the handle's capacity */
+    ROCMOE_STATUS_MISMATCH = 5,      /* the peer's count differs from ours (embedding batch) */
+    ROCMOE_STATUS_BAD_INPUT = 6      /* this rank's input was bad (found on the device) */
+};
+
+/* Where everything of one handle's workspace is: byte offsets from the workspace's start
+ * (its heap offset is the same on every rank). Filled by rocmoe_workspace_layout_init; read
+ * by the host backend, the HIP kernels and (through cffi) the Triton launchers. */
+typedef struct rocmoe_workspace_layout {
+    int32_t op;                /* ROCMOE_OP_* */
+    int32_t world;
+    int32_t dtype;             /* ROCMOE_DTYPE_* of the data */
+    int32_t elem_bytes;
+    int64_t capacity;          /* see ROCMOE_OP_* */
+    int64_t width;             /* elements per row (embedding: total_tables * dim) */
+    int64_t aux;               /* embedding: dim; others 0 */
+    uint64_t data_signals;     /* uint64 [world], by source: epoch of its last delivery */
+    uint64_t acks;             /* uint64 [world], by destination: epoch it finished reading */
+    uint64_t phase2_signals;   /* uint64 [world], by owner (GEMV's all-gather) */
+    uint64_t counts;           /* int64 [2][world], by parity and source */
+    uint64_t local;            /* this rank's own state: uint64 epoch, then uint32 counters */
+    uint64_t counters;         /* uint32 [counter_words], inside local (workspace.h) */
+    uint64_t recv;             /* receive buffers, buffer p at recv + p * parity_bytes */
+    uint64_t parity_bytes;
+    uint64_t source_bytes;     /* GEMM: one source's region inside a buffer (fixed stride) */
+    uint64_t gather_offset;    /* GEMV: where y [N] starts inside a buffer (after partials) */
+    uint64_t total_bytes;      /* the whole workspace, 256-byte aligned */
+    uint64_t counter_words;    /* uint32 counters at `counters` */
+    uint64_t status_words;     /* int32 status words of the handle (not in the heap) */
+} rocmoe_workspace_layout;
+
+/* op-specific sizes: embedding (max_batch, total_tables, dim), GEMV (n, 0, 0),
+ * GEMM (max_rows_per_source, n, 0) */
+int rocmoe_workspace_layout_init(int op, int world, int dtype, int64_t a, int64_t b, int64_t c,
+                                 rocmoe_workspace_layout *out);
+/* sizeof(rocmoe_workspace_layout) as compiled into librocmoe (checked by rocmoe.ops) */
+size_t rocmoe_workspace_layout_size(void);
+
+/* What every host-backend call of a handle passes. */
 typedef struct rocmoe_fused_common {
-    uint64_t epoch;          /* this call's number for the op, 1, 2, 3, ... (signals never reset) */
-    uint64_t signal_offset;  /* heap offset of the op's uint64 signal slots */
-    uint64_t recv_offset;    /* heap offset of the op's receive buffer (same on every rank) */
-    uint64_t recv_bytes;     /* its capacity in bytes */
+    const rocmoe_workspace_layout *layout;
+    uint64_t workspace;      /* heap offset of the handle's workspace */
+    uint64_t epoch;          /* this call's number, 1, 2, 3, ... */
     int workers;             /* worker threads; <= 0: ROCMOE_HOST_WORKERS or min(4, cores) */
     int ranks_per_node;      /* for the remote-first order; <= 0: one node */
     double timeout_s;        /* bound of every wait; <= 0: the context's */
+    int64_t *recv_counts;    /* [world] out: each source's count (rows / global batch) */
 } rocmoe_fused_common;
 
 typedef struct rocmoe_embedding_a2a_args {
     rocmoe_fused_common common;
-    int dtype;                       /* of the tables and of out */
     int mode;                        /* ROCMOE_BAG_* */
     int num_tables;                  /* this rank's tables (0 allowed) */
     int total_tables;                /* over all ranks */
     int table_base;                  /* global index of this rank's first table */
-    int64_t batch;                   /* global batch, a multiple of the world size */
+    int64_t batch;                   /* global batch of this call, <= the layout's capacity */
     int64_t dim;
     const void *const *weights;      /* num_tables x [rows, dim], contiguous */
     const int64_t *rows;             /* num_tables */
@@ -201,7 +277,6 @@ typedef struct rocmoe_embedding_a2a_args {
 
 typedef struct rocmoe_gemv_allreduce_args {
     rocmoe_fused_common common;
-    int dtype;                       /* of w, x and out */
     int64_t n, k;
     const void *w;                   /* [n, k] row-major, contiguous */
     const void *x;                   /* [k] */
@@ -211,15 +286,13 @@ typedef struct rocmoe_gemv_allreduce_args {
 
 typedef struct rocmoe_gemm_a2a_args {
     rocmoe_fused_common common;
-    int dtype;                       /* of x, y and out */
     int64_t m, k, n;
     const void *x;                   /* [m, k], dtype; NULL when y is given */
     const float *w;                  /* [k, n] fp32 (accumulation is fp32) */
     const void *y;                   /* NULL: compute x @ w here; else [m, n] rows to send */
     const int64_t *send_counts;      /* world: rows for each destination, in row order */
-    const int64_t *dest_row_offsets; /* world: first row of this rank's part in each dest */
-    int64_t recv_rows;               /* rows this rank receives in all */
-    void *out;                       /* [recv_rows, n] */
+    void *out;                       /* [world * capacity, n]: rows from source 0 first,
+                                        packed; common.recv_counts says how many from each */
     /* Grouped products (0: one W). With groups = G > 0, w is [G, k, n] fp32 and each
      * destination's rows are G consecutive segments, group_counts[d * G + g] rows for group
      * g (summing to send_counts[d]); segment (d, g) is multiplied by W[g]. */
@@ -227,30 +300,23 @@ typedef struct rocmoe_gemm_a2a_args {
     const int64_t *group_counts;     /* [world * groups] */
 } rocmoe_gemm_a2a_args;
 
-/* bytes of receive buffer and number of signal slots each op needs */
-int rocmoe_embedding_a2a_workspace(int world, int64_t batch, int total_tables, int64_t dim,
-                                   int dtype, uint64_t *recv_bytes, uint64_t *signal_slots);
-int rocmoe_gemv_allreduce_workspace(int world, int64_t n, int dtype, uint64_t *recv_bytes,
-                                    uint64_t *signal_slots);
-int rocmoe_gemm_a2a_workspace(int world, int64_t recv_rows, int64_t n, int dtype,
-                              uint64_t *recv_bytes, uint64_t *signal_slots);
-
 int rocmoe_host_embedding_a2a(rocmoe_ctx *ctx, const rocmoe_embedding_a2a_args *args);
 int rocmoe_host_gemv_allreduce(rocmoe_ctx *ctx, const rocmoe_gemv_allreduce_args *args);
 int rocmoe_host_gemm_a2a(rocmoe_ctx *ctx, const rocmoe_gemm_a2a_args *args);
+/* this rank rejected its input: take part in the call without data (see "abort" above) */
+int rocmoe_host_fused_abort(rocmoe_ctx *ctx, const rocmoe_fused_common *common);
 /* worker threads a fused op uses when common.workers <= 0 */
 int rocmoe_host_default_workers(void);
 
 /* ---- fused ops (GPU): persistent kernels, hip/src/gpu/fused_*.hip ----
  * Called by rocmoe/ops/gpu.py. Each call enqueues on `fused.stream` (hipStream_t /
- * cudaStream_t; NULL = the default stream) and returns: the producer kernel (schedule.h:
- * remote-first slices, atomic task counter, per-slice done counters; tiles stored straight
- * into the destinations' heaps; the completer of a slice stores the epoch into the
- * destination's slot with release semantics at system scope), then the consumer's bounded
- * wait. Timeouts are recorded in `status` (read it after the stream ran), never hang.
- * Addresses are this rank's view of symmetric objects; peers are reached through
- * team.peer_bases. `slots` holds 3 * world int64: data signals by source, acks by
- * destination (receive buffer free again), second-phase signals by owner. */
+ * cudaStream_t; NULL = the default stream) and returns at once: no host synchronisation, so
+ * a call can be captured in a CUDA/HIP graph. The kernels read and advance the epoch in the
+ * workspace's local area, run the schedule (remote-first slices, atomic task counter,
+ * per-slice done counters; the completer of a slice writes the count and signals), wait
+ * (bounded) for every source, copy the result out and acknowledge. Problems become status
+ * words in `status` (host-mapped memory: the host reads them without a copy). Peers are
+ * reached through team.peer_bases and the shmem facade (rocmoe/shmem.h). */
 typedef struct rocmoe_gpu_team {
     const void *peer_bases;  /* device array [world] of heap bases as seen by this process */
     int rank;
@@ -259,51 +325,55 @@ typedef struct rocmoe_gpu_team {
 } rocmoe_gpu_team;
 
 typedef struct rocmoe_gpu_fused {
-    uint64_t epoch;          /* 1, 2, 3, ... per op; receive buffer = epoch parity's */
-    void *slots;             /* heap: int64 [3 * world] */
-    void *recv;              /* heap: this call's receive buffer */
+    rocmoe_workspace_layout layout;
+    void *workspace;         /* this rank's address of the handle's workspace (heap) */
     void *stage;             /* device scratch for scale-out puts (rows this rank sends, by
                                 destination); NULL when every peer is load/store reachable */
-    void *counters;          /* device uint32 [3 + 2 * world], zero before the first call */
-    int *status;             /* device int32 [3 * world]: 0 ok, 1 wait timed out */
+    int *status;             /* device address of the handle's host-mapped status words */
     int workgroups;          /* <= 0: per compute unit count */
-    int signal_enabled;      /* 0: no acks, done counters, signals or waits (benchmarks) */
     double timeout_s;        /* bound of every wait */
     void *stream;
 } rocmoe_gpu_fused;
 
+typedef struct rocmoe_gpu_table {
+    const void *weights;     /* [rows, dim] */
+    const int64_t *indices;  /* [num_indices] */
+    const int64_t *offsets;  /* [batch] bag starts */
+    const float *per_sample_weights;  /* [num_indices] or NULL */
+    int64_t rows;
+    int64_t num_indices;
+} rocmoe_gpu_table;
+
 typedef struct rocmoe_gpu_embedding_args {
     rocmoe_gpu_team team;
     rocmoe_gpu_fused fused;
-    int dtype;               /* ROCMOE_DTYPE_* of the tables and the output */
     int mode;                /* ROCMOE_BAG_* */
     int num_tables;          /* this rank's tables (0 allowed: signals only) */
     int total_tables;
     int table_base;          /* global index of this rank's first table */
-    int has_per_sample_weights;
-    int64_t batch;           /* global batch, a multiple of world */
+    int64_t batch;           /* global batch of this call, a multiple of world */
     int64_t dim;
-    /* device int64 [6 * num_tables]: weight, index, offset, per-sample-weight (fp32) base
-     * addresses, then rows and number of indices of each table */
-    const int64_t *tables;
+    /* the tables: up to rocmoe_gpu_embedding_inline_tables() travel inside the launch's
+     * arguments (from this host array, nothing to copy per call); more are read from
+     * `device_tables`, a device array of the same records */
+    const rocmoe_gpu_table *tables;
+    const rocmoe_gpu_table *device_tables;
+    void *out;               /* [batch / world, total_tables, dim] of the layout's dtype */
 } rocmoe_gpu_embedding_args;
 
 typedef struct rocmoe_gpu_gemv_args {
     rocmoe_gpu_team team;
     rocmoe_gpu_fused fused;
-    int dtype;
     int64_t n, k;            /* W [n, k] row-major, x [k] */
     const void *w;
     const void *x;
-    uint64_t gather_offset;  /* bytes into recv where the all-gathered y [n] lands; recv
-                                starts with fp32 partials [world][ceil(n / world)] */
-    void *out;               /* optional y [n] of the op's dtype: when set, the op itself
-                                waits, copies y there and acknowledges the peers (the
-                                caller launches no wait, copy or ack); NULL: y stays in recv */
+    void *out;               /* y [n] of the layout's dtype */
 } rocmoe_gpu_gemv_args;
 
-int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *args);
-int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args);
+/* enqueue the op (abort = 1: this rank rejected its input; only `team` and `fused` are read) */
+int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *args, int abort);
+int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args, int abort);
+int rocmoe_gpu_embedding_inline_tables(void);
 
 /* ROCMOE_CDEF_END */
 

@@ -14,6 +14,8 @@
  *                                         stores, nullptr if pe is not directly reachable
  *   put_nbi_wg(team, dst, src, n, pe)     workgroup-collective copy of n bytes into pe's
  *                                         dst (every thread calls with the same arguments)
+ *   put_u64(team, dst, v, pe)             one thread: a 64-bit value into pe's dst (ordered
+ *                                         before a later signal_set by its fence)
  *   fence(team)                           orders this thread's earlier puts before later ones
  *   quiet(team)                           completes this thread's earlier puts
  *   signal_set(team, sig, v, pe)          one thread: fence, then a system-scope release

@@ -63,6 +63,12 @@ __device__ __forceinline__ void put_nbi_wg(const Team &team, void *dst, const vo
     copy_wg(peer_ptr(team, dst, pe), src, n);
 }
 
+/* One thread: a 64-bit value into pe's dst (a count that travels with the data; the
+ * signal_set that follows orders it before the signal). */
+__device__ __forceinline__ void put_u64(const Team &team, uint64_t *dst, uint64_t value, int pe) {
+    *static_cast<volatile uint64_t *>(peer_ptr(team, dst, pe)) = value;
+}
+
 /* Direct stores complete in program order once made visible system-wide; one system
  * fence does both jobs. */
 __device__ __forceinline__ void fence(const Team &) { __threadfence_system(); }

@@ -51,6 +51,10 @@ __device__ __forceinline__ void put_nbi_wg(const Team &, void *dst, const void *
     nvshmemx_putmem_nbi_block(dst, src, n, pe);
 }
 
+__device__ __forceinline__ void put_u64(const Team &, uint64_t *dst, uint64_t value, int pe) {
+    nvshmem_uint64_p(dst, value, pe);
+}
+
 __device__ __forceinline__ void fence(const Team &) { nvshmem_fence(); }
 __device__ __forceinline__ void quiet(const Team &) { nvshmem_quiet(); }
 

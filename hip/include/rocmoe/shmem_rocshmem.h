@@ -46,6 +46,11 @@ __device__ __forceinline__ void put_nbi_wg(const Team &, void *dst, const void *
     rocshmem::rocshmem_putmem_nbi_wg(dst, src, n, pe);
 }
 
+__device__ __forceinline__ void put_u64(const Team &, uint64_t *dst, uint64_t value, int pe) {
+    rocshmem::rocshmem_ulonglong_p(reinterpret_cast<unsigned long long *>(dst),
+                                   static_cast<unsigned long long>(value), pe);
+}
+
 __device__ __forceinline__ void fence(const Team &) { rocshmem::rocshmem_fence(); }
 __device__ __forceinline__ void quiet(const Team &) { rocshmem::rocshmem_quiet(); }
 

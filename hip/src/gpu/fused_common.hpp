@@ -9,6 +9,7 @@
 #include "rocmoe/rocmoe.h"
 #include "rocmoe/schedule.h"
 #include "rocmoe/shmem.h"
+#include "rocmoe/workspace.h"
 
 #if defined(ROCMOE_PLATFORM_AMD)
 #include <hip/hip_fp16.h>
@@ -91,21 +92,45 @@ __device__ __forceinline__ float wave_sum(float v) {
 }
 
 // --- what every fused kernel gets ---------------------------------------------------
+// The handle's workspace (rocmoe/workspace.h) seen from this rank, the team, the status words.
 struct Common {
     shmem::Team team;
     sched::Topology topo;
-    uint64_t epoch;
-    uint64_t *slots;          // this rank's [3 * world] int64 slots (heap)
-    uint32_t *counters;       // [2 + world]: next_task, exited, slice_done[world]
-    int *status;              // [3 * world]
+    rocmoe_workspace_layout layout;
+    char *ws;                 // this rank's address of the workspace (heap)
+    char *stage;              // scale-out staging (a receive buffer's layout per destination)
+    int *status;              // host-mapped status words [layout.status_words]
     uint64_t timeout_ns;
-    int signal_enabled;
 
-    ROCMOE_HD uint64_t *data_signal(int source) const { return slots + source; }
-    ROCMOE_HD uint64_t *ack(int dest) const { return slots + topo.world + dest; }
-    ROCMOE_HD uint64_t *phase2_signal(int owner) const { return slots + 2 * topo.world + owner; }
-    ROCMOE_HD sched::Counters sched_counters() const {
-        return sched::Counters{counters, counters + 1, counters + 2};
+    // this rank's address of a slot or buffer (the facade finds a peer's copy)
+    __device__ uint64_t *word(uint64_t offset) const {
+        return reinterpret_cast<uint64_t *>(ws + offset);
+    }
+    __device__ uint64_t *data_signal(int source) const { return word(ws::data_signal(layout, source)); }
+    __device__ uint64_t *ack(int dest) const { return word(ws::ack(layout, dest)); }
+    __device__ uint64_t *phase2_signal(int owner) const {
+        return word(ws::phase2_signal(layout, owner));
+    }
+    __device__ uint64_t *count_slot(uint64_t epoch, int source) const {
+        return word(ws::count_slot(layout, epoch, source));
+    }
+    __device__ char *recv(uint64_t epoch) const { return ws + ws::recv_buffer(layout, epoch); }
+    __device__ uint64_t *epoch_word() const { return word(ws::epoch_word(layout)); }
+    __device__ uint32_t *counters() const {
+        return reinterpret_cast<uint32_t *>(ws + layout.counters);
+    }
+    __device__ sched::Counters sched_counters(int phase) const {
+        uint32_t *c = counters();
+        return sched::Counters{c + ws::next_task_counter(), c + ws::exited_counter(),
+                               c + ws::slice_done_counter(topo.world, phase, 0)};
+    }
+    // this call's epoch: the last one stored, plus one (the kernel that starts a call)
+    __device__ uint64_t next_epoch() const {
+        return *reinterpret_cast<const volatile uint64_t *>(epoch_word()) + 1;
+    }
+    __device__ void record(uint32_t index, int code, uint64_t epoch) const {
+        status[index] = code;
+        status[ws::status_epoch(topo.world)] = int(epoch & 0x7fffffffu);
     }
 };
 
@@ -117,40 +142,76 @@ struct AckCache {
 
 // One thread (thread 0) calls: true when `dest` may be written in this call; false when the
 // wait for its acknowledgement timed out (status recorded, nothing may be written).
-__device__ __forceinline__ bool wait_dest_free(const Common &c, AckCache &cache, int dest) {
-    if (!c.signal_enabled || c.epoch <= 2) return true;
+__device__ __forceinline__ bool wait_dest_free(const Common &c, AckCache &cache, int dest,
+                                               uint64_t epoch) {
+    if (epoch <= 2) return true;
     const uint64_t bit = dest < 64 ? (1ull << dest) : 0ull;
     if (bit && (cache.ready_mask & bit)) return true;
     uint64_t seen = 0;
-    const int rc = shmem::wait_until(c.team, c.ack(dest), shmem::kCmpGe, c.epoch - 2,
+    const int rc = shmem::wait_until(c.team, c.ack(dest), shmem::kCmpGe, epoch - 2,
                                      c.timeout_ns, &seen);
     if (rc != shmem::kWaitOk) {
-        atomicExch(c.status + dest, int(kTimedOut));
+        c.record(ws::status_ack(c.topo.world, dest), ROCMOE_STATUS_TIMEOUT, epoch);
         return false;
     }
     cache.ready_mask |= bit;
     return true;
 }
 
-// Consumer side: one thread per source waits until its slot reaches the epoch.
-__global__ void wait_slots_kernel(shmem::Team team, uint64_t *slots, int count, uint64_t epoch,
-                                  uint64_t timeout_ns, int *status);
+// One thread: the count that travels with the data, then the slice's signal (release at
+// system scope, ordered after the count by the facade's fence).
+__device__ __forceinline__ void deliver(const Common &c, int dest, uint64_t epoch, int64_t count,
+                                        bool phase2 = false) {
+    if (!phase2)
+        shmem::put_u64(c.team, c.count_slot(epoch, c.topo.rank), uint64_t(count), dest);
+    shmem::signal_set(c.team, phase2 ? c.phase2_signal(c.topo.rank) : c.data_signal(c.topo.rank),
+                      epoch, dest);
+}
 
-// Launch the consumer wait on `stream` (count threads, one per slot).
-int launch_wait(const Common &c, uint64_t *slots, int count, int *status, hipStream_t stream);
+// One thread: wait for source `s`'s delivery of this call and check its count; false (and
+// a status word) when it timed out or says the source sent nothing usable.
+__device__ __forceinline__ bool receive(const Common &c, int s, uint64_t epoch, int64_t capacity,
+                                        int64_t expect, bool phase2 = false) {
+    uint64_t seen = 0;
+    uint64_t *slot = phase2 ? c.phase2_signal(s) : c.data_signal(s);
+    const uint32_t where = phase2 ? ws::status_phase2(c.topo.world, s)
+                                  : ws::status_data(c.topo.world, s);
+    if (shmem::wait_until(c.team, slot, shmem::kCmpGe, epoch, c.timeout_ns, &seen) !=
+        shmem::kWaitOk) {
+        c.record(where, ROCMOE_STATUS_TIMEOUT, epoch);
+        return false;
+    }
+    if (phase2) return true;
+    const int64_t count = *reinterpret_cast<const volatile int64_t *>(c.count_slot(epoch, s));
+    int status = ws::count_status(count, capacity);
+    if (status == ROCMOE_STATUS_OK && expect >= 0 && count != expect) status = ROCMOE_STATUS_MISMATCH;
+    if (status != ROCMOE_STATUS_OK) {
+        c.record(where, status, epoch);
+        return false;
+    }
+    return true;
+}
 
-// Zero this call's status words ([3 * world] ints) on `stream`, right before the kernels:
-// clearing them from Python left the host's remaining launch work between the memset and
-// the first kernel, and the GPU idled through it.
-int clear_status(const Common &c, hipStream_t stream);
+// The call of a rank that rejected its input (rocmoe.h, "abort"): one thread.
+__global__ void abort_kernel(Common c, int phase2);
+
+// Copies `bytes` of this call's receive buffer to `out` (every workgroup a part), then the
+// last workgroup out acknowledges every source: their next-but-one call may write again.
+__global__ void copy_out_kernel(Common c, void *out, uint64_t bytes, uint64_t src_offset,
+                                uint32_t workers);
+
+// Launch the abort / copy-out kernels on `stream`.
+int launch_abort(const Common &c, int phase2, hipStream_t stream);
+int launch_copy_out(const Common &c, void *out, uint64_t bytes, uint64_t src_offset,
+                    hipStream_t stream);
 
 // Persistent grid size: enough workgroups to keep every compute unit busy, not more than
 // there are tasks (each surplus workgroup would only claim past the end and exit).
 int persistent_workgroups(int requested, uint32_t total_tasks, int per_cu);
 
 // Validate the team / fused arguments and fill `c`; returns ROCMOE_OK or a fail() code.
-int make_common(const rocmoe_gpu_team &team, const rocmoe_gpu_fused &fused, const char *op,
-                Common *c);
+int make_common(const rocmoe_gpu_team &team, const rocmoe_gpu_fused &fused, int op_code,
+                const char *op, Common *c);
 
 }  // namespace fused
 }  // namespace rocmoe

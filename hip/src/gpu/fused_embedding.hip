@@ -3,10 +3,20 @@
 // stores each bag straight into the rank that owns its sample.
 //
 //   slice  destination d: bags [d * B/world, (d+1) * B/world) of every local table, which
-//          land in d's receive buffer as one contiguous block [B/world, T_local, D] at
-//          element offset B/world * table_base * D (source blocks in global table order)
+//          land in d's receive buffer (parity epoch % 2) as one contiguous block
+//          [B/world, T_local, D] at element offset B/world * table_base * D
 //   task   kItemsPerTile consecutive (bag, table) items of a slice; an item is one output
 //          row of D elements; consecutive items are consecutive rows at the destination
+//
+// The handle protocol (rocmoe.h): the kernel takes this call's epoch from the workspace,
+// waits (bounded) for each destination's acknowledgement of call epoch - 2 before writing
+// into its buffer, and the completer of a slice writes the global batch into the
+// destination's count slot before the signal. An index outside its table or offsets out of
+// order are checked here, per bag: such a slice is signalled with ROCMOE_COUNT_BAD_INPUT
+// and this rank's own status word is set, so every rank raises and no rank waits. The last
+// workgroup out advances the epoch and waits for every source; a copy-out kernel then moves
+// the block into the output and acknowledges the sources. At world size 1 there is nobody to
+// talk to: the kernel writes the output itself, with no heap, no signal and no copy.
 //
 // Bandwidth: lanes of a wave split a row into 16-byte vectors (one group of lanes per
 // item, several items per wave when D is small), and four gathered rows are loaded before
@@ -20,14 +30,20 @@ namespace fused {
 namespace {
 
 constexpr int kItemsPerTile = 64;
+// tables that travel inside the launch's arguments (more: a device array)
+constexpr int kInlineTables = 32;
 
 struct EmbeddingParams {
-    const int64_t *tables;   // [6 * T]: weights, indices, offsets, psw, rows, num_indices
-    char *recv;              // this rank's receive buffer (symmetric)
-    char *stage;             // scale-out staging or nullptr
+    rocmoe_gpu_table inline_tables[kInlineTables];
+    const rocmoe_gpu_table *device_tables;  // nullptr: the inline ones
+    char *out;                               // world size 1: the output, written directly
     int64_t batch, dim, batch_local;
-    int num_tables, table_base, mode, has_psw;
+    int num_tables, table_base, total_tables, mode;
     uint32_t items_per_slice;  // batch_local * num_tables
+
+    __device__ const rocmoe_gpu_table &table(int t) const {
+        return device_tables != nullptr ? device_tables[t] : inline_tables[t];
+    }
 };
 
 // lanes that cooperate on one row: enough 16-byte vectors to cover D, a power of two, at
@@ -40,20 +56,24 @@ __device__ __forceinline__ int lanes_per_item(int64_t dim) {
     return g;
 }
 
-// One output row: bag `b` of local table `t`, written to `dst` (D elements of T).
+// One output row: bag `b` of local table `t`, written to `dst` (D elements of T). Returns
+// false when the bag's offsets or one of its indices are out of range (those contribute
+// nothing; the caller reports the slice as bad input).
 template <class T, bool kVec>
-__device__ __forceinline__ void bag_row(const EmbeddingParams &p, int t, int64_t b,
+__device__ __forceinline__ bool bag_row(const EmbeddingParams &p, int t, int64_t b,
                                         typename T::storage *dst, int lane, int group) {
     using S = typename T::storage;
-    const S *weights = reinterpret_cast<const S *>(p.tables[t]);
-    const int64_t *indices = reinterpret_cast<const int64_t *>(p.tables[p.num_tables + t]);
-    const int64_t *offsets = reinterpret_cast<const int64_t *>(p.tables[2 * p.num_tables + t]);
-    const float *psw = reinterpret_cast<const float *>(p.tables[3 * p.num_tables + t]);
-    const int64_t rows = p.tables[4 * p.num_tables + t];
-    const int64_t nidx = p.tables[5 * p.num_tables + t];
-    const int64_t begin = offsets[b];
-    const int64_t end = b + 1 < p.batch ? offsets[b + 1] : nidx;
-    const int64_t count = end > begin ? end - begin : 0;
+    const rocmoe_gpu_table &tab = p.table(t);
+    const S *weights = static_cast<const S *>(tab.weights);
+    const int64_t *indices = tab.indices;
+    const float *psw = tab.per_sample_weights;
+    const int64_t rows = tab.rows;
+    const int64_t nidx = tab.num_indices;
+    int64_t begin = tab.offsets[b];
+    int64_t end = b + 1 < p.batch ? tab.offsets[b + 1] : nidx;
+    bool ok = !(begin < 0 || end < begin || end > nidx || (b == 0 && begin != 0));
+    if (!ok) begin = end = 0;
+    const int64_t count = end - begin;
     const float scale = (p.mode == ROCMOE_BAG_MEAN && count > 0) ? 1.0f / float(count) : 1.0f;
     const int64_t D = p.dim;
 
@@ -69,9 +89,9 @@ __device__ __forceinline__ void bag_row(const EmbeddingParams &p, int t, int64_t
                 uint4 v[4];
                 for (int u = 0; u < 4; ++u) {
                     r[u] = indices[j + u];
-                    s[u] = p.has_psw ? psw[j + u] : 1.0f;
-                    // an out-of-range index was rejected by the caller; never read past a table
-                    if (r[u] < 0 || r[u] >= rows) { r[u] = 0; s[u] = 0.f; }
+                    s[u] = psw != nullptr ? psw[j + u] : 1.0f;
+                    // never read past a table: an index out of range contributes nothing
+                    if (r[u] < 0 || r[u] >= rows) { r[u] = 0; s[u] = 0.f; ok = false; }
                 }
                 for (int u = 0; u < 4; ++u)
                     v[u] = *reinterpret_cast<const uint4 *>(weights + r[u] * D + d0);
@@ -83,8 +103,8 @@ __device__ __forceinline__ void bag_row(const EmbeddingParams &p, int t, int64_t
             }
             for (; j < end; ++j) {
                 int64_t r = indices[j];
-                float s = p.has_psw ? psw[j] : 1.0f;
-                if (r < 0 || r >= rows) { r = 0; s = 0.f; }
+                float s = psw != nullptr ? psw[j] : 1.0f;
+                if (r < 0 || r >= rows) { r = 0; s = 0.f; ok = false; }
                 float f[V];
                 unpack<T>(*reinterpret_cast<const uint4 *>(weights + r * D + d0), f);
                 for (int i = 0; i < V; ++i) acc[i] += s * f[i];
@@ -97,13 +117,14 @@ __device__ __forceinline__ void bag_row(const EmbeddingParams &p, int t, int64_t
             float acc = 0.f;
             for (int64_t j = begin; j < end; ++j) {
                 int64_t r = indices[j];
-                float s = p.has_psw ? psw[j] : 1.0f;
-                if (r < 0 || r >= rows) { r = 0; s = 0.f; }
+                float s = psw != nullptr ? psw[j] : 1.0f;
+                if (r < 0 || r >= rows) { r = 0; s = 0.f; ok = false; }
                 acc += s * T::load(weights[r * D + d]);
             }
             dst[d] = T::store(acc * scale);
         }
     }
+    return ok;
 }
 
 template <class T, bool kVec>
@@ -112,19 +133,24 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
     using S = typename T::storage;
     extern __shared__ uint32_t plan_smem[];  // tasks_per_dest[world], prefix[world + 1]
     __shared__ sched::Task s_task;
-    __shared__ int s_valid, s_free;
+    __shared__ int s_valid, s_free, s_last;
+    __shared__ uint64_t s_epoch;
     const int world = c.topo.world;
+    const bool alone = world == 1;
     uint32_t *tasks_per_dest = plan_smem;
     uint32_t *prefix = plan_smem + world;
     const int tid = threadIdx.x;
     if (tid == 0) {
+        s_epoch = c.next_epoch();
         const uint32_t n = sched::tasks_for_rows(p.items_per_slice, kItemsPerTile);
         for (int d = 0; d < world; ++d) tasks_per_dest[d] = n;
         sched::build_task_prefix(c.topo, tasks_per_dest, prefix);
     }
     __syncthreads();
+    const uint64_t epoch = s_epoch;
     const sched::Plan plan{c.topo, prefix[world], prefix};
-    const sched::Counters counters = c.sched_counters();
+    const sched::Counters counters = c.sched_counters(0);
+    uint32_t *bad_flags = c.counters() + ws::bad_input_counter(world, 0);
     AckCache cache{0};
 
     const int group = lanes_per_item<T>(p.dim);
@@ -137,7 +163,7 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
         if (tid == 0) {
             sched::Task task;
             s_valid = sched::locate(plan, sched::claim(counters), &task) ? 1 : 0;
-            s_free = s_valid ? (wait_dest_free(c, cache, task.dest) ? 1 : 0) : 0;
+            s_free = s_valid ? (alone || wait_dest_free(c, cache, task.dest, epoch) ? 1 : 0) : 0;
             s_task = task;
         }
         __syncthreads();
@@ -148,39 +174,70 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
 
         const uint64_t first = sched::tile_begin(task.tile, kItemsPerTile, p.items_per_slice);
         const uint64_t last = sched::tile_end(task.tile, kItemsPerTile, p.items_per_slice);
-        // this rank's block at the destination, and the tile's first row in it
-        const size_t block_offset = size_t(p.batch_local) * p.table_base * row_bytes;
-        S *direct = static_cast<S *>(shmem::peer_ptr(c.team, p.recv + block_offset, task.dest));
-        S *stage = p.stage ? reinterpret_cast<S *>(
-                                 p.stage + size_t(task.dest) * p.items_per_slice * row_bytes)
-                           : nullptr;
-        S *out = direct ? direct : stage;
+        // item i of a slice is bag i / T_local, local table i % T_local; its row lands in the
+        // destination's [batch_local, T_total, D] buffer (the output's layout) at column
+        // table_base + t. Scale-out (a peer not load/store reachable): the rows go to this
+        // rank's stage (the same layout, per destination) and are put bag by bag.
+        S *out;
+        S *stage = nullptr;
+        if (alone) {
+            out = reinterpret_cast<S *>(p.out);
+        } else {
+            out = static_cast<S *>(shmem::peer_ptr(c.team, c.recv(epoch), task.dest));
+            if (out == nullptr && c.stage != nullptr) {
+                stage = reinterpret_cast<S *>(c.stage + size_t(task.dest) * c.layout.parity_bytes);
+                out = stage;
+            }
+        }
+        bool ok = true;
         if (free_to_write && out != nullptr && first < last) {
             for (uint64_t item = first + slot; item < last; item += concurrent) {
                 const int t = int(item % p.num_tables);
-                const int64_t b = int64_t(task.dest) * p.batch_local + int64_t(item / p.num_tables);
-                bag_row<T, kVec>(p, t, b, out + item * p.dim, lane, group);
+                const int64_t bag = int64_t(item / p.num_tables);
+                const int64_t b = int64_t(task.dest) * p.batch_local + bag;
+                S *row = out + (bag * p.total_tables + p.table_base + t) * p.dim;
+                ok = bag_row<T, kVec>(p, t, b, row, lane, group) && ok;
             }
-            if (direct == nullptr) {
-                // scale-out: the tile's rows are contiguous at the destination, one put
+            if (stage != nullptr) {
+                // this rank's columns of one bag are contiguous at the destination
                 __syncthreads();
-                shmem::put_nbi_wg(c.team, p.recv + block_offset + first * row_bytes,
-                                  stage + first * p.dim, (last - first) * row_bytes, task.dest);
+                const int64_t nt = p.num_tables;
+                for (int64_t bag = int64_t(first) / nt; bag * nt < int64_t(last); ++bag) {
+                    const int64_t i0 = bag * nt > int64_t(first) ? bag * nt : int64_t(first);
+                    const int64_t i1 = (bag + 1) * nt < int64_t(last) ? (bag + 1) * nt : int64_t(last);
+                    const size_t at = size_t(bag * p.total_tables + p.table_base + (i0 - bag * nt)) *
+                                      row_bytes;
+                    shmem::put_nbi_wg(c.team, c.recv(epoch) + at,
+                                      reinterpret_cast<const char *>(stage) + at,
+                                      size_t(i1 - i0) * row_bytes, task.dest);
+                }
                 shmem::quiet(c.team);
             }
         }
-        if (free_to_write && out == nullptr && tid == 0)
-            atomicExch(c.status + world + task.dest, int(kTimedOut));  // unreachable, no stage
+        if (!ok) atomicOr(bad_flags + task.dest, 1u);
+        if (free_to_write && out == nullptr && tid == 0)  // unreachable and no stage to put from
+            c.record(ws::status_data(world, task.dest), ROCMOE_STATUS_TIMEOUT, epoch);
 
-        if (c.signal_enabled && free_to_write && out != nullptr) {
+        if (free_to_write && out != nullptr) {
             // each thread makes its own stores visible system-wide before the one signal
             __threadfence_system();
             __syncthreads();
-            if (tid == 0 && sched::complete(counters, task))
-                shmem::signal_set(c.team, c.data_signal(c.topo.rank), c.epoch, task.dest);
+            if (tid == 0 && sched::complete(counters, task)) {
+                const bool bad = atomicExch(bad_flags + task.dest, 0u) != 0;
+                if (bad) c.record(ws::status_own(world), ROCMOE_STATUS_BAD_INPUT, epoch);
+                if (!alone) deliver(c, task.dest, epoch, bad ? ROCMOE_COUNT_BAD_INPUT : p.batch);
+            }
         }
     }
-    if (tid == 0) sched::exit_worker(counters, workers);
+    if (tid == 0) s_last = sched::exit_worker(counters, workers) ? 1 : 0;
+    __syncthreads();
+    if (!s_last || tid != 0) return;
+    // the last workgroup out: this call is this epoch now; every source's block must be in
+    // before the copy-out kernel that follows on the stream
+    __threadfence();
+    *c.epoch_word() = epoch;
+    if (alone) return;
+    for (int s = 0; s < world; ++s) receive(c, s, epoch, c.layout.capacity, p.batch);
 }
 
 template <class T>
@@ -207,61 +264,72 @@ int launch(const Common &c, const EmbeddingParams &p, int requested, hipStream_t
 }  // namespace fused
 }  // namespace rocmoe
 
-extern "C" int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *args) {
+extern "C" int rocmoe_gpu_embedding_inline_tables(void) { return rocmoe::fused::kInlineTables; }
+
+extern "C" int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *args, int abort) {
     using namespace rocmoe::fused;
     if (args == nullptr) return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: args is NULL");
     Common c;
-    int rc = make_common(args->team, args->fused, "embedding_all_to_all", &c);
+    int rc = make_common(args->team, args->fused, ROCMOE_OP_EMBEDDING_A2A, "embedding_all_to_all", &c);
     if (rc != ROCMOE_OK) return rc;
+    hipStream_t stream = static_cast<hipStream_t>(args->fused.stream);
+    if (abort) return launch_abort(c, 0, stream);
     const int world = args->team.world;
-    if (args->batch <= 0 || args->batch % world != 0)
+    const rocmoe_workspace_layout &l = args->fused.layout;
+    if (args->batch < 0 || args->batch % world != 0 || args->batch > l.capacity)
         return rocmoe::fail(ROCMOE_ERR_INVALID,
-                            "embedding_all_to_all: global batch %lld is not a positive multiple "
-                            "of the world size %d", (long long)args->batch, world);
-    if (args->dim <= 0 || args->num_tables < 0 || args->table_base < 0 ||
-        args->table_base + args->num_tables > args->total_tables)
+                            "embedding_all_to_all: global batch %lld is not a multiple of the "
+                            "world size %d up to the handle's %lld", (long long)args->batch, world,
+                            (long long)l.capacity);
+    if (args->dim != l.aux || args->num_tables < 0 || args->table_base < 0 ||
+        args->table_base + args->num_tables > args->total_tables ||
+        int64_t(args->total_tables) * args->dim != l.width)
         return rocmoe::fail(ROCMOE_ERR_INVALID,
-                            "embedding_all_to_all: dim %lld, tables [%d, %d) of %d are inconsistent",
-                            (long long)args->dim, args->table_base,
+                            "embedding_all_to_all: dim %lld, tables [%d, %d) of %d do not fit the "
+                            "handle", (long long)args->dim, args->table_base,
                             args->table_base + args->num_tables, args->total_tables);
-    if (args->num_tables > 0 && args->tables == nullptr)
+    if (args->num_tables > 0 && args->tables == nullptr && args->device_tables == nullptr)
         return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: table array is NULL");
+    if (args->num_tables > kInlineTables && args->device_tables == nullptr)
+        return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: %d tables need a device "
+                            "table array (at most %d travel inline)", args->num_tables, kInlineTables);
     if (args->mode != ROCMOE_BAG_SUM && args->mode != ROCMOE_BAG_MEAN)
         return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: mode %d is not sum/mean",
                             args->mode);
-    if (args->has_per_sample_weights && args->mode != ROCMOE_BAG_SUM)
-        return rocmoe::fail(ROCMOE_ERR_INVALID,
-                            "embedding_all_to_all: per_sample_weights need mode sum");
+    if (world == 1 && args->out == nullptr && args->batch > 0)
+        return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: out is NULL");
     const int64_t items = args->batch / world * args->num_tables;
     if (items > int64_t(UINT32_MAX) / 2)
         return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: %lld rows per destination "
                             "exceed the kernel's 32-bit task numbering", (long long)items);
 
-    EmbeddingParams p;
-    p.tables = args->tables;
-    p.recv = static_cast<char *>(args->fused.recv);
-    p.stage = static_cast<char *>(args->fused.stage);
+    EmbeddingParams p{};
+    if (args->num_tables <= kInlineTables) {
+        for (int t = 0; t < args->num_tables; ++t) p.inline_tables[t] = args->tables[t];
+        p.device_tables = nullptr;
+    } else {
+        p.device_tables = args->device_tables;
+    }
+    p.out = static_cast<char *>(args->out);
     p.batch = args->batch;
     p.dim = args->dim;
     p.batch_local = args->batch / world;
     p.num_tables = args->num_tables;
     p.table_base = args->table_base;
+    p.total_tables = args->total_tables;
     p.mode = args->mode;
-    p.has_psw = args->has_per_sample_weights;
     p.items_per_slice = uint32_t(items);
-    hipStream_t stream = static_cast<hipStream_t>(args->fused.stream);
-    rc = clear_status(c, stream);
-    if (rc != ROCMOE_OK) return rc;
 
-    switch (args->dtype) {
+    switch (l.dtype) {
         case ROCMOE_DTYPE_F32: rc = launch<F32>(c, p, args->fused.workgroups, stream); break;
         case ROCMOE_DTYPE_BF16: rc = launch<BF16>(c, p, args->fused.workgroups, stream); break;
         case ROCMOE_DTYPE_F16: rc = launch<F16>(c, p, args->fused.workgroups, stream); break;
         default:
-            return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: dtype %d unknown",
-                                args->dtype);
+            return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: dtype %d unknown", l.dtype);
     }
-    if (rc != ROCMOE_OK || !c.signal_enabled) return rc;
-    // consumer: every source's block of this call has arrived
-    return launch_wait(c, c.slots, world, c.status + world, stream);
+    if (rc != ROCMOE_OK || world == 1) return rc;
+    // every source's block of this call is in (the kernel's last workgroup waited): copy it
+    // out and acknowledge
+    const uint64_t bytes = uint64_t(p.batch_local) * uint64_t(l.width) * uint64_t(l.elem_bytes);
+    return launch_copy_out(c, args->out, bytes, 0, stream);
 }

@@ -16,6 +16,11 @@
 //   passes `out`, copy y out of the receive buffer into it and acknowledge every peer (its
 //   next-but-one call may reuse this buffer).
 //
+// The handle protocol (rocmoe.h): the epoch comes from the workspace (the last workgroup out
+// advances it), phase-1 deliveries carry a count (N; a rank that rejected its input sends
+// ROCMOE_COUNT_ABORTED instead), and writes into a destination wait for its acknowledgement
+// of call epoch - 2. At world size 1 there is no one to reduce with: phase 1 writes y itself.
+//
 // Bandwidth: phase 1 reads W once with read-only 16-byte loads, kUnroll in flight per lane;
 // x (K_r elements) stays in the caches. Phase 2 moves N * world floats, negligible next to W.
 #include "fused_common.hpp"
@@ -34,7 +39,6 @@ constexpr int kReduceTile = 2048;
 struct GemvParams {
     const void *w;
     const void *x;
-    char *recv;
     int64_t n, k;
     int64_t chunk_stride;     // ceil(n / world): floats per source in the partials area
     uint64_t gather_offset;   // bytes
@@ -111,27 +115,10 @@ __device__ __forceinline__ sched::Plan shared_plan(const Common &c, uint32_t *sm
     return sched::Plan{c.topo, smem[2 * world], smem + world};
 }
 
-// Phase-1 readiness without signals (signal_enabled == 0, benchmarks at one rank): phase-1
-// tasks count themselves done in a device-scope counter and phase-2 tasks wait for it, the
-// dependency a kernel boundary used to give. Bounded like every wait.
-__device__ __forceinline__ bool wait_local_count(const uint32_t *counter, uint32_t target,
-                                                 uint64_t timeout_ns) {
-    const uint64_t start = platform::device_time_ns();
-    for (uint32_t spin = 0;; ++spin) {
-        if (*reinterpret_cast<const volatile uint32_t *>(counter) >= target) {
-            __threadfence();
-            return true;
-        }
-        if ((spin & 63u) == 63u && platform::device_time_ns() - start >= timeout_ns) return false;
-    }
-}
-
 // The whole op in one persistent kernel: task numbers [0, total1) are phase-1 tasks,
 // [total1, total1 + total2) phase-2 tasks, and the last workgroup out runs phase 3. Phase-2
 // tasks are claimed only after every phase-1 task has been claimed by a running workgroup,
 // so a workgroup waiting for phase-1 results never holds back the work it waits for.
-// Counters: next_task, exited, phase-1 slice_done[world], phase-2 slice_done[world],
-// phase-1 tasks done (signal-off mode only).
 // Four workgroups per compute unit must fit (64 registers on sm_90): the H200 sweep ran the
 // GEMV at 0.58 of copy bandwidth with three resident, 0.74-0.78 with four.
 constexpr int kGemvMinBlocks = 4;
@@ -143,19 +130,23 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     extern __shared__ uint32_t plan_smem[];
     __shared__ sched::Task s_task;
     __shared__ int s_phase, s_free, s_last;
+    __shared__ uint64_t s_epoch;
     const int world = c.topo.world;
     const int me = c.topo.rank;
+    const bool alone = world == 1;
+    if (threadIdx.x == 0) s_epoch = c.next_epoch();
     const int64_t my_begin = chunk_begin(p, world, me);
     const int64_t mine = chunk_begin(p, world, me + 1) - my_begin;
     const sched::Plan plan1 = shared_plan(c, plan_smem, p.rows_per_tile, [&](int o) {
         return uint64_t(chunk_begin(p, world, o + 1) - chunk_begin(p, world, o));
     });
     const sched::Plan plan2 = shared_plan(c, plan_smem + 2 * world + 1, kReduceTile,
-                                          [&](int) { return uint64_t(mine); });
+                                          [&](int) { return uint64_t(alone ? 0 : mine); });
+    const uint64_t epoch = s_epoch;
     const uint32_t total1 = plan1.total_tasks;
-    const sched::Counters counters1 = c.sched_counters();
-    const sched::Counters counters2{c.counters, c.counters + 1, c.counters + 2 + world};
-    uint32_t *phase1_done = c.counters + 2 + 2 * world;
+    const uint32_t total2 = alone ? 0u : plan2.total_tasks;
+    const sched::Counters counters1 = c.sched_counters(0);
+    const sched::Counters counters2 = c.sched_counters(1);
     AckCache cache{0};
     bool partials_ready = false;  // thread 0's view
     const int tid = threadIdx.x;
@@ -163,7 +154,8 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     const int lane = tid % ROCMOE_WAVE_SIZE;
     const S *W = static_cast<const S *>(p.w);
     const S *x = static_cast<const S *>(p.x);
-    const float *partials_here = reinterpret_cast<const float *>(p.recv);
+    char *recv = c.recv(epoch);
+    const float *partials_here = reinterpret_cast<const float *>(recv);
 
     for (;;) {
         if (tid == 0) {
@@ -173,28 +165,18 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
             if (id < total1) {
                 phase = sched::locate(plan1, id, &task) ? 1 : 0;
                 ok = phase;
-            } else if (sched::locate(plan2, id - total1, &task)) {
+            } else if (id - total1 < total2 && sched::locate(plan2, id - total1, &task)) {
                 phase = 2;
                 ok = 1;
                 if (!partials_ready) {
-                    if (c.signal_enabled) {
-                        // every rank's partials of this rank's chunk (phase-1 signals, by source)
-                        for (int src = 0; src < world && ok; ++src) {
-                            uint64_t seen = 0;
-                            if (shmem::wait_until(c.team, c.data_signal(src), shmem::kCmpGe,
-                                                  c.epoch, c.timeout_ns, &seen) != shmem::kWaitOk) {
-                                atomicExch(c.status + world + src, int(kTimedOut));
-                                ok = 0;
-                            }
-                        }
-                    } else if (!wait_local_count(phase1_done, total1, c.timeout_ns)) {
-                        atomicExch(c.status + world + me, int(kTimedOut));
-                        ok = 0;
-                    }
-                    partials_ready = ok;
+                    // every rank's partials of this rank's chunk (phase-1 deliveries, by
+                    // source); one that sent none leaves y wrong, reported by its status
+                    for (int src = 0; src < world; ++src)
+                        receive(c, src, epoch, c.layout.capacity, p.n);
+                    partials_ready = true;
                 }
             }
-            s_free = ok ? (wait_dest_free(c, cache, task.dest) ? 1 : 0) : 0;
+            s_free = ok ? (alone || wait_dest_free(c, cache, task.dest, epoch) ? 1 : 0) : 0;
             s_phase = phase;
             s_task = task;
         }
@@ -209,7 +191,17 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
             const int64_t rows = chunk_begin(p, world, task.dest + 1) - cb;
             const uint64_t first = sched::tile_begin(task.tile, p.rows_per_tile, rows);
             const uint64_t last = sched::tile_end(task.tile, p.rows_per_tile, rows);
-            float *partials = static_cast<float *>(shmem::peer_ptr(c.team, p.recv, task.dest));
+            if (alone) {
+                // y itself, in the op's dtype, straight into the output
+                S *y = static_cast<S *>(out);
+                for (uint64_t r = first + wave; r < last; r += kWaves) {
+                    const float v =
+                        row_dot<T, kVec, kUnroll>(W + (cb + int64_t(r)) * p.k, x, p.k, lane);
+                    if (lane == 0) y[cb + int64_t(r)] = T::store(v);
+                }
+                continue;
+            }
+            float *partials = static_cast<float *>(shmem::peer_ptr(c.team, recv, task.dest));
             if (free_to_write && partials != nullptr) {
                 float *dst = partials + int64_t(me) * p.chunk_stride;
                 for (uint64_t r = first + wave; r < last; r += kWaves) {
@@ -219,22 +211,17 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
                 }
             } else if (free_to_write && tid == 0) {
                 // the partials are 4-byte scattered stores: this kernel needs load/store reach
-                atomicExch(c.status + world + task.dest, int(kTimedOut));
+                c.record(ws::status_data(world, task.dest), ROCMOE_STATUS_TIMEOUT, epoch);
             }
-            if (c.signal_enabled && free_to_write && partials != nullptr) {
+            if (free_to_write && partials != nullptr) {
                 __threadfence_system();
                 __syncthreads();
-                if (tid == 0 && sched::complete(counters1, task))
-                    shmem::signal_set(c.team, c.data_signal(me), c.epoch, task.dest);
-            } else if (!c.signal_enabled) {
-                __threadfence();
-                __syncthreads();
-                if (tid == 0) atomicAdd(phase1_done, 1u);
+                if (tid == 0 && sched::complete(counters1, task)) deliver(c, task.dest, epoch, p.n);
             }
         } else {
             const uint64_t first = sched::tile_begin(task.tile, kReduceTile, uint64_t(mine));
             const uint64_t last = sched::tile_end(task.tile, kReduceTile, uint64_t(mine));
-            S *y = static_cast<S *>(shmem::peer_ptr(c.team, p.recv + p.gather_offset, task.dest));
+            S *y = static_cast<S *>(shmem::peer_ptr(c.team, recv + p.gather_offset, task.dest));
             if (free_to_write && y != nullptr) {
                 for (uint64_t i = first + tid; i < last; i += kThreads) {
                     float sum = 0.f;
@@ -243,13 +230,13 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
                     y[my_begin + int64_t(i)] = T::store(sum);
                 }
             } else if (free_to_write && tid == 0) {
-                atomicExch(c.status + 2 * world + task.dest, int(kTimedOut));
+                c.record(ws::status_phase2(world, task.dest), ROCMOE_STATUS_TIMEOUT, epoch);
             }
-            if (c.signal_enabled && free_to_write && y != nullptr) {
+            if (free_to_write && y != nullptr) {
                 __threadfence_system();
                 __syncthreads();
                 if (tid == 0 && sched::complete(counters2, task))
-                    shmem::signal_set(c.team, c.phase2_signal(me), c.epoch, task.dest);
+                    deliver(c, task.dest, epoch, 0, true);
             }
         }
     }
@@ -258,19 +245,12 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     if (!s_last) return;
     // Phase 3, by the last workgroup out (every other one has finished its stores and reads)
     __threadfence();
-    if (c.signal_enabled) {
-        for (int o = tid; o < world; o += kThreads) {
-            uint64_t seen = 0;
-            if (shmem::wait_until(c.team, c.phase2_signal(o), shmem::kCmpGe, c.epoch,
-                                  c.timeout_ns, &seen) != shmem::kWaitOk)
-                c.status[2 * world + o] = int(kTimedOut);  // the host raises CommTimeoutError
-        }
-        __syncthreads();
-    }
-    if (tid == 0) *phase1_done = 0u;  // self-resetting, like the other counters
-    if (out == nullptr) return;        // the caller reads y from the receive buffer
+    if (tid == 0) *c.epoch_word() = epoch;
+    if (alone) return;
+    for (int o = tid; o < world; o += kThreads) receive(c, o, epoch, 0, -1, true);
+    __syncthreads();
     const uint64_t bytes = uint64_t(p.n) * sizeof(S);
-    const char *src = p.recv + p.gather_offset;
+    const char *src = recv + p.gather_offset;
     char *dst = static_cast<char *>(out);
     if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | bytes) & 15u) == 0) {
         for (uint64_t i = tid; i < bytes / 16; i += kThreads)
@@ -278,11 +258,10 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     } else {
         for (uint64_t i = tid; i < bytes; i += kThreads) dst[i] = src[i];
     }
-    if (c.signal_enabled) {
-        // every read of this rank's receive buffer is done: peers may reuse it
-        __syncthreads();
-        for (int d = tid; d < world; d += kThreads) shmem::signal_set(c.team, c.ack(me), c.epoch, d);
-    }
+    // every read of this rank's receive buffer is done: peers may reuse it
+    __threadfence();
+    __syncthreads();
+    for (int d = tid; d < world; d += kThreads) shmem::signal_set(c.team, c.ack(me), epoch, d);
 }
 
 // Tuning knobs read once (benchmarks sweep them): loads in flight per lane (4 or 8) and rows
@@ -335,42 +314,38 @@ int launch(const Common &c, const GemvParams &p, int requested, void *out, hipSt
 }  // namespace fused
 }  // namespace rocmoe
 
-extern "C" int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args) {
+extern "C" int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args, int abort) {
     using namespace rocmoe::fused;
     if (args == nullptr) return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: args is NULL");
     Common c;
-    int rc = make_common(args->team, args->fused, "gemv_all_reduce", &c);
+    int rc = make_common(args->team, args->fused, ROCMOE_OP_GEMV_ALLREDUCE, "gemv_all_reduce", &c);
     if (rc != ROCMOE_OK) return rc;
+    hipStream_t stream = static_cast<hipStream_t>(args->fused.stream);
+    if (abort) return launch_abort(c, 1, stream);
     const int world = args->team.world;
-    if (args->n <= 0 || args->k < 0 || (args->k > 0 && (args->w == nullptr || args->x == nullptr)))
-        return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: W [%lld, %lld] / x not valid",
-                            (long long)args->n, (long long)args->k);
+    const rocmoe_workspace_layout &l = args->fused.layout;
+    if (args->n != l.capacity || args->k < 0 || args->out == nullptr ||
+        (args->k > 0 && (args->w == nullptr || args->x == nullptr)))
+        return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: W [%lld, %lld] / x / out not "
+                            "valid for the handle's N %lld", (long long)args->n,
+                            (long long)args->k, (long long)l.capacity);
     GemvParams p;
     p.w = args->w;
     p.x = args->x;
-    p.recv = static_cast<char *>(args->fused.recv);
     p.n = args->n;
     p.k = args->k;
     p.chunk_stride = (args->n + world - 1) / world;
-    p.gather_offset = args->gather_offset;
+    p.gather_offset = l.gather_offset;
     {
         static const int rows = env_int("ROCMOE_GEMV_ROWS", kDefaultRowsPerTile);
         p.rows_per_tile = uint64_t(rows > 0 ? rows : kDefaultRowsPerTile);
     }
-    if (p.gather_offset < uint64_t(world) * p.chunk_stride * sizeof(float) || p.gather_offset % 16)
-        return rocmoe::fail(ROCMOE_ERR_INVALID,
-                            "gemv_all_reduce: gather offset %llu overlaps the partials "
-                            "(%d x %lld floats) or is not 16-byte aligned",
-                            (unsigned long long)p.gather_offset, world, (long long)p.chunk_stride);
-    hipStream_t stream = static_cast<hipStream_t>(args->fused.stream);
-    rc = clear_status(c, stream);
-    if (rc != ROCMOE_OK) return rc;
-    switch (args->dtype) {
+    switch (l.dtype) {
         case ROCMOE_DTYPE_F32: rc = launch<F32>(c, p, args->fused.workgroups, args->out, stream); break;
         case ROCMOE_DTYPE_BF16: rc = launch<BF16>(c, p, args->fused.workgroups, args->out, stream); break;
         case ROCMOE_DTYPE_F16: rc = launch<F16>(c, p, args->fused.workgroups, args->out, stream); break;
         default:
-            return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: dtype %d unknown", args->dtype);
+            return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: dtype %d unknown", l.dtype);
     }
     return rc;
 }

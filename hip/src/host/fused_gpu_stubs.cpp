@@ -3,14 +3,15 @@
 #include "../internal.hpp"
 
 #if !defined(ROCMOE_HAVE_GPU)
-extern "C" int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *) {
+namespace {
+int no_gpu() {
     return rocmoe::fail(ROCMOE_ERR_BACKEND,
                         "librocmoe was built without a GPU platform (ROCMOE_GPU=none): rebuild "
                         "with -DROCMOE_GPU=hip or cuda for the GPU fused ops");
 }
-extern "C" int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *) {
-    return rocmoe::fail(ROCMOE_ERR_BACKEND,
-                        "librocmoe was built without a GPU platform (ROCMOE_GPU=none): rebuild "
-                        "with -DROCMOE_GPU=hip or cuda for the GPU fused ops");
-}
+}  // namespace
+
+extern "C" int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *, int) { return no_gpu(); }
+extern "C" int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *, int) { return no_gpu(); }
+extern "C" int rocmoe_gpu_embedding_inline_tables(void) { return 0; }
 #endif

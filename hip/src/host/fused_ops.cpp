@@ -1,13 +1,17 @@
 // Host backend of the three fused ops: a persistent "kernel" of worker threads per rank
-// (one thread = one simulated workgroup) running the schedule of rocmoe/schedule.h. A worker
-// computes a tile into private staging, puts it by memcpy into the destination's mapping of
-// the symmetric heap, and the worker that completes a slice raises the slice's epoch signal
-// with a release store. The calling thread then waits (bounded) for every source's signal
-// and copies the received data out, so the receive buffer is free again when the op returns.
+// (one thread = one simulated workgroup) running the schedule of rocmoe/schedule.h over the
+// handle protocol of rocmoe.h ("fused ops: one protocol for every backend"): a worker
+// computes a tile into private staging and puts it by memcpy into the destination's mapping
+// of its receive buffer (parity epoch % 2, after the destination acknowledged call epoch - 2);
+// the worker that completes a slice writes this rank's count into the destination's count
+// slot and raises the data signal with a release store. The calling thread then waits
+// (bounded) for every source, reads the counts that came with the data, copies the result
+// out and acknowledges every source, so its buffer of this parity may be written again.
 //
-// Inputs were validated on every rank by rocmoe.ops before any of this runs; the checks here
-// only guard memory (ranges of the workspace, indices) so that a misuse from C cannot write
-// outside the heap.
+// Inputs were validated by rocmoe.ops before any of this runs; the checks here only guard
+// memory (ranges of the workspace, indices) so that a misuse from C cannot write outside the
+// heap. A rank whose own input was rejected calls rocmoe_host_fused_abort instead: its peers
+// then see ROCMOE_COUNT_ABORTED and fail the call naming it, with every epoch still in step.
 #include <algorithm>
 #include <atomic>
 #include <cinttypes>
@@ -22,6 +26,7 @@
 
 #include "../internal.hpp"
 #include "rocmoe/schedule.h"
+#include "rocmoe/workspace.h"
 
 namespace rocmoe {
 namespace {
@@ -221,42 +226,115 @@ struct CallState {
     }
 };
 
-// One op call: the context, the shared workspace and the schedule's per-call counters.
+// One op call: the context, the handle's workspace and this call's epoch.
 struct Kernel {
     rocmoe_ctx *ctx;
     const rocmoe_fused_common *common;
+    const rocmoe_workspace_layout *layout;
     const char *op;
     int rank, world, workers;
     double timeout_s;
+    uint64_t epoch;
 
     char *local_heap() const { return static_cast<char *>(ctx->backend->base()); }
+    uint64_t at(uint64_t offset) const { return common->workspace + offset; }
+    // this rank's receive buffer of this call
+    const char *recv() const { return local_heap() + at(ws::recv_buffer(*layout, epoch)); }
 
-    int put(int peer, uint64_t offset, const void *src, uint64_t bytes) const {
+    // data into `dest`'s receive buffer of this call, `offset` bytes into it
+    int put(int dest, uint64_t offset, const void *src, uint64_t bytes) const {
         if (bytes == 0) return ROCMOE_OK;
-        return ctx->backend->put(peer, common->recv_offset + offset, src, bytes);
+        return ctx->backend->put(dest, at(ws::recv_buffer(*layout, epoch)) + offset, src, bytes);
     }
-    int signal(int peer, uint64_t slot) const {
-        return ctx->backend->signal_store(peer, common->signal_offset + 8 * slot,
-                                          sc::signal_value(common->epoch), false);
-    }
-    // bounded wait for this rank's slot `slot`, written by rank `from`
-    int wait(uint64_t slot, int from, const char *what) const {
+    // bounded wait until this rank's slot at workspace offset `slot` (written by `from`) is
+    // >= value
+    int wait(uint64_t slot, uint64_t value, int from, const char *what) const {
         uint64_t seen = 0;
-        int rc = rocmoe_signal_wait_until(ctx, common->signal_offset + 8 * slot, ROCMOE_CMP_GE,
-                                          sc::signal_value(common->epoch), timeout_s, from, &seen);
+        int rc = rocmoe_signal_wait_until(ctx, at(slot), ROCMOE_CMP_GE, value, timeout_s, from,
+                                          &seen);
         if (rc == ROCMOE_OK) return rc;
         const std::string inner = rocmoe_last_error();
-        return fail(rc, "%s (call %" PRIu64 "): rank %d waiting for %s of rank %d: %s", op,
-                    common->epoch, rank, what, from, inner.c_str());
+        return fail(rc, "%s (call %" PRIu64 "): rank %d waiting for %s of rank %d: %s", op, epoch,
+                    rank, what, from, inner.c_str());
+    }
+    // producer side: `dest` has finished reading its buffer of this parity (call epoch - 2)
+    int wait_dest_free(int dest) const {
+        if (epoch <= 2) return ROCMOE_OK;
+        return wait(ws::ack(*layout, dest), epoch - 2, dest, "the acknowledgement of call e-2");
+    }
+    // after the data: this rank's count for `dest`, then the signal (release, ordered after
+    // both). `phase2`: the GEMV's all-gather signal, which carries no count.
+    int deliver(int dest, int64_t count, bool phase2 = false) const {
+        if (!phase2) {
+            int rc = ctx->backend->put(dest, at(ws::count_slot(*layout, epoch, rank)), &count, 8);
+            if (rc != ROCMOE_OK) return rc;
+        }
+        const uint64_t slot = phase2 ? ws::phase2_signal(*layout, rank) : ws::data_signal(*layout, rank);
+        return ctx->backend->signal_store(dest, at(slot), sc::signal_value(epoch), false);
+    }
+    // the count source `s` sent with this call's data (valid after its signal)
+    int64_t count_from(int s) const {
+        int64_t v = 0;
+        std::memcpy(&v, local_heap() + at(ws::count_slot(*layout, epoch, s)), 8);
+        return v;
+    }
+    // consumer side, after the copy-out: every source may write this buffer again
+    int ack_all() const {
+        for (int s = 0; s < world; ++s) {
+            int rc = ctx->backend->signal_store(s, at(ws::ack(*layout, rank)), epoch, false);
+            if (rc != ROCMOE_OK) return rc;
+        }
+        return ROCMOE_OK;
+    }
+    // Waits for every source's data of this call and checks the counts it sent against
+    // `capacity` (and against `expect` when >= 0); counts go to common->recv_counts. A problem
+    // (a peer that aborted, found bad input or sent a wrong count) is reported after the
+    // caller has finished the call: *problem holds the error code, `text` the reasons.
+    int collect(uint64_t (*slot_of)(const rocmoe_workspace_layout &, int32_t), const char *what,
+                int64_t capacity, int64_t expect, int *problem, std::string *text) const {
+        for (int s = 0; s < world; ++s) {
+            int rc = wait(slot_of(*layout, s), epoch, s, what);
+            if (rc != ROCMOE_OK) return rc;
+            const int64_t c = count_from(s);
+            if (common->recv_counts != nullptr) common->recv_counts[s] = c;
+            int status = ws::count_status(c, capacity);
+            if (status == ROCMOE_STATUS_OK && expect >= 0 && c != expect) status = ROCMOE_STATUS_MISMATCH;
+            if (status == ROCMOE_STATUS_OK) continue;
+            char line[200];
+            if (status == ROCMOE_STATUS_PEER_ABORTED)
+                std::snprintf(line, sizeof line, "rank %d rejected its input (see the error "
+                              "there) and sent nothing", s);
+            else if (status == ROCMOE_STATUS_PEER_BAD_INPUT)
+                std::snprintf(line, sizeof line, "rank %d found bad input in its kernel and "
+                              "sent nothing", s);
+            else if (status == ROCMOE_STATUS_MISMATCH)
+                std::snprintf(line, sizeof line, "rank %d called with %" PRId64 " where this "
+                              "rank has %" PRId64, s, c, expect);
+            else
+                std::snprintf(line, sizeof line, "rank %d sent a count of %" PRId64 " (capacity %"
+                              PRId64 ")", s, c, capacity);
+            if (!text->empty()) *text += "; ";
+            *text += line;
+            *problem = ROCMOE_ERR_INVALID;
+        }
+        return ROCMOE_OK;
+    }
+    int finish(int problem, const std::string &text) const {
+        int rc = ack_all();
+        if (rc != ROCMOE_OK) return rc;
+        if (problem != ROCMOE_OK)
+            return fail(problem, "%s (call %" PRIu64 ") on rank %d: %s", op, epoch, rank, text.c_str());
+        return ROCMOE_OK;
     }
     sc::Topology topology() const {
         return sc::Topology{rank, world, common->ranks_per_node > 0 ? common->ranks_per_node : world};
     }
 };
 
-int start_kernel(rocmoe_ctx *ctx, const rocmoe_fused_common *common, const char *op,
-                 uint64_t need_bytes, uint64_t need_slots, Kernel *k) {
-    if (ctx == nullptr || common == nullptr) return fail(ROCMOE_ERR_INVALID, "%s: NULL argument", op);
+int start_kernel(rocmoe_ctx *ctx, const rocmoe_fused_common *common, int op_code, const char *op,
+                 Kernel *k) {
+    if (ctx == nullptr || common == nullptr || common->layout == nullptr)
+        return fail(ROCMOE_ERR_INVALID, "%s: NULL argument", op);
     if (ctx->finalized || !ctx->connected)
         return fail(ROCMOE_ERR_STATE, "%s: the context is not connected", op);
     if (ctx->args.backend != ROCMOE_BACKEND_HOST)
@@ -264,23 +342,33 @@ int start_kernel(rocmoe_ctx *ctx, const rocmoe_fused_common *common, const char 
                     "%s: the host persistent kernel runs on the host backend only; GPU backends "
                     "use the kernels of hip/src/gpu",
                     op);
+    const rocmoe_workspace_layout &l = *common->layout;
     if (common->epoch == 0) return fail(ROCMOE_ERR_INVALID, "%s: epoch must start at 1", op);
+    if (l.op != op_code || l.world != ctx->args.world_size)
+        return fail(ROCMOE_ERR_INVALID, "%s: the workspace layout is for op %d of %d ranks", op,
+                    l.op, l.world);
     const uint64_t heap = ctx->heap->size();
-    if (common->recv_bytes < need_bytes)
-        return fail(ROCMOE_ERR_INVALID, "%s: receive buffer of %" PRIu64 " bytes, %" PRIu64
-                    " needed", op, common->recv_bytes, need_bytes);
-    if (common->recv_offset > heap || common->recv_bytes > heap - common->recv_offset ||
-        common->signal_offset % 8 != 0 || common->signal_offset > heap ||
-        need_slots * 8 > heap - common->signal_offset)
-        return fail(ROCMOE_ERR_INVALID, "%s: workspace outside the heap of %" PRIu64 " bytes", op,
-                    heap);
+    if (common->workspace % 8 != 0 || common->workspace > heap || l.total_bytes > heap - common->workspace)
+        return fail(ROCMOE_ERR_INVALID, "%s: workspace of %" PRIu64 " bytes at %" PRIu64
+                    " outside the heap of %" PRIu64 " bytes", op, l.total_bytes, common->workspace, heap);
     k->ctx = ctx;
     k->common = common;
+    k->layout = common->layout;
     k->op = op;
     k->rank = ctx->args.rank;
     k->world = ctx->args.world_size;
     k->workers = common->workers > 0 ? std::min(common->workers, 256) : default_workers();
     k->timeout_s = common->timeout_s > 0 ? common->timeout_s : ctx->args.timeout_s;
+    k->epoch = common->epoch;
+    return ROCMOE_OK;
+}
+
+// Before any put: every destination has finished reading its buffer of this parity.
+int wait_all_free(const Kernel &k) {
+    for (int d = 0; d < k.world; ++d) {
+        const int rc = k.wait_dest_free(d);
+        if (rc != ROCMOE_OK) return rc;
+    }
     return ROCMOE_OK;
 }
 
@@ -288,7 +376,8 @@ int start_kernel(rocmoe_ctx *ctx, const rocmoe_fused_common *common, const char 
 struct Phase {
     sc::Plan plan;
     std::function<int(const sc::Task &, int worker)> compute;
-    std::function<int(const sc::Task &)> finish;
+    std::function<int(const sc::Task &)> finish;  // the slice's delivery (count + signal)
+    bool phase2 = false;                           // GEMV all-gather: signals without counts
 };
 
 // Waking a parked worker costs a scheduler round trip (milliseconds on an oversubscribed
@@ -304,6 +393,11 @@ uint64_t work_per_worker() {
     return value;
 }
 
+// Runs the phases on the workers. When a task fails (bad input the caller's checks missed,
+// a failed put), the destinations whose slices were not delivered yet still get their signal,
+// with ROCMOE_COUNT_BAD_INPUT in the count slot, and every source is acknowledged: the peers
+// finish the call and report this rank instead of timing out, and the epochs stay in step.
+// Returns the first error (ROCMOE_OK when every phase ran).
 int run_phases(const Kernel &k, std::vector<Phase> &phases, uint64_t work_bytes) {
     CallState state;
     const uint64_t useful = std::max<uint64_t>(1, work_bytes / work_per_worker());
@@ -312,6 +406,7 @@ int run_phases(const Kernel &k, std::vector<Phase> &phases, uint64_t work_bytes)
     // Per-call counters: the schedule re-zeroes them itself, fresh ones keep a failed call
     // from leaking state into the next.
     std::vector<uint32_t> counters(phases.size() * (2 + k.world), 0u);
+    std::vector<char> delivered(phases.size() * k.world, 0);
     pool().run(active, [&](int worker) {
         for (size_t p = 0; p < phases.size(); ++p) {
             uint32_t *base = counters.data() + p * (2 + k.world);
@@ -326,13 +421,21 @@ int run_phases(const Kernel &k, std::vector<Phase> &phases, uint64_t work_bytes)
                 [&](const sc::Task &t) {
                     const int rc = phases[p].finish(t);
                     if (rc != ROCMOE_OK) state.record(rc);
+                    else delivered[p * k.world + t.dest] = 1;  // one worker per slice
                     return rc == ROCMOE_OK;
                 },
                 reinterpret_cast<const volatile int *>(&state.abort));
             if (state.abort.load()) return;
         }
     });
-    return state.result();
+    const int rc = state.result();
+    if (rc == ROCMOE_OK) return rc;
+    const std::string message = rocmoe_last_error();
+    for (size_t p = 0; p < phases.size(); ++p)
+        for (int d = 0; d < k.world; ++d)
+            if (!delivered[p * k.world + d]) k.deliver(d, ROCMOE_COUNT_BAD_INPUT, phases[p].phase2);
+    k.ack_all();
+    return fail(rc, "%s", message.c_str());
 }
 
 sc::Plan make_plan(const Kernel &k, const std::vector<uint32_t> &tasks_per_dest,
@@ -422,7 +525,7 @@ template <int DT>
 int embedding_a2a(const Kernel &k, const rocmoe_embedding_a2a_args &a) {
     const int64_t bl = a.batch / k.world;
     const int nt = a.num_tables;
-    const int64_t esize = dtype_size(a.dtype);
+    const int64_t esize = dtype_size(DT);
     const int64_t block = static_cast<int64_t>(nt) * a.dim;  // this rank's columns of one bag
     const uint64_t bag_stride = static_cast<uint64_t>(a.total_tables) * a.dim * esize;
     // ~16K fp32 of staging per tile, and several tiles per worker when the batch allows
@@ -457,18 +560,22 @@ int embedding_a2a(const Kernel &k, const rocmoe_embedding_a2a_args &a) {
         }
         return ROCMOE_OK;
     };
-    phases[0].finish = [&](const sc::Task &t) { return k.signal(t.dest, k.rank); };
+    phases[0].finish = [&](const sc::Task &t) { return k.deliver(t.dest, a.batch); };
     uint64_t work = static_cast<uint64_t>(a.batch) * block * esize;  // bytes put
-    if (a.bags == nullptr)
+    if (a.bags == nullptr && a.num_indices != nullptr)
         for (int t = 0; t < nt; ++t) work += static_cast<uint64_t>(a.num_indices[t]) * a.dim * esize;
-    int rc = run_phases(k, phases, work);
+    int rc = wait_all_free(k);
     if (rc != ROCMOE_OK) return rc;
-    for (int s = 0; s < k.world; ++s) {
-        rc = k.wait(s, s, "its embedding columns");
-        if (rc != ROCMOE_OK) return rc;
-    }
-    if (bl * bag_stride != 0) std::memcpy(a.out, k.local_heap() + k.common->recv_offset, bl * bag_stride);
-    return ROCMOE_OK;
+    rc = run_phases(k, phases, work);
+    if (rc != ROCMOE_OK) return rc;
+    int problem = ROCMOE_OK;
+    std::string why;
+    // every source must have looked up the same global batch (its count)
+    rc = k.collect(ws::data_signal, "its embedding columns", k.layout->capacity, a.batch,
+                   &problem, &why);
+    if (rc != ROCMOE_OK) return rc;
+    if (problem == ROCMOE_OK && bl * bag_stride != 0) std::memcpy(a.out, k.recv(), bl * bag_stride);
+    return k.finish(problem, why);
 }
 
 // ---- GEMV + two-phase all-reduce -----------------------------------------------------------
@@ -477,8 +584,8 @@ int gemv_allreduce(const Kernel &k, const rocmoe_gemv_allreduce_args &a) {
     using T = typename Elem<DT>::T;
     const int64_t n = a.n, kk = a.k;
     const int64_t chunk_max = sc::gemv_chunk_max(n, k.world);
-    const uint64_t result_off = sc::gemv_result_offset(n, k.world);
-    const int64_t esize = dtype_size(a.dtype);
+    const uint64_t result_off = k.layout->gather_offset;
+    const int64_t esize = dtype_size(k.layout->dtype);
     std::vector<float> x(a.partial != nullptr ? 0 : kk);
     if (a.partial == nullptr) to_f32<DT>(a.x, x.data(), kk);
     const T *w = static_cast<const T *>(a.w);
@@ -494,7 +601,12 @@ int gemv_allreduce(const Kernel &k, const rocmoe_gemv_allreduce_args &a) {
     const int64_t c0 = sc::split_begin(n, k.world, k.rank), c1 = sc::split_begin(n, k.world, k.rank + 1);
     const int64_t tile2 = 4096;
     for (int d = 0; d < k.world; ++d) tasks2[d] = sc::tasks_for_rows(c1 - c0, tile2);
+    // phase 2 may start once every source's partials are in; a source that sent none
+    // (aborted, bad input) makes y wrong, so the call reports it after finishing the protocol
     std::atomic<int> partials_in{0};
+    int problem = ROCMOE_OK;
+    std::string why;
+    std::mutex partials_mutex;
 
     std::vector<Phase> phases(2);
     phases[0].plan = make_plan(k, tasks1, prefix1);
@@ -522,20 +634,23 @@ int gemv_allreduce(const Kernel &k, const rocmoe_gemv_allreduce_args &a) {
         }
         return k.put(t.dest, (static_cast<uint64_t>(k.rank) * chunk_max + r0) * 4, part, (r1 - r0) * 4);
     };
-    phases[0].finish = [&](const sc::Task &t) { return k.signal(t.dest, k.rank); };
+    phases[0].finish = [&](const sc::Task &t) { return k.deliver(t.dest, n); };
 
     phases[1].plan = make_plan(k, tasks2, prefix2);
+    phases[1].phase2 = true;
     phases[1].compute = [&](const sc::Task &t, int) -> int {
         if (partials_in.load(std::memory_order_acquire) == 0) {
-            for (int s = 0; s < k.world; ++s) {
-                const int rc = k.wait(s, s, "its partial sums");
+            std::lock_guard<std::mutex> lock(partials_mutex);
+            if (partials_in.load(std::memory_order_relaxed) == 0) {
+                const int rc = k.collect(ws::data_signal, "its partial sums", k.layout->capacity,
+                                         n, &problem, &why);
                 if (rc != ROCMOE_OK) return rc;
+                partials_in.store(1, std::memory_order_release);
             }
-            partials_in.store(1, std::memory_order_release);
         }
         const int64_t r0 = sc::tile_begin(t.tile, tile2, c1 - c0), r1 = sc::tile_end(t.tile, tile2, c1 - c0);
         if (r1 <= r0) return ROCMOE_OK;
-        const float *parts = reinterpret_cast<const float *>(k.local_heap() + k.common->recv_offset);
+        const float *parts = reinterpret_cast<const float *>(k.recv());
         float *sum = stage(t_stage, r1 - r0);
         // sources in rank order: every rank's copy of y is bitwise the same
         for (int64_t r = r0; r < r1; ++r) sum[r - r0] = parts[r];
@@ -545,18 +660,20 @@ int gemv_allreduce(const Kernel &k, const rocmoe_gemv_allreduce_args &a) {
         to_dtype<DT>(sum, bytes, r1 - r0);
         return k.put(t.dest, result_off + (c0 + r0) * esize, bytes, (r1 - r0) * esize);
     };
-    phases[1].finish = [&](const sc::Task &t) { return k.signal(t.dest, k.world + k.rank); };
+    phases[1].finish = [&](const sc::Task &t) { return k.deliver(t.dest, 0, true); };
 
     const uint64_t work = a.partial != nullptr ? static_cast<uint64_t>(n) * 4 * 2
                                                : static_cast<uint64_t>(n) * kk * esize;
-    int rc = run_phases(k, phases, work);
+    int rc = wait_all_free(k);
+    if (rc != ROCMOE_OK) return rc;
+    rc = run_phases(k, phases, work);
     if (rc != ROCMOE_OK) return rc;
     for (int s = 0; s < k.world; ++s) {
-        rc = k.wait(k.world + s, s, "its reduced chunk");
+        rc = k.wait(ws::phase2_signal(*k.layout, s), k.epoch, s, "its reduced chunk");
         if (rc != ROCMOE_OK) return rc;
     }
-    if (n > 0) std::memcpy(a.out, k.local_heap() + k.common->recv_offset + result_off, n * esize);
-    return ROCMOE_OK;
+    if (problem == ROCMOE_OK && n > 0) std::memcpy(a.out, k.recv() + result_off, n * esize);
+    return k.finish(problem, why);
 }
 
 // ---- GEMM + all-to-all ------------------------------------------------------------------
@@ -620,7 +737,7 @@ void gemm_packed(const float *a, int64_t rows, int64_t k, const float *panels, i
 
 template <int DT>
 int gemm_a2a(const Kernel &k, const rocmoe_gemm_a2a_args &a) {
-    const int64_t n = a.n, esize = dtype_size(a.dtype);
+    const int64_t n = a.n, esize = dtype_size(DT);
     const uint64_t row_bytes = static_cast<uint64_t>(n) * esize;
     std::vector<int64_t> row_start(k.world + 1, 0);
     for (int d = 0; d < k.world; ++d) row_start[d + 1] = row_start[d] + a.send_counts[d];
@@ -659,7 +776,10 @@ int gemm_a2a(const Kernel &k, const rocmoe_gemm_a2a_args &a) {
         const int64_t r0 = sc::tile_begin(t.tile, tile, cnt), r1 = sc::tile_end(t.tile, tile, cnt);
         if (r1 <= r0) return ROCMOE_OK;
         const int64_t g0 = row_start[t.dest] + r0;  // first row of Y
-        const uint64_t dst = static_cast<uint64_t>(a.dest_row_offsets[t.dest] + r0) * row_bytes;
+        // this rank's region of the destination's buffer (fixed stride: no need to know what
+        // the other sources send there)
+        const uint64_t dst = k.layout->source_bytes * static_cast<uint64_t>(k.rank) +
+                             static_cast<uint64_t>(r0) * row_bytes;
         if (!compute)
             return k.put(t.dest, dst, static_cast<const char *>(a.y) + g0 * row_bytes, (r1 - r0) * row_bytes);
         const int64_t rows = r1 - r0;
@@ -685,25 +805,28 @@ int gemm_a2a(const Kernel &k, const rocmoe_gemm_a2a_args &a) {
         to_dtype<DT>(acc, bytes, rows * n);
         return k.put(t.dest, dst, bytes, rows * row_bytes);
     };
-    phases[0].finish = [&](const sc::Task &t) { return k.signal(t.dest, k.rank); };
+    phases[0].finish = [&](const sc::Task &t) { return k.deliver(t.dest, a.send_counts[t.dest]); };
     // computing: count the multiply-adds as bytes touched (one float each)
     const uint64_t work = compute ? static_cast<uint64_t>(a.m) * a.k * n * 4 / 16
                                   : static_cast<uint64_t>(a.m) * row_bytes;
-    int rc = run_phases(k, phases, work);
+    int rc = wait_all_free(k);
     if (rc != ROCMOE_OK) return rc;
-    for (int s = 0; s < k.world; ++s) {
-        rc = k.wait(s, s, "its rows");
-        if (rc != ROCMOE_OK) return rc;
+    rc = run_phases(k, phases, work);
+    if (rc != ROCMOE_OK) return rc;
+    int problem = ROCMOE_OK;
+    std::string why;
+    rc = k.collect(ws::data_signal, "its rows", k.layout->capacity, -1, &problem, &why);
+    if (rc != ROCMOE_OK) return rc;
+    if (problem == ROCMOE_OK) {
+        // packed, sources in rank order (all_to_all_single's layout)
+        char *out = static_cast<char *>(a.out);
+        for (int s = 0; s < k.world; ++s) {
+            const uint64_t bytes = static_cast<uint64_t>(k.common->recv_counts[s]) * row_bytes;
+            if (bytes) std::memcpy(out, k.recv() + k.layout->source_bytes * s, bytes);
+            out += bytes;
+        }
     }
-    if (a.recv_rows * row_bytes != 0)
-        std::memcpy(a.out, k.local_heap() + k.common->recv_offset, a.recv_rows * row_bytes);
-    return ROCMOE_OK;
-}
-
-int check_dtype(int dtype, const char *op) {
-    if (dtype != ROCMOE_DTYPE_F32 && dtype != ROCMOE_DTYPE_BF16 && dtype != ROCMOE_DTYPE_F16)
-        return fail(ROCMOE_ERR_INVALID, "%s: dtype code %d is not f32, bf16 or f16", op, dtype);
-    return ROCMOE_OK;
+    return k.finish(problem, why);
 }
 
 template <template <int> class F, class... Args>
@@ -733,105 +856,67 @@ extern "C" {
 
 int rocmoe_host_default_workers(void) { return rocmoe::default_workers(); }
 
-int rocmoe_embedding_a2a_workspace(int world, int64_t batch, int total_tables, int64_t dim,
-                                   int dtype, uint64_t *recv_bytes, uint64_t *signal_slots) {
-    if (world < 1 || batch < 0 || batch % world != 0 || total_tables < 0 || dim < 0 ||
-        recv_bytes == nullptr || signal_slots == nullptr)
-        return fail(ROCMOE_ERR_INVALID, "embedding workspace: bad sizes (world %d, batch %" PRId64
-                    ", tables %d, dim %" PRId64 ")", world, batch, total_tables, dim);
-    int rc = rocmoe::check_dtype(dtype, "embedding_all_to_all");
-    if (rc != ROCMOE_OK) return rc;
-    *recv_bytes = static_cast<uint64_t>(batch / world) * total_tables * dim * rocmoe::dtype_size(dtype);
-    *signal_slots = world;
-    return ROCMOE_OK;
-}
-
-int rocmoe_gemv_allreduce_workspace(int world, int64_t n, int dtype, uint64_t *recv_bytes,
-                                    uint64_t *signal_slots) {
-    if (world < 1 || n < 0 || recv_bytes == nullptr || signal_slots == nullptr)
-        return fail(ROCMOE_ERR_INVALID, "gemv workspace: bad sizes (world %d, n %" PRId64 ")", world, n);
-    int rc = rocmoe::check_dtype(dtype, "gemv_all_reduce");
-    if (rc != ROCMOE_OK) return rc;
-    *recv_bytes = rocmoe::sched::gemv_result_offset(n, world) +
-                  static_cast<uint64_t>(n) * rocmoe::dtype_size(dtype);
-    *signal_slots = 2 * static_cast<uint64_t>(world);
-    return ROCMOE_OK;
-}
-
-int rocmoe_gemm_a2a_workspace(int world, int64_t recv_rows, int64_t n, int dtype,
-                              uint64_t *recv_bytes, uint64_t *signal_slots) {
-    if (world < 1 || recv_rows < 0 || n < 0 || recv_bytes == nullptr || signal_slots == nullptr)
-        return fail(ROCMOE_ERR_INVALID, "gemm workspace: bad sizes (world %d, rows %" PRId64
-                    ", n %" PRId64 ")", world, recv_rows, n);
-    int rc = rocmoe::check_dtype(dtype, "gemm_all_to_all");
-    if (rc != ROCMOE_OK) return rc;
-    *recv_bytes = static_cast<uint64_t>(recv_rows) * n * rocmoe::dtype_size(dtype);
-    *signal_slots = world;
-    return ROCMOE_OK;
-}
-
 int rocmoe_host_embedding_a2a(rocmoe_ctx *ctx, const rocmoe_embedding_a2a_args *a) {
     rocmoe::clear_error();
     if (a == nullptr) return fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: args is NULL");
-    if (ctx == nullptr) return fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: context is NULL");
-    const int world = ctx->args.world_size;
-    uint64_t need = 0, slots = 0;
-    int rc = rocmoe_embedding_a2a_workspace(world, a->batch, a->total_tables, a->dim, a->dtype,
-                                            &need, &slots);
+    rocmoe::Kernel k;
+    int rc = rocmoe::start_kernel(ctx, &a->common, ROCMOE_OP_EMBEDDING_A2A, "embedding_all_to_all", &k);
     if (rc != ROCMOE_OK) return rc;
+    const rocmoe_workspace_layout &l = *a->common.layout;
     if (a->num_tables < 0 || a->table_base < 0 || a->table_base + a->num_tables > a->total_tables ||
+        int64_t(a->total_tables) * a->dim != l.width || a->dim != l.aux ||
+        a->batch < 0 || a->batch > l.capacity || a->batch % k.world != 0 ||
         (a->mode != ROCMOE_BAG_SUM && a->mode != ROCMOE_BAG_MEAN) ||
-        (a->out == nullptr && need > 0) ||
-        (a->num_tables > 0 && a->bags == nullptr &&
+        (a->out == nullptr && a->batch > 0) || a->common.recv_counts == nullptr ||
+        (a->num_tables > 0 && a->batch > 0 && a->bags == nullptr &&
          (a->weights == nullptr || a->rows == nullptr || a->indices == nullptr ||
           a->num_indices == nullptr || a->offsets == nullptr)))
         return fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: inconsistent arguments (tables "
-                    "%d at %d of %d, mode %d)", a->num_tables, a->table_base, a->total_tables, a->mode);
-    rocmoe::Kernel k;
-    rc = rocmoe::start_kernel(ctx, &a->common, "embedding_all_to_all", need, slots, &k);
-    if (rc != ROCMOE_OK) return rc;
-    return rocmoe::dispatch<rocmoe::EmbeddingOp>(a->dtype, k, *a);
+                    "%d at %d of %d, dim %" PRId64 ", batch %" PRId64 " of at most %" PRId64
+                    ", mode %d)", a->num_tables, a->table_base, a->total_tables, a->dim, a->batch,
+                    l.capacity, a->mode);
+    return rocmoe::dispatch<rocmoe::EmbeddingOp>(l.dtype, k, *a);
 }
 
 int rocmoe_host_gemv_allreduce(rocmoe_ctx *ctx, const rocmoe_gemv_allreduce_args *a) {
     rocmoe::clear_error();
     if (a == nullptr) return fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: args is NULL");
-    if (ctx == nullptr) return fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: context is NULL");
-    uint64_t need = 0, slots = 0;
-    int rc = rocmoe_gemv_allreduce_workspace(ctx->args.world_size, a->n, a->dtype, &need, &slots);
-    if (rc != ROCMOE_OK) return rc;
-    if (a->k < 0 || (a->out == nullptr && a->n > 0) ||
-        (a->partial == nullptr && a->n * a->k > 0 && (a->w == nullptr || a->x == nullptr)))
-        return fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: NULL tensor or negative size");
     rocmoe::Kernel k;
-    rc = rocmoe::start_kernel(ctx, &a->common, "gemv_all_reduce", need, slots, &k);
+    int rc = rocmoe::start_kernel(ctx, &a->common, ROCMOE_OP_GEMV_ALLREDUCE, "gemv_all_reduce", &k);
     if (rc != ROCMOE_OK) return rc;
-    return rocmoe::dispatch<rocmoe::GemvOp>(a->dtype, k, *a);
+    const rocmoe_workspace_layout &l = *a->common.layout;
+    if (a->n != l.capacity || a->k < 0 || a->out == nullptr || a->common.recv_counts == nullptr ||
+        (a->partial == nullptr && a->k > 0 && (a->w == nullptr || a->x == nullptr)))
+        return fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: N %" PRId64 " (the handle's is %" PRId64
+                    "), NULL tensor or negative size", a->n, l.capacity);
+    return rocmoe::dispatch<rocmoe::GemvOp>(l.dtype, k, *a);
 }
 
 int rocmoe_host_gemm_a2a(rocmoe_ctx *ctx, const rocmoe_gemm_a2a_args *a) {
     rocmoe::clear_error();
     if (a == nullptr) return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: args is NULL");
-    if (ctx == nullptr) return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: context is NULL");
-    const int world = ctx->args.world_size;
-    uint64_t need = 0, slots = 0;
-    int rc = rocmoe_gemm_a2a_workspace(world, a->recv_rows, a->n, a->dtype, &need, &slots);
+    rocmoe::Kernel k;
+    int rc = rocmoe::start_kernel(ctx, &a->common, ROCMOE_OP_GEMM_A2A, "gemm_all_to_all", &k);
     if (rc != ROCMOE_OK) return rc;
-    if (a->m < 0 || a->k < 0 || a->send_counts == nullptr || a->dest_row_offsets == nullptr ||
-        (a->recv_rows > 0 && a->out == nullptr) ||
+    const rocmoe_workspace_layout &l = *a->common.layout;
+    const int world = k.world;
+    if (a->m < 0 || a->k < 0 || a->n != l.width || a->send_counts == nullptr ||
+        a->out == nullptr || a->common.recv_counts == nullptr ||
         (a->y == nullptr && a->m * a->n > 0 && (a->x == nullptr || a->w == nullptr)))
-        return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: NULL tensor or negative size");
+        return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: N %" PRId64 " (the handle's is %" PRId64
+                    "), NULL tensor or negative size", a->n, l.width);
+    int64_t total = 0;
     for (int d = 0; d < world; ++d) {
-        // the part for d must fit d's buffer; d's recv_rows is not known here, so check the
-        // destination range against this rank's (identical) capacity
-        if (a->send_counts[d] < 0 || a->dest_row_offsets[d] < 0 ||
-            static_cast<uint64_t>(a->dest_row_offsets[d] + a->send_counts[d]) * a->n *
-                    rocmoe::dtype_size(a->dtype) > a->common.recv_bytes)
-            return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: rows [%" PRId64 ", %" PRId64
-                        ") for rank %d do not fit its receive buffer of %" PRIu64 " bytes",
-                        a->dest_row_offsets[d], a->dest_row_offsets[d] + a->send_counts[d], d,
-                        a->common.recv_bytes);
+        // the rows for d must fit this rank's region of d's buffer
+        if (a->send_counts[d] < 0 || a->send_counts[d] > l.capacity)
+            return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: %" PRId64 " rows for rank %d; the "
+                        "handle takes 0 to %" PRId64 " per destination", a->send_counts[d], d,
+                        l.capacity);
+        total += a->send_counts[d];
     }
+    if (total != a->m)
+        return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: send counts sum to %" PRId64 ", not to "
+                    "the %" PRId64 " rows", total, a->m);
     if (a->groups < 0 || (a->groups > 0 && a->group_counts == nullptr))
         return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: %" PRId64 " groups without group counts",
                     a->groups);
@@ -846,10 +931,27 @@ int rocmoe_host_gemm_a2a(rocmoe_ctx *ctx, const rocmoe_gemm_a2a_args *a) {
             return fail(ROCMOE_ERR_INVALID, "gemm_all_to_all: the group counts for rank %d sum "
                         "to %" PRId64 ", not to its %" PRId64 " rows", d, sum, a->send_counts[d]);
     }
+    return rocmoe::dispatch<rocmoe::GemmOp>(l.dtype, k, *a);
+}
+
+int rocmoe_host_fused_abort(rocmoe_ctx *ctx, const rocmoe_fused_common *common) {
+    rocmoe::clear_error();
     rocmoe::Kernel k;
-    rc = rocmoe::start_kernel(ctx, &a->common, "gemm_all_to_all", need, slots, &k);
+    if (common == nullptr || common->layout == nullptr)
+        return fail(ROCMOE_ERR_INVALID, "fused-op abort: NULL argument");
+    int rc = rocmoe::start_kernel(ctx, common, common->layout->op, "fused-op abort", &k);
     if (rc != ROCMOE_OK) return rc;
-    return rocmoe::dispatch<rocmoe::GemmOp>(a->dtype, k, *a);
+    // the count slots of this parity may be rewritten once each destination read call e-2
+    rc = rocmoe::wait_all_free(k);
+    if (rc != ROCMOE_OK) return rc;
+    for (int d = 0; d < k.world; ++d) {
+        rc = k.deliver(d, ROCMOE_COUNT_ABORTED);
+        if (rc == ROCMOE_OK && common->layout->op == ROCMOE_OP_GEMV_ALLREDUCE)
+            rc = k.deliver(d, 0, true);
+        if (rc != ROCMOE_OK) return rc;
+    }
+    // nothing of this call will be read here: the sources may reuse this buffer at once
+    return k.ack_all();
 }
 
 }  // extern "C"
