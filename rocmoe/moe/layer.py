@@ -5,24 +5,18 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F_
 from torch import nn
 
 from ..errors import ConfigurationError, RocmoeError
 from . import blocksparse as bs
+from .activations import ACTIVATIONS, FUSABLE
+from .dispatch import StaticDispatcher
 from .permute import check_block_size, unpermute_combine
 from .router import Router, _check_config, check_tokens
 from .routing import route_and_permute
 
-_ACTIVATIONS = {
-    "gelu": lambda t: F_.gelu(t, approximate="tanh"),
-    "gelu_exact": F_.gelu,
-    "relu": F_.relu,
-    "silu": F_.silu,
-}
-
-
-_FUSABLE = {"gelu", "relu", "silu"}
+_ACTIVATIONS = ACTIVATIONS  # the old name, which tests/moe/conftest.py still reads
+_FUSABLE = FUSABLE
 
 
 def expert_ffn(x_perm, w1, w2, w3, topo, activation):
@@ -92,6 +86,7 @@ class DroplessMoE(nn.Module):
         self.world_size = world
         self.rank = rank
         self.num_local_experts = num_experts // world
+        self.dispatcher = StaticDispatcher(num_experts, world)
         self.router = Router(hidden_size, num_experts, top_k, renormalize=renormalize,
                              jitter_eps=jitter_eps, load_balancing_coef=load_balancing_coef,
                              z_loss_coef=z_loss_coef, device=device, dtype=dtype)
