@@ -29,7 +29,7 @@ class ConfigurationError(RocmoeError, ValueError):
     """A layer or runtime configuration that cannot work (e.g. top_k > experts)."""
 
 
-class PlacementError(RocmoeError, ValueError):
+class PlacementError(ConfigurationError):
     """A vExpert placement that cannot work: no free slot, an expert's last replica removed,
     ranks holding different placements, or a placement that does not fit the layer."""
 

@@ -46,6 +46,8 @@ class Placement:
                 f"experts {missing} have no vExpert: every expert needs at least one slot")
         table.setflags(write=False)
         self.slot_expert = table
+        self._replicas = None       # derived tables, computed once (the table is immutable)
+        self._weight_slots = None
 
     # -- construction ---------------------------------------------------------------
     @classmethod
@@ -61,26 +63,28 @@ class Placement:
     # -- views ----------------------------------------------------------------------
     def replicas(self) -> np.ndarray:
         """[E, world] int64: vExperts of each expert on each rank."""
-        out = np.zeros((self.num_experts, self.world_size), dtype=np.int64)
-        for r in range(self.world_size):
-            for e in self.slot_expert[r]:
-                if e >= 0:
-                    out[e, r] += 1
-        return out
+        if self._replicas is None:
+            out = np.zeros((self.num_experts, self.world_size), dtype=np.int64)
+            ranks = np.broadcast_to(np.arange(self.world_size)[:, None], self.slot_expert.shape)
+            used = self.slot_expert >= 0
+            np.add.at(out, (self.slot_expert[used], ranks[used]), 1)
+            self._replicas = out
+        return self._replicas.copy()
 
     def weight_slots(self) -> np.ndarray:
         """[E, world] int64: the slot holding each expert's weight copy on each rank, -1."""
-        out = np.full((self.num_experts, self.world_size), FREE, dtype=np.int64)
-        for r in range(self.world_size):
+        if self._weight_slots is None:
+            out = np.full((self.num_experts, self.world_size), FREE, dtype=np.int64)
             for s in range(self.slots_per_rank - 1, -1, -1):  # the lowest slot wins
-                e = self.slot_expert[r, s]
-                if e >= 0:
-                    out[e, r] = s
-        return out
+                experts = self.slot_expert[:, s]
+                used = experts >= 0
+                out[experts[used], np.flatnonzero(used)] = s
+            self._weight_slots = out
+        return self._weight_slots.copy()
 
     def holders(self, expert: int) -> list[int]:
         """Ranks that hold a copy of `expert`, ascending."""
-        return [r for r in range(self.world_size) if (self.slot_expert[r] == expert).any()]
+        return [int(r) for r in np.flatnonzero(self.replicas()[expert])]
 
     def free_slots(self, rank: int) -> list[int]:
         return [int(s) for s in np.flatnonzero(self.slot_expert[rank] == FREE)]
@@ -192,18 +196,19 @@ def copies_needed(old: Placement, new: Placement) -> list[tuple[int, int, int, i
     if old.slot_expert.shape != new.slot_expert.shape or old.num_experts != new.num_experts:
         raise PlacementError("the two placements are for different layers")
     old_ws, new_ws = old.weight_slots(), new.weight_slots()
+    ranks = np.arange(new.world_size)
+    # what each new weight slot held before; a copy wherever that is another expert
+    before = np.where(new_ws >= 0, old.slot_expert[ranks[None, :], new_ws.clip(min=0)], FREE)
+    needs = (new_ws >= 0) & (before != np.arange(new.num_experts)[:, None])
     out = []
-    for e in range(new.num_experts):
-        for r in range(new.world_size):
-            dst = int(new_ws[e, r])
-            if dst < 0 or old.slot_expert[r, dst] == e:
-                continue
-            if old_ws[e, r] >= 0:  # the rank had the weights in another slot: copy locally
-                src_rank, src_slot = r, int(old_ws[e, r])
-            else:
-                src_rank = old.holders(e)[0]
-                src_slot = int(old_ws[e, src_rank])
-            out.append((e, src_rank, src_slot, r, dst))
+    for e, r in zip(*np.nonzero(needs)):
+        e, r = int(e), int(r)
+        if old_ws[e, r] >= 0:  # the rank had the weights in another slot: copy locally
+            src_rank, src_slot = r, int(old_ws[e, r])
+        else:
+            src_rank = old.holders(e)[0]
+            src_slot = int(old_ws[e, src_rank])
+        out.append((e, src_rank, src_slot, r, int(new_ws[e, r])))
     return out
 
 
