@@ -216,7 +216,7 @@ def measured(args) -> list[dict]:
         sync()
         t1 = time.perf_counter()
         opt.step()
-        sync = (sched.timings["sync_ms"] - sync0) if scheduler else 0.0
+        sync_ms = (sched.timings["sync_ms"] - sync0) if scheduler else 0.0
         if scheduler:
             counts = layer.dispatcher.last_counts.cpu().numpy().copy()
             scheduler.step()
@@ -225,7 +225,7 @@ def measured(args) -> list[dict]:
         sync()
         t2 = time.perf_counter()
         # the step ends when the slowest rank is done (the exchanges keep them in step)
-        layer_ms = comm.allreduce((t1 - t0) * 1e3 + sync, op=MPI.MAX)
+        layer_ms = comm.allreduce((t1 - t0) * 1e3 + sync_ms, op=MPI.MAX)
         step_ms = comm.allreduce((t2 - t0) * 1e3, op=MPI.MAX)
         return {"layer_ms": layer_ms, "step_ms": step_ms, "placement": placement,
                 "counts": counts, "loss": float(loss.detach())}
@@ -252,7 +252,10 @@ def measured(args) -> list[dict]:
             "ours": "vExpert (greedy, scheduler overhead included)", "ours_ms": round(med["vexpert"], 2),
             "baseline": "static placement", "baseline_ms": round(med["static"], 2),
             "ratio": round(med["static"] / med["vexpert"], 4),
-            "static_rank_loads": rows["static"][-1]["counts"].sum(axis=0).tolist(),
+            "static_rank_loads": static_placement.rank_loads(
+                rows["static"][-1]["counts"].sum(axis=0)).tolist(),
+            "vexpert_rank_loads": vex.dispatcher.placement.rank_loads(
+                rows["vexpert"][-1]["counts"].sum(axis=0)).tolist(),
             "vexpert_placement": vex.dispatcher.placement.to_list(),
             "vexpert_balance_ratio_last": float(vex.dispatcher.balance_ratio),
             "goal": ">= 1.3 under strong skew", "meets_goal": med["static"] / med["vexpert"] >= 1.3,
@@ -289,7 +292,8 @@ def measured(args) -> list[dict]:
         })
         records.append({
             "bench": "vexpert", "metric": "tokens_per_rank_measured",
-            "static": [r["counts"].sum(axis=0).tolist() for r in rows["static"]],
+            "static": [static_placement.rank_loads(r["counts"].sum(axis=0)).tolist()
+                       for r in rows["static"]],
             "vexpert": [r["placement"].rank_loads(r["counts"].sum(axis=0)).tolist()
                         for r in rows["vexpert"]],
             "losses_static": [r["loss"] for r in rows["static"]],
