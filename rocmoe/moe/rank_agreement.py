@@ -22,6 +22,10 @@ def allgather_ints(ctx, values, what: str) -> np.ndarray:
     creates it here at the same point, so its sequence numbers agree)."""
     if hasattr(ctx, "allgather_ints"):
         return np.asarray(ctx.allgather_ints(list(values)))
+    if getattr(ctx, "comm", None) is None:
+        raise ConfigurationError(
+            "expert parallelism needs a context with an mpi4py communicator (ctx.comm); "
+            "create it with rocmoe.init()")
     from ..collective import KIND_USER, ControlChannel
     from ..runtime import timeout_from_env
     channel = ControlChannel(ctx.comm, timeout_from_env())
@@ -41,8 +45,13 @@ def agree_on_fields(ctx, fields: dict, what: str,
     ConfigurationError on the others; otherwise raise ConfigurationError on every rank if
     any field differs across ranks (naming each differing field with every rank's value)."""
     names = list(fields)
-    table = allgather_ints(ctx, [int(problem is not None)] + [_as_int(fields[n]) for n in names],
-                           what)
+    try:
+        table = allgather_ints(ctx, [int(problem is not None)]
+                               + [_as_int(fields[n]) for n in names], what)
+    except ConfigurationError:
+        if problem is not None:   # no way to tell the peers: this rank's own error is news
+            raise problem
+        raise
     if problem is not None:
         raise problem
     failed = [r for r in range(table.shape[0]) if table[r, 0]]

@@ -23,13 +23,15 @@ step. The policy (policy.py) runs every ``rebalance_every`` steps of a layer whi
 balance ratio is above ``balance_threshold``, on the pair counts every rank has seen (an
 exponential average), with the cost model (cost_model.py) profiled at the first step.
 Every rank computes the same decision; the new placement's fingerprint is compared across
-ranks before it is used.
+ranks before it is used. On a GPU the statistics are one step older (their copy to the host
+runs in the background), so ``step()`` never waits for the device.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Iterable, Optional
+from collections import deque
+from typing import Optional
 
 import numpy as np
 import torch
@@ -64,6 +66,7 @@ class _LayerState:
         self.mover = mover
         self.pending: Optional[Placement] = None
         self.counts_ema: Optional[np.ndarray] = None
+        self.staged = None   # GPU: (pinned counts, event) of the previous step
         self.steps = 0
 
 
@@ -77,7 +80,7 @@ class VExpertScheduler:
     def __init__(self, layers, optimizer, *, policy: str = "greedy",
                  cost_model: Optional[CostModel] = None, max_copies_per_rank: int = 2,
                  group_cache_size: int = 64, load_decay: float = 0.5,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, log_steps: int = 1000):
         self.layers = _vexpert_layers(layers)
         if not self.layers:
             raise ConfigurationError("VExpertScheduler found no DroplessMoE layer with "
@@ -102,7 +105,8 @@ class VExpertScheduler:
                                    if multi else None) for layer in self.layers]
         self.groups = GroupCache(self.ctx.comm, group_cache_size) if multi else None
         self.steps = 0
-        self.log: list[dict] = []          # one record per step (statistics, decisions)
+        # one record per step (statistics, decisions), the most recent ones
+        self.log: "deque[dict]" = deque(maxlen=log_steps)
         self.timings = {"decide_ms": 0.0, "sync_ms": 0.0, "commit_ms": 0.0}
         self.dropped_changes = 0
         self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) \
@@ -134,8 +138,19 @@ class VExpertScheduler:
         pending = [st for st in self.states if st.pending is not None]
         commit = set()
         if pending:
-            ready = all(st.mover.landed() for st in pending)
-            table = self._allgather([int(ready)], "vExpert change: copies landed")
+            failure = None
+            try:
+                ready = all(st.mover.landed() for st in pending)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                ready, failure = False, exc
+            table = self._allgather([int(ready), int(failure is not None)],
+                                    "vExpert change: copies landed")
+            if table[:, 1].any():
+                failed = [r for r in range(self.world_size) if table[r, 1]]
+                raise PlacementError(
+                    f"an expert copy failed on rank(s) {failed}"
+                    + (f": {type(failure).__name__}: {failure}" if failure else
+                       " (see the error there)")) from failure
             if table[:, 0].all():
                 commit = {id(st) for st in pending}
             else:
@@ -219,11 +234,11 @@ class VExpertScheduler:
         self.steps += 1
         record = {"step": self.steps, "layers": []}
         for index, st in enumerate(self.states):
-            disp = st.layer.dispatcher
-            if disp.last_counts is None:
+            counts = self._read_counts(st)
+            if counts is None:
                 record["layers"].append(None)
                 continue
-            counts = disp.last_counts.detach().to("cpu").numpy().astype(np.float64)
+            disp = st.layer.dispatcher
             st.counts_ema = counts if st.counts_ema is None else \
                 self.load_decay * st.counts_ema + (1 - self.load_decay) * counts
             st.steps += 1
@@ -249,6 +264,25 @@ class VExpertScheduler:
             record["layers"].append(entry)
         self.log.append(record)
         self.timings["decide_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _read_counts(self, st: _LayerState) -> Optional[np.ndarray]:
+        """The last forward's [world, E] pair counts on the host. On a GPU without waiting
+        for it: this step's counts are copied into pinned memory in the background and the
+        previous step's copy (long finished) is what the statistics use."""
+        latest = st.layer.dispatcher.last_counts
+        if latest is None:
+            return None
+        if not latest.is_cuda:
+            return latest.detach().numpy().astype(np.float64)
+        staged = torch.empty(latest.shape, dtype=latest.dtype, pin_memory=True)
+        staged.copy_(latest.detach(), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        previous, st.staged = st.staged, (staged, done)
+        if previous is None:
+            return None
+        previous[1].synchronize()
+        return previous[0].numpy().astype(np.float64)
 
     def _profile(self, layer, counts) -> CostModel:
         from .parallel import transport_for

@@ -175,7 +175,12 @@ class VExpertDispatcher(nn.Module):
 
     # -- the plan ---------------------------------------------------------------------
     def local_groups(self, expert_ids: torch.Tensor) -> torch.Tensor:
-        """Single rank: the weight slot of each pair's expert ([T, k] int32)."""
+        """Single rank: the weight slot of each pair's expert ([T, k] int32); the step's
+        statistics as plan() keeps them."""
+        counts = expert_histogram(expert_ids, self.num_experts).long()
+        self.last_counts = counts.unsqueeze(0)
+        self.rank_loads = counts.sum().reshape(1)
+        self.balance_ratio = balance_ratio_of(self.rank_loads)
         return self.weight_slots[:, 0][expert_ids.long()].to(torch.int32)
 
     def plan(self, expert_ids: torch.Tensor, transport) -> DispatchPlan:

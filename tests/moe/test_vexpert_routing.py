@@ -209,3 +209,28 @@ def test_a_placement_for_another_slot_budget_is_refused_on_load():
     state["w1"], state["w2"] = big.w1.detach(), big.w2.detach()
     with pytest.raises(PlacementError, match="5 slots per rank, the layer 6"):
         big.load_state_dict(state)
+
+
+def test_the_schedulers_state_round_trips_through_its_state_dict():
+    from rocmoe.moe import CostModel, DroplessMoE, VExpertScheduler
+
+    def build():
+        layer = DroplessMoE(8, 16, 4, 2, block_size=16, placement="vexpert")
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        return layer, opt, VExpertScheduler(layer, opt, cost_model=CostModel(ffn_ms_per_row=2e-3))
+    layer, opt, sched = build()
+    layer(torch.randn(10, 8)).sum().backward()
+    opt.step()
+    sched.step()
+    state = sched.state_dict()
+    assert state["steps"] == 1 and state["layers"][0]["counts_ema"] is not None
+    _, _, resumed = build()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+
+
+def test_the_scheduler_refuses_a_static_layer():
+    from rocmoe.errors import ConfigurationError
+    from rocmoe.moe import DroplessMoE, VExpertScheduler
+    with pytest.raises(ConfigurationError, match="placement='vexpert'"):
+        VExpertScheduler([DroplessMoE(8, 16, 4, 2, block_size=16)], None)
