@@ -325,14 +325,19 @@ def check_syncs(ctx, dtype, tol, steps=12):
     rank, world = ctx.rank, ctx.world_size
     if DEVICE.type != "cuda":
         return report("syncs", False, rank, "needs --device cuda")
+    # a layer of realistic width: the share is of a real step, not of launch overhead
+    hidden, ffn, tokens = 512, 2048, 4096
     torch.manual_seed(5)
-    static = DroplessMoE(H, F, E, K, block_size=BLOCK, ctx=ctx).to(DEVICE, dtype)
+    static = DroplessMoE(hidden, ffn, E, K, block_size=64, ctx=ctx).to(DEVICE, dtype)
     torch.manual_seed(5)
-    vex = DroplessMoE(H, F, E, K, block_size=BLOCK, ctx=ctx, placement="vexpert",
+    vex = DroplessMoE(hidden, ffn, E, K, block_size=64, ctx=ctx, placement="vexpert",
                       slots_per_rank=E // world + 2, rebalance_every=1).to(DEVICE, dtype)
     opt = torch.optim.Adam(vex.parameters(), lr=1e-3)
     sched = VExpertScheduler([vex], opt, cost_model=CostModel())
-    x = batches(world, dtype, seed=21, skew=3.0)[rank]
+    gen = torch.Generator().manual_seed(40 + rank)
+    x = torch.randn(tokens, hidden, generator=gen, dtype=dtype)
+    x[:, 0] += 3.0
+    x = x.to(DEVICE)
 
     def fwd_bwd(layer):
         def run():
