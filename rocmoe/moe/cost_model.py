@@ -7,8 +7,9 @@ vexpert_routing does (equal shares per vExpert, locality first):
 * ``T_comp``: the expert FFN forward + backward, ``fixed * active groups + per_row * rows``
   on the rank, fitted to timings of this machine's FFN at several row counts;
 * ``T_a2a``: the four row exchanges of a step (dispatch and combine, forward and backward),
-  ``latency + bytes / bandwidth`` for the bytes a rank sends and receives over other ranks,
-  per link class (``intra`` node, ``inter`` node), measured with the layer's transport;
+  ``latency + bytes / bandwidth`` for the bytes a rank sends or receives (the larger) per
+  link class (``intra`` node, ``inter`` node: ranks are numbered node by node, ``ranks_per_node``
+  to a node), measured with the layer's transport (on one node only ``intra`` exists);
 * ``T_sync``: the replica gradient all-reduces a rank takes part in, ``alpha + beta * bytes``
   per group size, measured on sub-communicators;
 
@@ -56,12 +57,26 @@ class CostModel:
         rows = quota.sum(axis=0)
         groups = ((quota > 0) & (placement.weight_slots() >= 0)).sum(axis=0)
         comp = self.ffn_fixed_ms * groups + self.ffn_ms_per_row * rows
-        sent = (counts - kept).sum(axis=1)                                # pairs leaving
-        received = rows - kept.sum(axis=1)                                # pairs arriving
-        per_byte = self.a2a_ms_per_byte.get("intra", 0.0)
-        if self.ranks_per_node and world > self.ranks_per_node:
-            per_byte = max(per_byte, self.a2a_ms_per_byte.get("inter", per_byte))
-        a2a = 4 * (self.a2a_latency_ms + per_byte * self.row_bytes * np.maximum(sent, received))
+        # pairs that leave their rank, spread over the expert's other holders by their spare
+        # room (the routing fills exactly that room): flows [src, E, dst]
+        rest = counts - kept
+        spare = np.clip(quota - kept.T, 0.0, None)                        # [E, W]
+        other = 1.0 - np.eye(world)
+        weight = spare[None, :, :] * other[:, None, :]
+        norm = weight.sum(axis=2, keepdims=True)
+        flows = rest[:, :, None] * np.divide(weight, norm, out=np.zeros_like(weight),
+                                             where=norm > 0)
+        per_pair = flows.sum(axis=1)                                      # [src, dst]
+        nodes = (np.arange(world) // self.ranks_per_node if self.ranks_per_node
+                 else np.zeros(world, dtype=np.int64))
+        cross = nodes[:, None] != nodes[None, :]
+        a2a = np.full(world, self.a2a_latency_ms)
+        for kind, mask in (("intra", ~cross), ("inter", cross)):
+            pairs = per_pair * mask
+            moved = np.maximum(pairs.sum(axis=1), pairs.sum(axis=0))      # sent, received
+            rate = self.a2a_ms_per_byte.get(kind, self.a2a_ms_per_byte.get("intra", 0.0))
+            a2a = a2a + rate * self.row_bytes * moved
+        a2a = 4 * a2a
         holds_e = reps > 0                                                # [E, W]
         members = holds_e.sum(axis=1)
         per_group = np.array([self.allreduce_ms(int(m), self.expert_grad_bytes) if m > 1
@@ -179,18 +194,24 @@ def profile_fixed(layer, tokens: int, reps: int = 3) -> float:
     return _median_ms(step, reps)
 
 
-def profile_links(transport, row_bytes: int, rows: int, reps: int = 3) -> tuple[float, float]:
-    """(latency_ms, ms_per_byte) of one row exchange through the transport (collective)."""
-    world = transport.world_size
+def profile_links(transport, row_bytes: int, rows: int, device, partner=None,
+                  reps: int = 3) -> tuple[float, float]:
+    """(latency_ms, ms_per_byte) of one row exchange through the transport (collective):
+    every rank sends to every other (partner None), or rank r only to partner[r] (a
+    permutation of the ranks: one link class)."""
+    world, rank = transport.world_size, transport.rank
     width = max(row_bytes // 4, 1)
-    times = []
-    sizes = (max(rows // 8, 1), max(rows, 2))
-    for n in sizes:
-        block = torch.zeros(n * world, width, dtype=torch.float32)
-        splits = [n] * world
-        times.append(_median_ms(lambda: transport.all_to_all(block, splits, splits), reps))
-    # the bytes a rank moves to / from its peers
-    moved = [n * (world - 1) * width * 4 for n in sizes]
+    times, moved = [], []
+    for n in (max(rows // 8, 1), max(rows, 2)):
+        if partner is not None:
+            send = [n if d == partner[rank] else 0 for d in range(world)]
+            recv = [n if partner[s] == rank else 0 for s in range(world)]
+            moved.append(n * width * 4)
+        else:
+            send = recv = [n] * world
+            moved.append(n * (world - 1) * width * 4)
+        block = torch.zeros(sum(send), width, dtype=torch.float32, device=device)
+        times.append(_median_ms(lambda: transport.all_to_all(block, send, recv), reps))
     return fit_line(moved, times)
 
 
@@ -226,22 +247,35 @@ def profile(layer, transport, comm, tokens: int, ranks_per_node: int = 0,
     fixed_g, per_row, _ = profile_ffn(layer, rows)
     fixed = profile_fixed(layer, tokens)
     row_bytes = layer.hidden_size * layer.w1.element_size()
-    latency, per_byte = profile_links(transport, row_bytes, rows)
+    device = layer.w1.device
+    per_node = ranks_per_node if 0 < ranks_per_node < layer.world_size else 0
+    if per_node:   # two link classes: a neighbour on the node, the same rank one node over
+        world = layer.world_size
+        inter = [(r + per_node) % world for r in range(world)]
+        intra = [(r // per_node) * per_node + (r % per_node + 1) % per_node for r in range(world)]
+        latency, per_byte_inter = profile_links(transport, row_bytes, rows, device, inter)
+        if per_node > 1:
+            latency, per_byte = profile_links(transport, row_bytes, rows, device, intra)
+        else:      # one rank per node: no link stays on a node
+            per_byte = per_byte_inter
+    else:          # one node: the exchange the layer runs, every rank to every rank
+        latency, per_byte = profile_links(transport, row_bytes, rows, device)
+        per_byte_inter = per_byte
     grad_elems = sum(p[0].numel() for p in (layer.w1, layer.w2, layer.w3) if p is not None)
     grad_bytes = grad_elems * (8 if layer.w1.dtype == torch.float64 else 4)
     allreduce = profile_allreduce(comm, grad_bytes)
-    values = [fixed_g, per_row, latency, per_byte, fixed]
+    values = [fixed_g, per_row, latency, per_byte, fixed, per_byte_inter]
     for g in sorted(allreduce):
         values += allreduce[g]
     if exchange is not None:
         values = np.asarray(exchange(values)).mean(axis=0).tolist()
     model = CostModel(ffn_fixed_ms=values[0], ffn_ms_per_row=values[1],
                       a2a_latency_ms=values[2],
-                      a2a_ms_per_byte={"intra": values[3], "inter": values[3]},
+                      a2a_ms_per_byte={"intra": values[3], "inter": values[5]},
                       fixed_ms=values[4], row_bytes=row_bytes,
                       expert_grad_bytes=grad_bytes, ranks_per_node=ranks_per_node,
                       measured=True)
-    rest = values[5:]
+    rest = values[6:]
     model.allreduce = {g: [rest[2 * i], rest[2 * i + 1]] for i, g in enumerate(sorted(allreduce))}
     return model
 

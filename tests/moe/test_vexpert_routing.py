@@ -234,3 +234,28 @@ def test_the_scheduler_refuses_a_static_layer():
     from rocmoe.moe import DroplessMoE, VExpertScheduler
     with pytest.raises(ConfigurationError, match="placement='vexpert'"):
         VExpertScheduler([DroplessMoE(8, 16, 4, 2, block_size=16)], None)
+
+
+def test_the_cost_model_charges_pairs_that_cross_nodes_at_the_inter_node_rate():
+    from rocmoe.moe import CostModel
+    counts = np.zeros((4, 4))
+    counts[:, 0] = 100                                  # every rank's pairs want expert 0
+    on_node = Placement.static(4, 4, 2).expanded(0, 1)  # expert 0 on ranks 0 and 1
+    model = CostModel(ffn_ms_per_row=0.0, a2a_ms_per_byte={"intra": 1e-3, "inter": 1e-2},
+                      row_bytes=1, ranks_per_node=2)
+    a2a = model.rank_terms(on_node, counts)["a2a"]
+    # ranks 2 and 3 (the other node) send their 100 pairs each across; rank 0 and 1 keep theirs
+    assert a2a[2] == pytest.approx(4 * 100 * 1e-2) and a2a[3] == pytest.approx(4 * 100 * 1e-2)
+    one_node = CostModel(ffn_ms_per_row=0.0, a2a_ms_per_byte={"intra": 1e-3, "inter": 1e-2},
+                         row_bytes=1, ranks_per_node=0)
+    assert one_node.rank_terms(on_node, counts)["a2a"][2] == pytest.approx(4 * 100 * 1e-3)
+
+
+def test_the_cost_model_predicts_the_busiest_ranks_compute():
+    from rocmoe.moe import CostModel
+    counts = np.zeros((2, 4))
+    counts[:, 0] = 50
+    static = Placement.static(4, 2, 3)
+    model = CostModel(ffn_ms_per_row=1.0)
+    assert model.predict_ms(static, counts) == pytest.approx(100.0)
+    assert model.predict_ms(static.expanded(0, 1), counts) == pytest.approx(50.0)
