@@ -144,7 +144,10 @@ def profile_ffn(layer, rows: int, reps: int = 3) -> tuple[float, float, list]:
     path its expert-parallel step takes (per-group products for the fused combine, the
     block-sparse FFN otherwise)."""
     from .activations import ACTIVATIONS
+    from .layer import expert_ffn
     from .parallel import combine_kind
+    from .permute import unpermute_combine
+    from .routing import route_and_permute
     device, dtype = layer.w1.device, layer.w1.dtype
     fused = layer.world_size > 1 and combine_kind(layer) == "gemm_all_to_all"
     act = ACTIVATIONS[layer.activation]
@@ -168,8 +171,12 @@ def profile_ffn(layer, rows: int, reps: int = 3) -> tuple[float, float, list]:
                         h = h * (xg @ layer.w3[i])
                     outs.append(h @ layer.w2[i])
                 y = torch.cat(outs)
-            else:
-                y = layer._local_experts(x, ids, ones)
+            else:   # what the layer's block-sparse path runs on the rows that arrived
+                plan, topo, x_perm = route_and_permute(x, ids, g, layer.block_size,
+                                                       layer.ffn_hidden_size)
+                y = unpermute_combine(expert_ffn(x_perm, layer.w1[:g], layer.w2[:g],
+                                                 None if layer.w3 is None else layer.w3[:g],
+                                                 topo, layer.activation), ones, plan)
             torch.autograd.grad(y.float().sum(), weights)
         samples.append((r, g, _median_ms(step, reps)))
     # t = fixed * g + per_row * r: least squares over the samples
