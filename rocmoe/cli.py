@@ -2,7 +2,7 @@
 
     rocmoe info [--json]           what this build and this machine offer
     rocmoe doctor [--clean]        checks before a job; removes crashed jobs' shm segments
-    rocmoe bench NAME [ARGS...]    runs rocmoe.bench.NAME.main(ARGS) (heap, fused, moe, ipc)
+    rocmoe bench NAME [ARGS...]    runs rocmoe.bench.NAME.main(ARGS) (heap, fused, moe, ipc, vexpert)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Optional
 
 from . import __version__, errors
 
-BENCHMARKS = ("heap", "fused", "fused_gpu", "moe", "moe_kernels", "ipc", "multi_gpu")
+BENCHMARKS = ("heap", "fused", "fused_gpu", "moe", "moe_kernels", "ipc", "multi_gpu", "vexpert")
 
 # The environment knobs rocmoe reads, with their defaults (as a user would write them) and why
 # one would set them. `rocmoe info` shows the current value next to the default.

@@ -29,6 +29,11 @@ class ConfigurationError(RocmoeError, ValueError):
     """A layer or runtime configuration that cannot work (e.g. top_k > experts)."""
 
 
+class PlacementError(ConfigurationError):
+    """A vExpert placement that cannot work: no free slot, an expert's last replica removed,
+    ranks holding different placements, or a placement that does not fit the layer."""
+
+
 # --- build and backends ------------------------------------------------------
 class BackendUnavailableError(RocmoeError, RuntimeError):
     """The requested backend was not compiled in, or its hardware is absent."""

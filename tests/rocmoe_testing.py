@@ -56,3 +56,13 @@ def run_mpi(script, n: int, *args, timeout: float = 180, env: dict | None = None
     if check and proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout}")
     return proc
+
+
+def require_runtime() -> None:
+    """Skip (fail under ROCMOE_REQUIRE_ALL=1) when the native runtime cannot be imported."""
+    try:
+        import rocmoe.runtime  # noqa: F401  (needs the native library)
+    except Exception as exc:  # noqa: BLE001
+        if REQUIRE_ALL:
+            pytest.fail(f"rocmoe runtime unavailable: {exc}")
+        pytest.skip(f"rocmoe runtime unavailable: {exc}")

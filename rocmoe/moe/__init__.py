@@ -12,6 +12,9 @@ from .permute import (RoutingPlan, padded_rows_bound, permute_pad, plan_routing,
 from .routing import route_and_permute
 from .router import Router, expert_histogram, load_balancing_loss, z_loss
 from .topology import Topology, build_topology
+from .placement import Placement
+from .cost_model import CostModel
+from .scheduler import VExpertScheduler
 
 __all__ = [
     "DroplessMoE", "Router", "Topology", "RoutingPlan", "build_topology", "plan_routing",
@@ -19,4 +22,5 @@ __all__ = [
     "to_dense", "expert_ffn", "fused_expert_ffn", "set_kernel_config", "expert_histogram",
     "load_balancing_loss", "z_loss",
     "set_backend", "get_backend", "route_and_permute",
+    "Placement", "CostModel", "VExpertScheduler",
 ]

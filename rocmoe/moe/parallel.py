@@ -1,20 +1,24 @@
 """Expert parallelism: experts split over ranks, tokens travel to their expert and back.
 
-Rank r owns global experts ``[r * E_local, (r + 1) * E_local)``. A forward:
+Where each (token, slot) pair goes is the layer's *dispatcher*'s decision (dispatch.py): a
+destination rank and a group (weight copy) there. Under the static placement rank r owns
+global experts ``[r * E_local, (r + 1) * E_local)`` and group g is its local expert g;
+vExpert placement (vexpert_routing.py) spreads replicated experts over slots of several
+ranks. Everything below is the same for both. A forward:
 
-1. route locally; sort this rank's (token, slot) pairs by global expert, which also groups
-   them by destination rank;
-2. exchange the per-expert counts (``[world, E_local]`` each way);
+1. route locally; ask the dispatcher for each pair's (rank, group) and sort the pairs by it;
+2. exchange the per-(rank, group) counts (``[world, G]`` each way; skipped when the
+   dispatcher already knows what every rank receives);
 3. dispatch: all-to-all of the sorted rows;
-4. run the local experts on what arrived (rows arrive grouped by source rank, then by local
-   expert; the expert of each row comes from the counts by a device-side searchsorted);
+4. run the local groups on what arrived (rows arrive grouped by source rank, then by
+   group; the group of each row comes from the counts by a device-side searchsorted);
 5. combine: all-to-all back, unsort, weight by the gates and sum the k slots.
 
 With a rocmoe Context the layer's combine is ``rocmoe.ops.gemm_all_to_all`` (``combine=
-"gemm_all_to_all"``, the default there for float32/bfloat16/float16): per local expert e,
-the rows that arrived for e go through act(x W1[e]) (times x W3[e] with GLU), and one call
-of the fused op with grouped weights (W2 [E_local, F, H]) computes every local expert's
-product with its W2[e] and puts each finished slice straight into its source rank's heap,
+"gemm_all_to_all"``, the default there for float32/bfloat16/float16): per group g,
+the rows that arrived for g go through act(x W1[g]) (times x W3[g] with GLU), and one call
+of the fused op with grouped weights (W2 [G, F, H]) computes every group's
+product with its W2[g] and puts each finished slice straight into its source rank's heap,
 so the last GEMM and the return trip are one collective per layer instead of a GEMM and
 then an all-to-all. The op's own backward returns the gradients. A
 communicator-only context (MPI) and float64 use the block-sparse FFN and the transport's
@@ -34,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import CollectiveMismatchError, ConfigurationError, InvalidArgumentError
-from .router import expert_histogram
+from .activations import ACTIVATIONS
 
 
 class ExpertTransport(abc.ABC):
@@ -45,7 +49,7 @@ class ExpertTransport(abc.ABC):
 
     @abc.abstractmethod
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """[world, E_local] counts this rank sends -> [world, E_local] counts it receives."""
+        """[world, G] counts this rank sends -> [world, G] counts it receives."""
 
     @abc.abstractmethod
     def all_to_all(self, rows: torch.Tensor, send_splits: list[int],
@@ -225,8 +229,8 @@ def reject_input(layer, error: Exception) -> None:
     """This rank's input was rejected (`error`): take part in the count exchange with counts
     of -1, so that the peers raise too instead of waiting in the exchange, then raise."""
     transport = _layer_transport(layer)
-    transport.exchange_counts(torch.full((transport.world_size, layer.num_local_experts), -1,
-                                         dtype=torch.int64))
+    width = layer.dispatcher.exchange_width  # the peers wait in the step's first exchange
+    transport.exchange_counts(torch.full((transport.world_size, width), -1, dtype=torch.int64))
     raise error
 
 
@@ -269,18 +273,17 @@ def combine_kind(layer) -> str:
 def _fused_combine(layer, received, received_from):
     """Steps 4 and 5 with the last GEMM fused into the return trip (gemm_all_to_all).
 
-    received: the rows that arrived, in segments (source s, local expert e), source-major;
-    received_from[s][e]: rows of each segment. That is the grouped op's layout for the way
-    back (destination s, group e): one grouped gemm_all_to_all with W2 [E_local, F, H]
-    computes every local expert's last product and puts each finished slice straight into
-    its source rank's heap, in one collective for all local experts. What comes back is, from
-    each owner rank r in turn, this rank's rows for r's experts in expert order: the global
-    expert order the rows were sent in."""
+    received: the rows that arrived, in segments (source s, group g), source-major;
+    received_from[s][g]: rows of each segment. That is the grouped op's layout for the way
+    back (destination s, group g): one grouped gemm_all_to_all with W2 [G, F, H]
+    computes every group's last product and puts each finished slice straight into
+    its source rank's heap, in one collective for all groups. What comes back is, from
+    each rank r in turn, this rank's rows for r's groups in group order: the (rank, group)
+    order the rows were sent in."""
     from .. import ops
     from ..ops.products import group_major
-    from .layer import _ACTIVATIONS
-    act = _ACTIVATIONS[layer.activation]
-    # the first product per local expert: its rows from every source together
+    act = ACTIVATIONS[layer.activation]
+    # the first product per group: its rows from every source together
     perm, sizes = group_major(received_from)
     index = torch.from_numpy(perm).to(received.device)
     by_expert = received.index_select(0, index)
@@ -297,18 +300,19 @@ def _fused_combine(layer, received, received_from):
 
 def expert_parallel_forward(layer, x, expert_ids, weights):
     transport = _layer_transport(layer)
-    world, e_local = transport.world_size, layer.num_local_experts
     try:
         combine = combine_kind(layer)
     except ConfigurationError as exc:  # the peers must learn of it, or they wait for counts
         reject_input(layer, exc)
     num_tokens, top_k = expert_ids.shape
-    flat = expert_ids.reshape(-1).long()
-    # 1. sort pairs by global expert (stable: deterministic order within an expert)
-    order = torch.sort(flat, stable=True).indices
-    counts = expert_histogram(expert_ids, layer.num_experts).view(world, e_local)
+    # 1. each pair's (rank, group); sort by it (stable: token order within a group)
+    plan = layer.dispatcher.plan(expert_ids, transport)
+    groups = plan.num_groups
+    order = torch.sort(plan.sort_key(), stable=True).indices
+    counts = plan.send_counts
     # 2. counts each way; the split sizes go to the host for the transport's buffers
-    recv_counts = transport.exchange_counts(counts)
+    recv_counts = (plan.recv_counts if plan.recv_counts is not None
+                   else transport.exchange_counts(counts))
     received_from = recv_counts.tolist()
     rejected = [r for r, row in enumerate(received_from) if min(row, default=0) < 0]
     if rejected:  # a peer's input failed its checks (reject_input): nobody exchanges rows
@@ -324,10 +328,10 @@ def expert_parallel_forward(layer, x, expert_ids, weights):
     if combine == "gemm_all_to_all":
         y_sorted = _fused_combine(layer, received, received_from)
     else:
-        # 4. local experts; row i belongs to segment searchsorted(ends, i) = (source, expert)
+        # 4. local groups; row i belongs to segment searchsorted(ends, i) = (source, group)
         seg_ends = torch.cumsum(recv_counts.reshape(-1).long(), 0)
         rows = torch.arange(received.shape[0], device=x.device)
-        local_ids = (torch.searchsorted(seg_ends, rows, right=True) % e_local).to(torch.int32)
+        local_ids = (torch.searchsorted(seg_ends, rows, right=True) % groups).to(torch.int32)
         ones = torch.ones(received.shape[0], 1, dtype=x.dtype, device=x.device)
         y_recv = layer._local_experts(received, local_ids.view(-1, 1), ones)
         # 5. combine: back to the source rank

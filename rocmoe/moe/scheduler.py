@@ -1,0 +1,372 @@
+"""VExpertScheduler: watches the vExpert layers' loads and changes their placement.
+
+    scheduler = VExpertScheduler(model, optimizer)   # the model's placement="vexpert" layers
+    for batch in data:
+        loss = task_loss(model(batch)); loss.backward()
+        optimizer.step()      # a pre-hook first sums the replicas' gradients
+        scheduler.step()      # statistics, policy, Expand / Shrink / Migrate
+
+Timeline of a change decided by ``scheduler.step()`` after step t:
+
+* no weights to move (Shrink; Expand onto a rank that has the expert's weights): it is the
+  placement of step t+1;
+* otherwise the copies (weights + optimizer state, one-sided puts, expert_copy.py) run in
+  the background during step t+1, which still uses the old placement. At the optimizer
+  pre-hook of step t+1 the ranks agree (one timed all-gather) whether every copy landed:
+  if so the replicas' gradients are summed over old and new holders, the copies are
+  installed and step t+1's optimizer step updates them like their sources, and step t+2
+  runs on the new placement. If not, the change is dropped (nothing waits); the policy
+  may propose it again.
+
+The gradient sum of replicated experts (replica_sync.py) happens in the pre-hook every
+step. The policy (policy.py) runs every ``rebalance_every`` steps of a layer while its
+balance ratio is above ``balance_threshold``, on the pair counts every rank has seen (an
+exponential average), with the cost model (cost_model.py) profiled at the first step.
+Every rank computes the same decision; the new placement's fingerprint is compared across
+ranks before it is used. On a GPU the statistics are one step older (their copy to the host
+runs in the background), so ``step()`` never waits for the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..errors import ConfigurationError, PlacementError
+from .cost_model import CostModel, profile
+from .expert_copy import Copy, ExpertMover
+from .placement import Placement, balance_ratio, copies_needed
+from .policy import POLICIES
+from .rank_agreement import allgather_ints
+from .replica_sync import GroupCache, allreduce_sum, pack, reduce_dtype, unpack
+from .vexpert_routing import VExpertDispatcher
+
+
+def _vexpert_layers(layers) -> list:
+    if isinstance(layers, torch.nn.Module):
+        layers = [m for m in layers.modules()
+                  if isinstance(getattr(m, "dispatcher", None), VExpertDispatcher)]
+    layers = list(layers)
+    for layer in layers:
+        if not isinstance(getattr(layer, "dispatcher", None), VExpertDispatcher):
+            raise ConfigurationError(
+                f"VExpertScheduler takes DroplessMoE layers built with placement='vexpert'; "
+                f"got {type(layer).__name__} with placement="
+                f"{getattr(layer, 'placement', None)!r}")
+    return layers
+
+
+class _LayerState:
+    def __init__(self, layer, mover):
+        self.layer = layer
+        self.mover = mover
+        self.pending: Optional[Placement] = None
+        self.counts_ema: Optional[np.ndarray] = None
+        self.staged = None   # GPU: (pinned counts, event) of the previous step
+        self.steps = 0
+
+
+class VExpertScheduler:
+    """Placement changes for the vExpert layers of ``layers`` (a module or a list).
+
+    policy: "greedy" (FlexMoE Alg. 2) or "eplb"; cost_model: a CostModel, or None to
+    profile one at the first step; max_copies_per_rank: weight copies into one rank per
+    change (its inbox room); load_decay: weight of the past in the averaged counts."""
+
+    def __init__(self, layers, optimizer, *, policy: str = "greedy",
+                 cost_model: Optional[CostModel] = None, max_copies_per_rank: int = 2,
+                 group_cache_size: int = 64, load_decay: float = 0.5,
+                 timeout_s: Optional[float] = None, log_steps: int = 1000):
+        self.layers = _vexpert_layers(layers)
+        if not self.layers:
+            raise ConfigurationError("VExpertScheduler found no DroplessMoE layer with "
+                                     "placement='vexpert'")
+        if policy not in POLICIES:
+            raise ConfigurationError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+        ctxs = {id(layer.ctx) for layer in self.layers}
+        if len(ctxs) != 1:
+            raise ConfigurationError("the scheduler's layers must share one rocmoe Context")
+        self.ctx = self.layers[0].ctx
+        self.world_size = self.layers[0].world_size
+        self.optimizer = optimizer
+        self.policy = policy
+        self.cost_model = cost_model
+        self.max_copies_per_rank = int(max_copies_per_rank)
+        self.load_decay = float(load_decay)
+        if timeout_s is None:
+            timeout_s = getattr(self.ctx, "timeout_s", 60.0) if self.ctx is not None else 60.0
+        self.timeout_s = float(timeout_s)
+        multi = self.world_size > 1
+        self.states = [_LayerState(layer, ExpertMover(self.ctx, layer, optimizer, self.timeout_s)
+                                   if multi else None) for layer in self.layers]
+        self.groups = GroupCache(self.ctx.comm, group_cache_size) if multi else None
+        self.steps = 0
+        # one record per step (statistics, decisions), the most recent ones
+        self.log: "deque[dict]" = deque(maxlen=log_steps)
+        self.timings = {"decide_ms": 0.0, "sync_ms": 0.0, "commit_ms": 0.0}
+        self.dropped_changes = 0
+        self._hook = optimizer.register_step_pre_hook(self._before_optimizer_step) \
+            if optimizer is not None else None
+
+    # -- helpers ------------------------------------------------------------------------
+    def _allgather(self, values, what):
+        return allgather_ints(self.ctx, values, what)
+
+    def _allgather_floats(self, values) -> np.ndarray:
+        """[world, n] float64, through the timed int all-gather (bit patterns)."""
+        values = np.asarray(values, dtype=np.float64)
+        chunks = [self._allgather(values[i:i + 14].view(np.int64).tolist(), "cost model")
+                  for i in range(0, values.size, 14)]
+        table = np.concatenate(chunks, axis=1) if chunks else np.zeros((self.world_size, 0))
+        return np.ascontiguousarray(table, dtype=np.int64).view(np.float64)
+
+    def _state(self, layer) -> _LayerState:
+        for st in self.states:
+            if st.layer is layer:
+                return st
+        raise ConfigurationError("that layer is not one of this scheduler's layers")
+
+    # -- the optimizer pre-hook: commit landed copies, sum replica gradients ---------------
+    def _before_optimizer_step(self, optimizer=None, args=None, kwargs=None) -> None:
+        if self.world_size == 1:
+            return
+        t0 = time.perf_counter()
+        pending = [st for st in self.states if st.pending is not None]
+        commit = set()
+        if pending:
+            failure = None
+            try:
+                ready = all(st.mover.landed() for st in pending)
+            except Exception as exc:  # noqa: BLE001 - every rank must hear of it
+                ready, failure = False, exc
+            table = self._allgather([int(ready), int(failure is not None)],
+                                    "vExpert change: copies landed")
+            if table[:, 1].any():
+                failed = [r for r in range(self.world_size) if table[r, 1]]
+                raise PlacementError(
+                    f"an expert copy failed on rank(s) {failed}"
+                    + (f": {type(failure).__name__}: {failure}" if failure else
+                       " (see the error there)")) from failure
+            if table[:, 0].all():
+                commit = {id(st) for st in pending}
+            else:
+                for st in pending:
+                    st.pending = None
+                    st.mover.discard()
+                self.dropped_changes += len(pending)
+        t1 = time.perf_counter()
+        self._sum_replica_gradients(commit)
+        t2 = time.perf_counter()
+        for st in self.states:
+            if id(st) in commit:
+                st.mover.install()
+                self._set_placement(st, st.pending)
+                st.pending = None
+        t3 = time.perf_counter()
+        self.timings["sync_ms"] += (t2 - t1) * 1e3
+        self.timings["commit_ms"] += ((t1 - t0) + (t3 - t2)) * 1e3
+
+    def sync_gradients(self) -> None:
+        """Collective: sum the replicated experts' gradients now (the optimizer pre-hook does
+        this, with any landed change, before every optimizer step)."""
+        if self.world_size > 1:
+            self._sum_replica_gradients(set())
+
+    def _set_placement(self, st: _LayerState, placement: Placement) -> None:
+        st.layer.dispatcher.set_placement(placement)
+        st.layer.dispatcher.agreed = True  # checked when it was decided
+
+    def _sum_replica_gradients(self, commit: set) -> None:
+        """Sum each replicated expert's gradients over its holders (old and new ones for a
+        committing change), from its old weight slot into its new one."""
+        work = []   # (key, members, layer, old slot, new slot)
+        for index, st in enumerate(self.states):
+            old = st.layer.dispatcher.placement
+            new = st.pending if id(st) in commit else old
+            old_ws, new_ws = old.weight_slots(), new.weight_slots()
+            for e in range(old.num_experts):
+                members = tuple(sorted(set(old.holders(e)) | set(new.holders(e))))
+                r = st.layer.rank
+                moved = old_ws[e, r] != new_ws[e, r]
+                if len(members) < 2 and not moved:
+                    continue
+                work.append(((index, e, members), st.layer, int(old_ws[e, r]), int(new_ws[e, r])))
+        if not work:
+            return
+        keys = [w[0] for w in work if len(w[0][2]) > 1]
+        comms = self.groups.communicators(keys, barrier=self.ctx.barrier) if keys else {}
+        buffers, targets = [], []
+        for key, layer, old_slot, new_slot in work:
+            if layer.rank not in key[2]:
+                continue
+            params = [p for p in (layer.w1, layer.w2, layer.w3) if p is not None]
+            dtype = reduce_dtype(params[0].dtype)
+            grads = [None if (old_slot < 0 or p.grad is None) else p.grad[old_slot]
+                     for p in params]
+            buf = pack(grads, [p[0].numel() for p in params], dtype)
+            if key in comms:
+                buffers.append((comms[key], buf))
+            targets.append((buf, params, new_slot, old_slot))
+        allreduce_sum(buffers, self.timeout_s)
+        with torch.no_grad():
+            # every buffer was packed above, so slots may be cleared and refilled in any
+            # order (a swap's old slot is the other expert's new one)
+            for buf, params, new_slot, old_slot in targets:
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                if old_slot >= 0 and old_slot != new_slot:
+                    for p in params:
+                        p.grad[old_slot].zero_()
+            for buf, params, new_slot, old_slot in targets:
+                if new_slot >= 0:
+                    unpack(buf, [p.grad[new_slot] for p in params])
+
+    # -- after the optimizer step: statistics and decisions ---------------------------------
+    def step(self) -> None:
+        """Collective (every rank, after optimizer.step()): read the last step's loads,
+        run the policy where due, start the changes it decides."""
+        t0 = time.perf_counter()
+        self.steps += 1
+        record = {"step": self.steps, "layers": []}
+        for index, st in enumerate(self.states):
+            counts = self._read_counts(st)
+            if counts is None:
+                record["layers"].append(None)
+                continue
+            disp = st.layer.dispatcher
+            st.counts_ema = counts if st.counts_ema is None else \
+                self.load_decay * st.counts_ema + (1 - self.load_decay) * counts
+            st.steps += 1
+            if self.cost_model is None and self.world_size > 1:
+                self.cost_model = self._profile(st.layer, counts)  # once, at the start
+            placement = disp.placement
+            ratio = balance_ratio(placement.rank_loads(counts.sum(axis=0)))
+            entry = {"balance_ratio": ratio, "rank_loads":
+                     placement.rank_loads(counts.sum(axis=0)).tolist(), "decision": None}
+            if self.world_size > 1 and st.pending is None \
+                    and st.steps % st.layer.rebalance_every == 0 \
+                    and ratio > st.layer.balance_threshold:
+                result = POLICIES[self.policy](
+                    placement, st.counts_ema, self.cost_model,
+                    threshold=st.layer.balance_threshold,
+                    max_copies_per_rank=self.max_copies_per_rank)
+                if result.placement != placement:
+                    entry["decision"] = self._change(st, result.placement)
+                    entry["decision"].update(expands=result.expands, shrinks=result.shrinks,
+                                             migrates=result.migrates,
+                                             predicted_ms=result.predicted_ms,
+                                             baseline_ms=result.baseline_ms)
+            record["layers"].append(entry)
+        self.log.append(record)
+        self.timings["decide_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _read_counts(self, st: _LayerState) -> Optional[np.ndarray]:
+        """The last forward's [world, E] pair counts on the host. On a GPU without waiting
+        for it: this step's counts are copied into pinned memory in the background and the
+        previous step's copy (long finished) is what the statistics use."""
+        latest = st.layer.dispatcher.last_counts
+        if latest is None:
+            return None
+        if not latest.is_cuda:
+            return latest.detach().numpy().astype(np.float64)
+        staged = torch.empty(latest.shape, dtype=latest.dtype, pin_memory=True)
+        staged.copy_(latest.detach(), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        previous, st.staged = st.staged, (staged, done)
+        if previous is None:
+            return None
+        previous[1].synchronize()
+        return previous[0].numpy().astype(np.float64)
+
+    def _profile(self, layer, counts) -> CostModel:
+        from .parallel import transport_for
+        tokens = int(counts.sum() / max(self.world_size, 1) / layer.top_k)
+        local = getattr(self.ctx, "local_size", self.world_size)
+        return profile(layer, transport_for(self.ctx), self.ctx.comm, max(tokens, 8),
+                       ranks_per_node=0 if local >= self.world_size else local,
+                       exchange=self._allgather_floats)
+
+    def _change(self, st: _LayerState, new: Placement) -> dict:
+        """Collective: check every rank decided `new`, then start it (or apply it at once)."""
+        old = st.layer.dispatcher.placement
+        prints = self._allgather([new.fingerprint()], "vExpert change")[:, 0]
+        if (prints != prints[0]).any():
+            raise PlacementError(
+                f"the ranks decided different vExpert placements for a layer (fingerprints "
+                f"{prints.tolist()}): their statistics or cost models differ")
+        copies = [Copy(*c) for c in copies_needed(old, new)]
+        if not copies:
+            self._set_placement(st, new)
+            return {"copies": 0, "applied": "now"}
+        st.mover.issue(copies)
+        st.pending = new
+        return {"copies": len(copies), "applied": "after the copies land"}
+
+    # -- the primitives, by hand (collective: every rank, the same arguments) -----------------
+    def _request(self, layer, make) -> dict:
+        st = self._state(layer)
+        if st.pending is not None:
+            raise PlacementError("a placement change of this layer is still in flight; call "
+                                 "scheduler.step() after the next optimizer step first")
+        new = make(layer.dispatcher.placement)
+        if self.world_size == 1:
+            self._set_placement(st, new)
+            return {"copies": 0, "applied": "now"}
+        return self._change(st, new)
+
+    def expand(self, layer, expert: int, rank: int) -> dict:
+        """Expand(expert, rank): a vExpert of `expert` in a free slot of `rank`."""
+        return self._request(layer, lambda p: p.expanded(expert, rank))
+
+    def shrink(self, layer, expert: int, rank: int) -> dict:
+        """Shrink(expert, rank): free one of `rank`'s vExperts of `expert` (no data moves)."""
+        return self._request(layer, lambda p: p.shrunk(expert, rank))
+
+    def migrate(self, layer, a: tuple[int, int], b: tuple[int, int]) -> dict:
+        """Migrate: swap the experts of slots a = (rank, slot) and b."""
+        return self._request(layer, lambda p: p.migrated(a, b))
+
+    def pending(self, layer) -> Optional[Placement]:
+        return self._state(layer).pending
+
+    # -- checkpoints and shutdown ----------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The scheduler's own state (each layer's placement is in the layer's state_dict)."""
+        return {"version": 1, "steps": self.steps, "policy": self.policy,
+                "cost_model": None if self.cost_model is None else self.cost_model.to_dict(),
+                "layers": [{"steps": st.steps, "counts_ema": None if st.counts_ema is None
+                            else st.counts_ema.tolist()} for st in self.states]}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("version") != 1 \
+                or len(state.get("layers", [])) != len(self.states):
+            raise ConfigurationError("not a VExpertScheduler state for these layers")
+        self.steps = int(state["steps"])
+        self.policy = state["policy"]
+        model = state.get("cost_model")
+        self.cost_model = None if model is None else CostModel.from_dict(model)
+        for st, saved in zip(self.states, state["layers"]):
+            st.steps = int(saved["steps"])
+            ema = saved["counts_ema"]
+            st.counts_ema = None if ema is None else np.asarray(ema, dtype=np.float64)
+            st.pending = None
+
+    def close(self) -> None:
+        """Collective: remove the optimizer hook, free the inboxes and communicators."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        for st in self.states:
+            if st.mover is not None:
+                st.mover.free()
+        if self.groups is not None:
+            self.groups.close()
+
+
+__all__ = ["VExpertScheduler"]

@@ -1,0 +1,112 @@
+"""vExpert scheduling on host ranks (launches mpiexec on vexpert_script.py) and the policies
+on counts alone (in process)."""
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from rocmoe_testing import require_runtime, run_mpi
+
+SCRIPT = pathlib.Path(__file__).with_name("vexpert_script.py")
+
+
+def _launch(ranks, checks, *args):
+    require_runtime()
+    proc = run_mpi(SCRIPT, ranks, checks, *args, timeout=300)
+    return proc.returncode, proc.stdout
+
+
+# One launch per world size runs every check (each mpiexec start costs seconds on CI's two
+# cores); each test below reads its own check's lines.
+@pytest.fixture(scope="module")
+def two_ranks():
+    return _launch(2, "equal,primitives,train,bad,config")
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return _launch(4, "equal,train", "--dtype", "float32")
+
+
+def _passed(launch, check, ranks):
+    rc, out = launch
+    lines = [line for line in out.splitlines() if line.startswith(f"VX_OK {check} ")]
+    assert len(lines) == ranks, out
+    return "\n".join(lines)
+
+
+@pytest.mark.mpi
+def test_replicated_experts_give_the_static_layers_outputs_and_gradients(two_ranks):
+    assert "holders_of_0=[0, 1]" in _passed(two_ranks, "equal", 2)
+
+
+@pytest.mark.mpi
+def test_after_expand_migrate_and_shrink_every_copy_is_bitwise_equal_to_its_source(two_ranks):
+    out = _passed(two_ranks, "primitives", 2)
+    # expand and migrate moved weights (one copy each), shrink none
+    assert "('expand', True, 1," in out and "('migrate', True, 1," in out
+    assert "('shrink', True, 0," in out
+
+
+@pytest.mark.mpi
+def test_training_under_the_scheduler_gives_the_static_losses_and_balances(two_ranks):
+    assert "changes=0" not in _passed(two_ranks, "train", 2)
+
+
+@pytest.mark.mpi
+def test_bad_placements_raise_on_every_rank_and_the_heap_stays_usable(two_ranks):
+    assert "is rank 0: 1, rank 1: -1" in _passed(two_ranks, "bad", 2)
+
+
+@pytest.mark.mpi
+def test_a_configuration_that_differs_across_ranks_names_the_field_and_values(two_ranks):
+    assert "num_experts: rank 0 = 8, rank 1 = 16" in _passed(two_ranks, "config", 2)
+
+
+@pytest.mark.mpi
+def test_the_two_rank_run_exits_cleanly(two_ranks):
+    assert two_ranks[0] == 0, two_ranks[1]
+
+
+@pytest.mark.mpi
+def test_four_ranks_with_fused_combine_match_the_static_layer_and_its_training(four_ranks):
+    assert "holders_of_0=[0, 1, 2, 3]" in _passed(four_ranks, "equal", 4)
+    _passed(four_ranks, "train", 4)
+    assert four_ranks[0] == 0, four_ranks[1]
+
+
+# -- counts only: the policies under a drifting Zipf(1.2) load -------------------------------
+def _simulate(policy, experts, world, steps=60, seed=0):
+    from rocmoe.bench.vexpert import simulate
+    return simulate(policy, experts=experts, world=world, steps=steps, seed=seed)
+
+
+def test_greedy_policy_brings_a_drifting_zipf_load_under_the_threshold_within_a_few_steps():
+    run = _simulate("greedy", 16, 4)
+    static = _simulate("static", 16, 4)
+    assert np.mean(static["balance_ratio"]) > 1.8       # the skew is real
+    ratios = run["balance_ratio"]
+    first_ok = next(i for i, r in enumerate(ratios) if r <= 1.05)
+    assert first_ok <= 6, ratios[:10]
+    assert np.mean(ratios[first_ok:]) <= 1.05, ratios
+    assert all(run["routed_every_pair"])
+
+
+def test_eplb_policy_balances_the_same_load():
+    run = _simulate("eplb", 16, 4)
+    assert np.mean(run["balance_ratio"][3:]) <= 1.05
+    assert all(run["routed_every_pair"])
+
+
+def test_bench_vexpert_sim_prints_one_record_per_policy_and_config_with_its_baseline(capsys):
+    import json
+    from rocmoe.bench import vexpert
+    assert vexpert.main(["--part", "sim", "--steps", "12", "--skip", "2"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(records) == 2 * len(vexpert.SIM_CONFIGS)
+    for r in records:
+        assert r["baseline"] == "static placement"
+        # the ratio is the one of the two means it reports (each rounded to 4 places)
+        assert abs(r["ratio"] - r["baseline_mean_balance_ratio"] / r["mean_balance_ratio"]) < 1e-3
+        assert r["every_pair_routed"]
