@@ -33,6 +33,9 @@ from ..errors import InvalidArgumentError
 from .activations import ACTIVATIONS
 
 
+_HANDLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _round_up(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
@@ -89,11 +92,25 @@ class HandleTransport:
         from ..ops.handles import rows_handle
         return rows_handle(self.ctx, 1, width, torch.float32)
 
+    def all_to_all(self, rows: torch.Tensor, send_splits: list, recv_splits: list) -> torch.Tensor:
+        """The ExpertTransport form with split sizes known on the host (the cost model's
+        link profile): rows [sum(send_splits), H] -> [sum(recv_splits), H]."""
+        if max(list(send_splits) + list(recv_splits) + [1]) > self._capacity:
+            self._capacity = _round_up(max(list(send_splits) + list(recv_splits)))
+        out, _ = self._rows(rows.shape[1], rows.dtype)(rows.contiguous(), list(send_splits))
+        return out[:sum(recv_splits)]
+
     def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by destination, counts [world] (device) -> what arrives, packed from
         source 0 up, in the [world * capacity, H] buffer (autograd: the reverse exchange)."""
-        out, _ = self._rows(rows.shape[1], rows.dtype)(rows, counts)
-        return out
+        return self._exchange_rows(rows, counts)
+
+    def _exchange_rows(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # the row exchange moves bits: rows of a dtype the handles do not compute in (float64)
+        # travel as float32 pairs
+        moved = rows if rows.dtype in _HANDLE_DTYPES else _BitCast.apply(rows, torch.float32)
+        out, _ = self._rows(moved.shape[1], moved.dtype)(moved, counts)
+        return out if out.dtype == rows.dtype else _BitCast.apply(out, rows.dtype)
 
     def combine(self, h: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Grouped h @ W2[g] per segment (source s, group g) of the arrived rows, each source's
@@ -113,8 +130,21 @@ class HandleTransport:
 
     def return_rows(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The arrived rows' results back to their sources (the combine of "all_to_all")."""
-        out, _ = self._rows(rows.shape[1], rows.dtype)(rows, counts)
-        return out
+        return self._exchange_rows(rows, counts)
+
+
+class _BitCast(torch.autograd.Function):
+    """x's bits as another dtype (rows keep their bytes; the last dimension scales), with the
+    gradient cast back the same way (torch's view(dtype) does not carry gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = x.dtype
+        return x.contiguous().view(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous().view(ctx.dtype), None
 
 
 class _GroupedProducts(torch.autograd.Function):

@@ -180,12 +180,16 @@ class HeapTransport(ExpertTransport):
 
 
 def transport_for(ctx) -> ExpertTransport:
-    """The symmetric heap for a rocmoe Context; MPI for anything with only a communicator."""
+    """The fused-op handles for a rocmoe Context (handle_transport.HandleTransport: every
+    count stays on the device); MPI for anything with only a communicator. A context's
+    ``moe_transport`` attribute overrides the choice (HeapTransport: the earlier transport,
+    which reads the split sizes on the host)."""
     transport = getattr(ctx, "moe_transport", None)
     if transport is not None:
         return transport
     if is_runtime_context(ctx):
-        transport = HeapTransport(ctx)
+        from .handle_transport import HandleTransport
+        transport = HandleTransport(ctx)
         try:
             ctx.moe_transport = transport  # keep its buffers across layers and steps
         except AttributeError:
@@ -227,8 +231,11 @@ def _layer_transport(layer) -> ExpertTransport:
 
 def reject_input(layer, error: Exception) -> None:
     """This rank's input was rejected (`error`): take part in the count exchange with counts
-    of -1, so that the peers raise too instead of waiting in the exchange, then raise."""
+    of -1 (or, on the handle transport, in the step's agreement), so that the peers raise too
+    instead of waiting in the exchange, then raise."""
     transport = _layer_transport(layer)
+    if getattr(transport, "device_counts", False):
+        transport.reject(error)
     width = layer.dispatcher.exchange_width  # the peers wait in the step's first exchange
     transport.exchange_counts(torch.full((transport.world_size, width), -1, dtype=torch.int64))
     raise error
@@ -304,6 +311,9 @@ def expert_parallel_forward(layer, x, expert_ids, weights):
         combine = combine_kind(layer)
     except ConfigurationError as exc:  # the peers must learn of it, or they wait for counts
         reject_input(layer, exc)
+    if getattr(transport, "device_counts", False):  # the fused-op handles: no host reads
+        from .handle_transport import handle_forward
+        return handle_forward(layer, x, expert_ids, weights, transport, combine)
     num_tokens, top_k = expert_ids.shape
     # 1. each pair's (rank, group); sort by it (stable: token order within a group)
     plan = layer.dispatcher.plan(expert_ids, transport)

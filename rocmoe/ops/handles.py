@@ -399,7 +399,13 @@ class _GemmFunction(torch.autograd.Function):
         # were sent, i.e. X's row order
         recv_host = recv.tolist() if recv.device.type == "cpu" else None
         g_back, _ = back(grad_out.contiguous(), recv_host if recv_host is not None else recv)
-        gy = g_back[:ctx.rows]
+        # rows past the ones sent come back as whatever the buffer held: their gradient is 0
+        if ctx.host_counts is not None:
+            gy = g_back[:ctx.rows].clone()
+            gy[sum(ctx.host_counts):] = 0
+        else:
+            sent = torch.arange(ctx.rows, device=g_back.device) < counts_t.sum()
+            gy = torch.where(sent[:, None], g_back[:ctx.rows], g_back.new_zeros(()))
         if not ctx.has_w:
             return gy.to(x.dtype), None, None, grad_out.new_zeros(0), None, None, None
         from .products import grouped_products, grouped_weight_grad, split_groups

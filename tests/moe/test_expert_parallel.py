@@ -55,7 +55,7 @@ def test_expert_parallel_at_two_ranks_over_symmetric_heap_equals_one_rank_layer(
     # float64 weights: gemm_all_to_all takes none, so "auto" combines by all-to-all
     _require_runtime()
     out = _run(2, "--ctx", "runtime")
-    assert out.count("transport=HeapTransport combine=all_to_all") == 2, out
+    assert out.count("transport=HandleTransport combine=all_to_all") == 2, out
 
 
 def test_expert_parallel_combines_through_gemm_all_to_all_on_a_context():
@@ -87,14 +87,14 @@ def test_gemm_all_to_all_combine_with_experts_that_get_no_tokens():
 def test_all_to_all_combine_can_be_chosen_on_a_context():
     _require_runtime()
     out = _run(2, "--ctx", "runtime", "--dtype", "float32", "--combine", "all_to_all")
-    assert out.count("transport=HeapTransport combine=all_to_all") == 2, out
+    assert out.count("transport=HandleTransport combine=all_to_all") == 2, out
 
 
 def test_expert_parallel_at_four_ranks_over_symmetric_heap_with_glu_and_top3():
     # one 4-rank run covers the GLU path, k=3 and 32-row blocks (CI has 2 cores)
     _require_runtime()
     out = _run(4, "--ctx", "runtime", "--glu", "--block-size", "32", "--top-k", "3")
-    assert out.count("transport=HeapTransport combine=all_to_all") == 4, out
+    assert out.count("transport=HandleTransport combine=all_to_all") == 4, out
 
 
 @pytest.mark.parametrize("bad,error", [("width", "InvalidArgumentError"),

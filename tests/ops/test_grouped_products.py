@@ -1,4 +1,4 @@
-"""The local algebra of grouped gemm_all_to_all (rocmoe.ops._kernels): rows ordered by
+"""The local algebra of grouped gemm_all_to_all (rocmoe.ops.products): rows ordered by
 (destination, group), segment (d, g) multiplied by W[g]. No communication: these run in one
 process and pin down what the host path and the backward compute."""
 
