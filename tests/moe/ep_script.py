@@ -48,6 +48,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: a GPU context (ipc heap) and the Triton kernels; the ranks "
                          "may share one GPU")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="cuda: after a warm-up step, run the checked step under "
+                         "torch.cuda.set_sync_debug_mode('error'): a host sync fails it")
     ap.add_argument("--bad-rank", type=int, default=None,
                     help="this rank passes an input the layer rejects (--bad says how); every "
                          "rank must raise a RocmoeError, none may hang")
@@ -97,9 +100,20 @@ def main(argv=None) -> int:
     if args.bad_rank is not None:
         return reject(ep, xs[rank], rank, world, args, ctx)
 
+    if args.sync_debug:
+        # the first step makes the handles and tunes the kernels (that synchronises); then
+        # a whole step, forward and backward, must not
+        warm = xs[rank].clone().requires_grad_(True)
+        (ep(warm) * gs[rank]).sum().backward()
+        ep.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
     x = xs[rank].clone().requires_grad_(True)
     y = ep(x)
     (y * gs[rank]).sum().backward()
+    if args.sync_debug:
+        torch.cuda.set_sync_debug_mode("default")
+        print(f"EP_NO_SYNC rank={rank}", flush=True)
 
     start = sum(t.shape[0] for t in xs[:rank])
     stop = start + xs[rank].shape[0]
