@@ -24,7 +24,10 @@ against the same layer, same weights, same routing, moving them both ways with
 follows Zipf(1.0) over the experts (p_e ~ 1 / (e + 1)): the router's logits get a fixed
 per-token bias log(p_e) + Gumbel noise, which makes its top-k a draw of k distinct experts
 with those probabilities (the Gumbel-top-k trick), and the router's own weights are scaled
-down so the bias decides. ``moe_combine``: the same rocmoe step against the same layer on the
+down so the bias decides. ``moe_handles``: the step on the fused-op handles (every count on
+the device) against the
+same step, same fused combine, on ``HeapTransport`` (split sizes read on the host).
+``moe_combine``: the same rocmoe step against the same layer on the
 same heap transport with ``combine="all_to_all"``: the fused path (per-expert GEMMs, the last
 one in ``gemm_all_to_all``) against the block-sparse FFN followed by an all-to-all, with the
 dispatch identical.
@@ -57,22 +60,25 @@ from typing import Callable, Optional
 from . import emit, inside_mpi_job, relaunch_under_mpiexec
 from .fused import DLRM_LARGE, DLRM_SMALL, GEMV_LARGE, GEMV_SMALL, MOE_LARGE, MOE_SMALL
 
-OPS = ("embedding", "gemv", "gemm", "moe", "moe_combine")
+OPS = ("embedding", "gemv", "gemm", "moe", "moe_combine", "moe_handles")
 OP_NAMES = {"embedding": "embedding_all_to_all", "gemv": "gemv_all_reduce",
             "gemm": "gemm_all_to_all", "moe": "dropless_moe_step",
-            "moe_combine": "dropless_moe_step_fused_combine"}
+            "moe_combine": "dropless_moe_step_fused_combine",
+            "moe_handles": "dropless_moe_step_on_handles"}
 BASELINES = {
     "embedding": "F.embedding_bag per table + torch.distributed.all_to_all_single",
     "gemv": "torch.mv + torch.distributed.all_reduce",
     "gemm": "torch.matmul + torch.distributed.all_to_all_single",
     "moe": "same DroplessMoE, tokens moved by torch.distributed.all_to_all_single",
+    "moe_handles": "same DroplessMoE, same fused combine, on HeapTransport (split sizes read "
+                   "on the host every step)",
     "moe_combine": "same DroplessMoE on the same heap transport, combine='all_to_all' "
                    "(block-sparse FFN, then all-to-all back)",
 }
 # Issue 5's goals: (lowest latency reduction over the baseline, world size it is stated for;
 # None = every world size)
 GOALS = {"embedding": (0.25, 8), "gemv": (0.15, 4), "gemm": (0.15, None), "moe": (None, None),
-         "moe_combine": (None, None)}
+         "moe_combine": (None, None), "moe_handles": (None, None)}
 # expert-parallel layer shapes: tokens per rank, hidden, ffn, experts (issue 4's bench shapes)
 MOE_EP_LARGE = [(8192, 1024, 4096, 64), (8192, 4096, 1408, 64)]
 MOE_EP_SMALL = [(256, 64, 128, 8)]
@@ -517,7 +523,11 @@ def case_moe(env: Env, shape, dtype, baseline: str = "dist"):
     # layer's default); the baseline moves rows back by all-to-all after the block-sparse FFN
     heap_combine = combine_kind(layer)
     heap_step = step_with(heap, "auto")
-    dist_step = step_with(nccl if baseline == "dist" else heap, "all_to_all")
+    if baseline == "heap_transport":  # the earlier transport, same fused combine
+        from ..moe.parallel import HeapTransport
+        dist_step = step_with(HeapTransport(ctx), "auto")
+    else:
+        dist_step = step_with(nccl if baseline == "dist" else heap, "all_to_all")
     y_heap = heap_step().detach()
     g_heap = layer.w1.grad.detach().clone()
     y_dist = dist_step().detach()
@@ -536,7 +546,8 @@ def case_moe(env: Env, shape, dtype, baseline: str = "dist"):
                      round(float(v), 4) for v in zipf_probabilities(experts, env.args.zipf)
                      .view(env.world, -1).sum(dim=1)],
                  top_k=env.args.top_k, zipf_exponent=env.args.zipf, heap_transport=type(heap).__name__,
-                 combine=heap_combine, baseline_combine="all_to_all")
+                 combine=heap_combine,
+                 baseline_combine=heap_combine if baseline == "heap_transport" else "all_to_all")
     return heap_step, dist_step, check
 
 
@@ -616,7 +627,8 @@ def run(args) -> int:
                                reps=args.reps, **extra)
         guarded(op, shape, dtype_name, body)
 
-    for op, baseline in (("moe", "dist"), ("moe_combine", "heap")):
+    for op, baseline in (("moe", "dist"), ("moe_combine", "heap"),
+                         ("moe_handles", "heap_transport")):
         if op not in args.ops:
             continue
         dtype = getattr(torch, args.moe_dtype)
