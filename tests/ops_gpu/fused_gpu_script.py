@@ -303,6 +303,45 @@ def check_graph(ctx, dtype, calls):
     assert gemm.epoch == 9 and gemv.epoch == 9, (gemm.epoch, gemv.epoch)
 
 
+def check_nosync(ctx, dtype, calls):
+    # after a warm-up call, the forward and backward of every handle under sync-debug
+    # "error": any host synchronisation raises
+    assert ctx.device.type == "cuda", "needs a GPU"
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    g = torch.Generator().manual_seed(99 + rank)
+    gemm = ops.GemmAllToAll(ctx, max_rows=64, K=32, N=48, dtype=dtype, groups=2)
+    gemv = ops.GemvAllReduce(ctx, 96, 32, dtype)
+    emb = ops.EmbeddingAllToAll(ctx, [40, 50], 16, 8 * world, 256, "sum", dtype)
+    x = torch.randn(60, 32, generator=g).to(dev, dtype).requires_grad_(True)
+    w = torch.randn(2, 32, 48, generator=g).to(dev, dtype).requires_grad_(True)
+    counts = torch.full((world, 2), 30 // world, dtype=torch.int64).to(dev)
+    wv = torch.randn(96, 32, generator=g).to(dev, dtype).requires_grad_(True)
+    xv = torch.randn(32, generator=g).to(dev, dtype).requires_grad_(True)
+    tabs = [torch.randn(n, 16, generator=g).to(dev, dtype).requires_grad_(True) for n in (40, 50)]
+    b = 8 * world
+    idx = [torch.randint(0, n, (3 * b,), generator=g).to(dev) for n in (40, 50)]
+    off = [torch.arange(0, 3 * b, 3, device=dev) for _ in tabs]
+
+    def step():
+        out, recv = gemm(x, w, counts)  # rows past the arrivals get a zero gradient
+        valid = (torch.arange(out.shape[0], device=dev) < recv.sum())[:, None]
+        loss = torch.where(valid, out, out.new_zeros(())).float().square().mean()
+        loss = loss + gemv(wv, xv).float().square().mean()
+        loss = loss + emb(tabs, idx, off).float().square().mean()
+        loss.backward()
+
+    step()  # warm-up: compiles, tunes, makes the backward's row handles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for h in (gemm, gemv, emb):
+        h.synchronize()
+    assert all(t.grad is not None for t in (x, w, wv, xv, *tabs))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("op")
@@ -314,7 +353,8 @@ def main():
     checks = {"gemm": check_gemm, "gemm_grouped": check_gemm_grouped, "rows": check_rows,
               "embedding": check_embedding, "gemv": check_gemv,
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
-              "abort": check_abort, "gemv_mismatch": check_gemv_mismatch, "graph": check_graph}
+              "abort": check_abort, "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,
+              "nosync": check_nosync}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once; a failing
     # op / dtype is reported and the next one still runs (the exit status says it failed)
     failed = 0

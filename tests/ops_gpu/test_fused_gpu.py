@@ -40,6 +40,15 @@ def test_handles_replay_from_cuda_graphs_equal_to_eager(ranks):
     assert proc.stdout.count("OK graph") == 2 * ranks, proc.stdout
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_forward_and_backward_of_every_handle_make_no_host_sync(ranks):
+    _require_gpu_build()
+    proc = run_mpi(SCRIPT, ranks, "nosync", "--dtype", "bf16", timeout=300,
+                   env=mpi_env(ROCMOE_TIMEOUT_S="60"))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK nosync") == ranks, proc.stdout
+
+
 def test_bad_device_counts_and_a_rejected_input_raise_on_every_rank_on_gpu():
     _require_gpu_build()
     proc = run_mpi(SCRIPT, 2, "bad_counts,abort,gemv_mismatch", "--dtype", "bf16", timeout=300,
