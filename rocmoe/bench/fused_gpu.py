@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import emit
-from .timing import captured
+from .timing import captured, interleaved_ms
 
 # (tables, rows, dim, global batch, lookups per bag, dtype, mode); the first two are the
 # issue's measured shapes (DLRM-like: 26 Criteo tables; a few 1M-row tables)
@@ -90,18 +90,12 @@ def idle_ms(fns: dict, reps: int) -> dict:
 
 def stream_ms(fns: dict, reps: int, calls: int = 5) -> dict:
     """Median ms per call of `calls` back-to-back calls behind an untimed one."""
-    samples = {k: [] for k in fns}
-    for _ in range(reps):
-        for key, fn in fns.items():
-            fn()  # untimed: the timed calls find the GPU busy
-            start, stop = _events()
-            start.record()
-            for _ in range(calls):
-                fn()
-            stop.record()
-            torch.cuda.synchronize()
-            samples[key].append(start.elapsed_time(stop) / calls)
-    return {k: _median(v) for k, v in samples.items()}
+    return interleaved_ms({k: (_nothing, fn) for k, fn in fns.items()}, rounds=reps,
+                          calls=calls, queued=True)
+
+
+def _nothing():
+    pass
 
 
 def host_us(fn, calls: int = 50) -> float:
