@@ -36,51 +36,10 @@ import torch.nn.functional as F_
 from .._triton import interpreting as _interpreting
 from .._triton import sm_count, tensor_descriptor, tma_capable
 from ..errors import ConfigurationError, DTypeError, InvalidArgumentError
+from .activations import activate, activation_grad, widened
+# (set_backend, get_backend, TRITON_DTYPES: re-exported, the public names of the products)
+from .backend import TRITON_DTYPES, get_backend, set_backend, use_triton  # noqa: F401
 from .topology import Topology
-
-_BACKENDS = ("auto", "torch", "triton")
-_backend = os.environ.get("ROCMOE_MOE_BACKEND", "auto")
-
-
-def set_backend(name: str) -> None:
-    """``auto`` (Triton on GPU tensors of 16- and 32-bit floats, torch otherwise), ``torch``
-    or ``triton``."""
-    global _backend
-    if name not in _BACKENDS:
-        raise ConfigurationError(f"MoE backend must be one of {_BACKENDS}, got {name!r}")
-    _backend = name
-
-
-def get_backend() -> str:
-    return _backend
-
-
-# dtypes the Triton kernels are built for (fp32 accumulators); "auto" runs float64 through
-# the torch path, on the GPU too (exact; a float64 tile would not match its fp32 accumulator)
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    if _backend == "torch":
-        return False
-    if _backend == "triton":
-        return True
-    return t.is_cuda and t.dtype in TRITON_DTYPES and _triton_available()
-
-
-_TRITON_OK = None
-
-
-def _triton_available() -> bool:
-    global _TRITON_OK
-    if _TRITON_OK is None:
-        try:
-            from . import kernels  # noqa: F401
-            _TRITON_OK = True
-        except Exception:  # triton missing or broken: the torch path still works
-            _TRITON_OK = False
-    return _TRITON_OK
-
 
 def _check_same_dtype(*tensors: torch.Tensor) -> None:
     dtypes = {t.dtype for t in tensors}
@@ -518,66 +477,35 @@ def _dstd_out_desc(out: torch.Tensor, topo, b: int, bn: int):
 
 
 # ------------------------------------------------------------------------ raw dispatch
-def _act_torch(t, act):
-    if act == "gelu":
-        return F_.gelu(t, approximate="tanh")
-    if act == "relu":
-        return F_.relu(t)
-    if act == "silu":
-        return F_.silu(t)
-    return t
-
-
-def _wide(t):
-    """t in at least fp32 (16-bit inputs are computed in fp32, as the kernels do; float64
-    stays float64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def _act_grad_torch(h, act):
-    """act'(h), the same formulas the kernels use."""
-    h = _wide(h)
-    if act == "gelu":
-        c = 1.5957691216057308
-        sig = torch.sigmoid(c * (h + 0.044715 * h ** 3))
-        return sig + h * sig * (1 - sig) * c * (1 + 0.134145 * h * h)
-    if act == "relu":
-        return (h > 0).to(h.dtype)
-    if act == "silu":
-        sig = torch.sigmoid(h)
-        return sig * (1 + h * (1 - sig))
-    return torch.ones_like(h)
-
-
 def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
          act_only=False):
     """SDD S; epilogue options: times act'(act_grad_of); times scale_by; (act_out) write
     act(S) to act_out and return act'(S) instead of S; or (act_only) return act(S)."""
-    if _use_triton(a):
+    if use_triton(a):
         return _sdd_triton(a, w, topo, act_grad_of, act, act_out, scale_by, act_only)
     out = _sdd_torch(a, w, topo)
     if act_only:
-        return _act_torch(out, act)
+        return activate(out, act)
     if act_grad_of is not None:
-        out = (_wide(out) * _act_grad_torch(act_grad_of, act)).to(out.dtype)
+        out = (widened(out) * activation_grad(act_grad_of, act)).to(out.dtype)
     if scale_by is not None:
-        out = (_wide(out) * _wide(scale_by)).to(out.dtype)
+        out = (widened(out) * widened(scale_by)).to(out.dtype)
     if act_out is not None:
-        act_out.copy_(_act_torch(out, act))
-        out = _act_grad_torch(out, act).to(out.dtype)
+        act_out.copy_(activate(out, act))
+        out = activation_grad(out, act).to(out.dtype)
     return out
 
 
 def _dsd(s, w, topo, act="none"):
-    if _use_triton(s):
+    if use_triton(s):
         return _dsd_triton(s, w, topo, act)
-    return _dsd_torch(_act_torch(s, act), w, topo)
+    return _dsd_torch(activate(s, act), w, topo)
 
 
 def _dstd(s, b, topo, act="none", out=None):
-    if _use_triton(s):
+    if use_triton(s):
         return _dstd_triton(s, b, topo, act, out)
-    res = _dstd_torch(_act_torch(s, act), b, topo)
+    res = _dstd_torch(activate(s, act), b, topo)
     if out is not None:
         out.copy_(res)
         return out

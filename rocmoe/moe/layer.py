@@ -5,25 +5,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F_
 from torch import nn
 
 from ..errors import ConfigurationError, RocmoeError
 from . import blocksparse as bs
+from .activations import ACTIVATIONS, FUSABLE
 from .permute import check_block_size, unpermute_combine
 from .router import Router, _check_config, check_tokens
 from .routing import route_and_permute
-
-_ACTIVATIONS = {
-    "gelu": lambda t: F_.gelu(t, approximate="tanh"),
-    "gelu_exact": F_.gelu,
-    "relu": F_.relu,
-    "silu": F_.silu,
-}
-
-
-_FUSABLE = {"gelu", "relu", "silu"}
-
 
 def expert_ffn(x_perm, w1, w2, w3, topo, activation):
     """SDD -> act -> DSD on the padded, expert-sorted rows (plus a GLU gate with w3).
@@ -31,9 +20,9 @@ def expert_ffn(x_perm, w1, w2, w3, topo, activation):
     Without GLU the activation is fused into the block-sparse kernels (one pass fewer over
     the [rows, ffn] activations each way); GLU and exact-erf GELU compose the ops instead.
     """
-    if w3 is None and activation in _FUSABLE:
+    if w3 is None and activation in FUSABLE:
         return bs.fused_expert_ffn(x_perm, w1, w2, topo, activation)
-    act = _ACTIVATIONS[activation]
+    act = ACTIVATIONS[activation]
     h = act(bs.sdd(x_perm, w1, topo))
     if w3 is not None:
         h = h * bs.sdd(x_perm, w3, topo)
@@ -68,8 +57,8 @@ class DroplessMoE(nn.Module):
         if not isinstance(ffn_hidden_size, int) or ffn_hidden_size < 1:
             raise ConfigurationError(
                 f"ffn_hidden_size must be a positive int, got {ffn_hidden_size!r}")
-        if activation not in _ACTIVATIONS:
-            raise ConfigurationError(f"activation must be one of {sorted(_ACTIVATIONS)}, "
+        if activation not in ACTIVATIONS:
+            raise ConfigurationError(f"activation must be one of {sorted(ACTIVATIONS)}, "
                                      f"got {activation!r}")
         check_block_size(block_size)
         from .parallel import check_combine

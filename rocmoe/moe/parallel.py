@@ -278,8 +278,8 @@ def _fused_combine(layer, received, received_from):
     expert order the rows were sent in."""
     from .. import ops
     from ..ops._kernels import group_major
-    from .layer import _ACTIVATIONS
-    act = _ACTIVATIONS[layer.activation]
+    from .activations import ACTIVATIONS
+    act = ACTIVATIONS[layer.activation]
     # the first product per local expert: its rows from every source together
     perm, sizes = group_major(received_from)
     index = torch.from_numpy(perm).to(received.device)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigurationError, InvalidArgumentError
+from .backend import use_triton
 from .router import expert_histogram
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
@@ -190,8 +191,7 @@ class _CombineTriton(torch.autograd.Function):
 
 def unpermute_combine(y: torch.Tensor, weights: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """Inverse of permute_pad with the gate weights: out[t] = sum_j w[t, j] * y[dest[t, j]]."""
-    from . import blocksparse as bs
-    if bs._use_triton(y) and plan.num_tokens > 0 and y.stride(1) == 1:
+    if use_triton(y) and plan.num_tokens > 0 and y.stride(1) == 1:
         return _CombineTriton.apply(y, weights.to(y.dtype).contiguous(),
                                     plan.dest_row.contiguous(), plan)
     out = None

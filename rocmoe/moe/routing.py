@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .._triton import sm_count
-from . import blocksparse as bs
+from .backend import use_triton
 from .permute import (RoutingPlan, check_block_size, gather_sum_rows, padded_rows_bound,
                       permute_pad, plan_routing)
 from .topology import Topology, build_topology
@@ -109,7 +109,7 @@ def route_and_permute(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: in
                       ) -> tuple[RoutingPlan, Topology, torch.Tensor]:
     """(plan, topology, padded expert-sorted rows) for tokens x [T, H] routed by expert_ids."""
     check_block_size(block_size)
-    if bs._use_triton(x) and expert_ids.numel() > 0:
+    if use_triton(x) and expert_ids.numel() > 0:
         return _route_triton(x, expert_ids, num_experts, block_size, ffn_size)
     plan = plan_routing(expert_ids, num_experts, block_size)
     topo = build_topology(plan, ffn_size)
