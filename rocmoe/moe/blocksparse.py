@@ -39,6 +39,7 @@ from ..errors import ConfigurationError, DTypeError, InvalidArgumentError
 from .activations import activate, activation_grad, widened
 # (set_backend, get_backend, TRITON_DTYPES: re-exported, the public names of the products)
 from .backend import TRITON_DTYPES, get_backend, set_backend, use_triton  # noqa: F401
+from .permute import sum_pair_rows
 from .topology import Topology
 
 def _check_same_dtype(*tensors: torch.Tensor) -> None:
@@ -131,8 +132,9 @@ def _dstd_torch(s, b, topo):
 # on the 4-expert shape, whose K is 4096), while with K 512-1024 the wide tile lost 6-9 %:
 # there the two narrow programs per SM hide each other's epilogue, which a 64-step K loop
 # amortises alone (benchmarks/results/moe_kernels_h200_long_experts.jsonl).
-KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
-                     backward_streams=1,
+FUSIONS = ("recompute", "store", "load")  # act_fusion's values (see _ExpertUp, _ExpertDown)
+KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3,
+                     act_fusion="recompute", gather_rows=True, backward_streams=1,
                      tma=True, fast_act=True, preload_scale=True, tma_store=False,
                      persistent=0, tail=True, group_m=1, sdd={},
                      dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={},
@@ -188,8 +190,10 @@ def set_kernel_config(**kw) -> None:
                                  f"known: {sorted(known)}")
     if kw.get("backward_streams", 1) not in (1, 2):
         raise ConfigurationError(f"backward_streams must be 1 or 2, got {kw['backward_streams']!r}")
-    if kw.get("act_fusion", "load") not in ("load", "store"):
-        raise ConfigurationError(f"act_fusion must be 'load' or 'store', got {kw['act_fusion']!r}")
+    if not isinstance(kw.get("gather_rows", False), bool):
+        raise ConfigurationError(f"gather_rows must be True or False, got {kw['gather_rows']!r}")
+    if kw.get("act_fusion", "load") not in FUSIONS:
+        raise ConfigurationError(f"act_fusion must be one of {FUSIONS}, got {kw['act_fusion']!r}")
     for op in OPS:
         if op in kw:
             if not isinstance(kw[op], dict) or set(kw[op]) - set(TILE_KEYS):
@@ -336,7 +340,7 @@ def _sdd_split(b: int, nb: int, cfg: dict) -> int:
 
 
 def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
-                act_only=False):
+                act_only=False, keep_product=False, rewrite_act=False, a_rows=None):
     kernels = _kernels()
     cfg = op_config("sdd", topo, a.shape[1])
     b = topo.block_size
@@ -355,7 +359,9 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
     a_arg, a_half, w_arg, tma, w_t = a, a, w, False, False
     tail = _tail(topo, cfg)
     if even_k and even_f and a.stride(1) == 1 and _tma_device(a, cfg):
-        a_desc = tensor_descriptor(a, a.shape[0], k, a.stride(0), [b, bk])
+        # (gathered rows come by pointer: a descriptor cannot gather on Hopper)
+        a_desc = tensor_descriptor(a, a.shape[0], k, a.stride(0), [b, bk]) \
+            if a_rows is None else a
         w_desc = _grouped_desc(w, bk, tile_n)
         if a_desc is not None and w_desc is not None:
             a_arg, (w_arg, w_t), tma = a_desc, w_desc, True
@@ -366,10 +372,13 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
         EPILOGUE_SCALE=scale_by is not None, W_T=w_t,
         FAST_ACT=bool(cfg["fast_act"]) and _nvidia_compiled(a) and a.element_size() == 2,
         PRELOAD_SCALE=bool(cfg["preload_scale"]) and scale_by is not None,
-        EPILOGUE_ACT=ACT_CODES[act] if act_only else 0)
+        EPILOGUE_ACT=ACT_CODES[act] if act_only else 0,
+        STORE_PRE=keep_product and act_out is not None,
+        REWRITE_ACT=rewrite_act and act_grad_of is not None)
     num_tiles = topo.num_row_blocks * num_n
-    act_out = out if act_out is None else act_out
-    if tma and cfg["persistent"] > 0:
+    # (rewrite_act: act(h) goes back into h itself)
+    act_out = act_grad_of if epilogue["REWRITE_ACT"] else out if act_out is None else act_out
+    if tma and cfg["persistent"] > 0 and a_rows is None:
         grid = max(1, min(num_tiles, sm_count(a.device) * int(cfg["persistent"])))
         epilogue.pop("PRELOAD_SCALE")  # (the persistent kernel reads the scale late)
         kernels.get("sdd_persistent_kernel")[(grid,)](
@@ -379,10 +388,12 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
         return out
     kernels.get("sdd_kernel")[(num_tiles,)](
         a_arg, a_half, w_arg, out, h, act_out, topo.column_indices,
-        topo.block_rows if tail else topo.column_indices, k, f, nb, num_n,
+        topo.block_rows if tail else topo.column_indices,
+        topo.column_indices if a_rows is None else a_rows, k, f, nb, num_n,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f, USE_TMA=tma,
-        TAIL=tail, GROUP_M=cfg["group_m"], **epilogue, **_launch(b, stages, cfg))
+        TAIL=tail, GROUP_M=cfg["group_m"], GATHER_A=a_rows is not None, **epilogue,
+        **_launch(b, stages, cfg))
     return out
 
 
@@ -416,7 +427,7 @@ def _dsd_triton(s, w, topo, act="none"):
     return out
 
 
-def _dstd_triton(s, b_dense, topo, act="none", out=None):
+def _dstd_triton(s, b_dense, topo, act="none", out=None, b_rows=None):
     kernels = _kernels()
     cfg = op_config("dstd", topo)
     b = topo.block_size
@@ -431,7 +442,9 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
     s_arg, b_arg, tma = s, b_dense, False
     if s.is_contiguous() and b_dense.stride(1) == 1 and _tma_device(s, cfg):
         s_desc = tensor_descriptor(s, topo.nnz * b, b, b, [bk, b])
-        b_desc = tensor_descriptor(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn])
+        # (gathered rows come by pointer)
+        b_desc = tensor_descriptor(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn]) \
+            if b_rows is None else b_dense
         if s_desc is not None and b_desc is not None:
             s_arg, b_arg, tma = s_desc, b_desc, True
     out_arg, out_t = out, False
@@ -442,20 +455,23 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
     # TRIM_K: reduce over an expert's real rows only (rounded up to BLOCK_K)
     trim = bool(cfg["tail"]) and topo.expert_rows is not None
     expert_rows = topo.expert_rows if trim else topo.column_offsets
+    gather = dict(GATHER_B=b_rows is not None)
+    rows_arg = topo.column_offsets if b_rows is None else b_rows
     if tma and cfg["persistent"] > 0:
         grid = max(1, min(num_tiles, sm_count(s.device) * int(cfg["persistent"])))
         kernels.get("dstd_persistent_kernel")[(grid,)](
-            s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, n, topo.ffn_size,
-            topo.blocks_per_expert, num_n, num_tiles, *strides,
+            s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, n,
+            topo.ffn_size, topo.blocks_per_expert, num_n, num_tiles, b_dense.stride(0),
+            b_dense.stride(1), *strides,
             BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, ACT=ACT_CODES[act], TMA_STORE=out_arg is not out,
-            OUT_T=out_t, TRIM_K=trim, **_launch(b, stages, cfg))
+            OUT_T=out_t, TRIM_K=trim, **gather, **_launch(b, stages, cfg))
         return out
     kernels.get("dstd_kernel")[(num_tiles,)](
-        s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, n, topo.ffn_size,
+        s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, n, topo.ffn_size,
         topo.blocks_per_expert, num_n,
         b_dense.stride(0), b_dense.stride(1), *strides,
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
-        USE_TMA=tma, TMA_STORE=out_arg is not out, OUT_T=out_t, TRIM_K=trim,
+        USE_TMA=tma, TMA_STORE=out_arg is not out, OUT_T=out_t, TRIM_K=trim, **gather,
         **_launch(b, stages, cfg))
     return out
 
@@ -477,22 +493,37 @@ def _dstd_out_desc(out: torch.Tensor, topo, b: int, bn: int):
 
 
 # ------------------------------------------------------------------------ raw dispatch
+def _gathered(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The padded rows [len(rows), N] of t [T, N]: row p is t[rows[p]], zeros where
+    rows[p] < 0 (what the kernels read when they gather the rows themselves)."""
+    padded = torch.cat([t, t.new_zeros(1, t.shape[1])])
+    return padded.index_select(0, torch.where(rows < 0, t.shape[0], rows).long())
+
+
 def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
-         act_only=False):
-    """SDD S; epilogue options: times act'(act_grad_of); times scale_by; (act_out) write
-    act(S) to act_out and return act'(S) instead of S; or (act_only) return act(S)."""
+         act_only=False, keep_product=False, rewrite_act=False, a_rows=None):
+    """SDD S; epilogue options: times act'(act_grad_of) (rewrite_act: rounded to the storage
+    type, and act_grad_of overwritten with act(act_grad_of)); times scale_by; (act_out)
+    write act(S) to act_out and return act'(S) instead of S (keep_product: S itself); or
+    (act_only) return act(S). a_rows: A is [T, K], its padded rows gathered (_gathered)."""
     if use_triton(a):
-        return _sdd_triton(a, w, topo, act_grad_of, act, act_out, scale_by, act_only)
-    out = _sdd_torch(a, w, topo)
+        return _sdd_triton(a, w, topo, act_grad_of, act, act_out, scale_by, act_only,
+                           keep_product, rewrite_act, a_rows)
+    out = _sdd_torch(a if a_rows is None else _gathered(a, a_rows), w, topo)
     if act_only:
         return activate(out, act)
     if act_grad_of is not None:
-        out = (widened(out) * activation_grad(act_grad_of, act)).to(out.dtype)
+        grad = activation_grad(act_grad_of, act)
+        if rewrite_act:
+            grad = widened(grad.to(out.dtype))
+            act_grad_of.copy_(activate(act_grad_of, act))
+        out = (widened(out) * grad).to(out.dtype)
     if scale_by is not None:
         out = (widened(out) * widened(scale_by)).to(out.dtype)
     if act_out is not None:
         act_out.copy_(activate(out, act))
-        out = activation_grad(out, act).to(out.dtype)
+        if not keep_product:
+            out = activation_grad(out, act).to(out.dtype)
     return out
 
 
@@ -502,70 +533,151 @@ def _dsd(s, w, topo, act="none"):
     return _dsd_torch(activate(s, act), w, topo)
 
 
-def _dstd(s, b, topo, act="none", out=None):
+def _dstd(s, b, topo, act="none", out=None, b_rows=None):
     if use_triton(s):
-        return _dstd_triton(s, b, topo, act, out)
-    res = _dstd_torch(activate(s, act), b, topo)
+        return _dstd_triton(s, b, topo, act, out, b_rows)
+    res = _dstd_torch(activate(s, act), b if b_rows is None else _gathered(b, b_rows), topo)
     if out is not None:
         out.copy_(res)
         return out
     return res
 
 
-class _FusedExpertFFN(torch.autograd.Function):
-    """y = act(x W1) W2 over the topology, with the activation fused into the products.
+# ------------------------------------------------------------------- the fused expert FFN
+# y = act(x W1) W2 over the topology, as two autograd nodes so that each backward frees what
+# it was given as soon as it returns (a single node keeps every saved tensor and the
+# incoming gradient alive until its whole backward is done, which put three [rows, ffn]
+# tensors next to both weight gradients at the step's peak):
+#
+#   up    x -> h = SDD(x, W1)                       backward: dx = DSD(dh, W1ᵀ), dW1 = DSᵀD(dh, x)ᵀ
+#   down  h -> y = DSD(act(h), W2)                  backward: dh = SDD(dy, W2ᵀ) * act'(h),
+#                                                             dW2 = DSᵀD(act(h), dy)
+#
+# "h" is what flows between them: its gradient is dL/dh. What the forward keeps of it is the
+# activation fusion (KERNEL_CONFIG["act_fusion"]):
+#   "recompute"  the forward SDD writes h and act(h); DSD reads act(h), which is then freed:
+#                only h is kept. The backward SDD's epilogue computes act'(h) and act(h) from
+#                h, scales dh by the first and writes the second over h, where DSᵀD reads it.
+#                One [rows, ffn] tensor kept, products as plain as "store".
+#   "store"      the forward SDD writes act(h) and act'(h) (which it returns as "h"); both
+#                are kept, the backward multiplies by act'(h) and runs DSᵀD on act(h).
+#   "load"       only h is written and kept; DSD and DSᵀD apply act as they load h (exp/rcp
+#                next to the matrix units: slow on an H200) and the backward SDD's epilogue
+#                multiplies by act'(h).
 
-    Forward: h = SDD(x, W1); y = DSD(act(h), W2). With act_fusion="load" DSD applies act as
-    it loads h, so act(h) is never written and only h is saved; with "store" (the default)
-    the SDD epilogue writes act(h) and act'(h) (not h, which nothing else needs) and DSD/DSᵀD
-    run plain: MegaBlocks' memory, and no exp/rcp next to the matrix units ("load"
-    recomputes act once per N tile, and its backward epilogue act'). Backward:
-    dh = SDD(dy, W2ᵀ) * act'(h) (epilogue); dW2 = DSᵀD(act(h), dy); dx = DSD(dh, W1ᵀ);
-    dW1 = DSᵀD(dh, x)ᵀ written straight into a [E, K, F] tensor. When no input needs a
-    gradient (inference), the SDD epilogue writes act(h) alone and nothing is saved.
-    """
+
+class _ExpertUp(torch.autograd.Function):
+    """h = SDD(x, W1) (plus act(h), a side output the down node reads and drops, for
+    "recompute" and "store"; "store" returns act'(h) as h).
+
+    Without a routing plan, x holds the padded rows and gets the gradient. With one (the
+    layer), x is the tokens [T, H] and `rows` their permuted copy, made by the routing
+    without autograd, or None: then SDD and DSᵀD read the rows from x themselves, through
+    plan.row_token. The gradient goes to x: the backward sums each token's k rows of dx
+    itself, and frees that [rows, H] gradient before it allocates dW1."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, topo, act):
-        store = KERNEL_CONFIG["act_fusion"] == "store"
+    def forward(ctx, x, rows, w1, plan, topo, act, fusion):
+        ctx.topo, ctx.plan = topo, plan
+        # what DSᵀD reads for dW1: the rows, or x and the map into it
+        ctx.save_for_backward(x if rows is None else rows, w1)
+        ctx.gathered = plan is not None and rows is None
+        # (the side output a gets no gradient: without this autograd would hand the
+        # backward a [rows, ffn] tensor of zeros for it)
+        ctx.set_materialize_grads(False)
+        a_rows = plan.row_token if ctx.gathered else None
+        src = x if rows is None else rows
+        if fusion == "load":
+            return _sdd(src, w1, topo, a_rows=a_rows), None
         a = torch.empty(topo.nnz, topo.block_size, topo.block_size, device=x.device,
-                        dtype=x.dtype) if store else None
-        # store: h holds act'(x W1), a holds act(x W1)
-        h = _sdd(x, w1, topo, act=act, act_out=a)
-        y = _dsd(a, w2, topo) if store else _dsd(h, w2, topo, act)
-        ctx.topo, ctx.act, ctx.store = topo, act, store
-        ctx.save_for_backward(x, w1, w2, h, a)
+                        dtype=x.dtype)
+        h = _sdd(src, w1, topo, act=act, act_out=a, keep_product=fusion == "recompute",
+                 a_rows=a_rows)
+        ctx.mark_non_differentiable(a)
+        return h, a
+
+    @staticmethod
+    def backward(ctx, grad_h, _grad_a):
+        if grad_h is None:  # h did not reach what was differentiated
+            return None, None, None, None, None, None, None
+        src, w1 = ctx.saved_tensors
+        topo, plan = ctx.topo, ctx.plan
+        b_rows = plan.row_token if ctx.gathered else None
+        grad_h = grad_h.contiguous()
+        side = _backward_side_stream(grad_h)
+        grad_w1 = None
+
+        def weight_gradient():
+            out = torch.empty_like(w1, memory_format=torch.contiguous_format)
+            with _after_caller_on(side):
+                _dstd(grad_h, src, topo, out=out.transpose(1, 2), b_rows=b_rows)
+            return out
+
+        if ctx.needs_input_grad[2] and side is not None:  # dW1 on the side stream, beside dx
+            grad_w1 = weight_gradient()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _dsd(grad_h, w1.transpose(1, 2), topo)
+            if plan is not None:
+                grad_x = sum_pair_rows(grad_x, plan.dest_row)
+        if ctx.needs_input_grad[2] and grad_w1 is None:  # (after the [rows, H] dx is gone)
+            grad_w1 = weight_gradient()
+        _join(side)
+        return grad_x, None, grad_w1, None, None, None, None
+
+
+class _ExpertDown(torch.autograd.Function):
+    """y = DSD(act(h), W2); its backward returns dL/dh (see the block comment above)."""
+
+    @staticmethod
+    def forward(ctx, h, a, w2, topo, act, fusion):
+        ctx.topo, ctx.act, ctx.fusion = topo, act, fusion
+        if fusion == "load":
+            y = _dsd(h, w2, topo, act)
+            ctx.save_for_backward(h, w2)
+        else:
+            y = _dsd(a, w2, topo)
+            ctx.save_for_backward(h, a if fusion == "store" else None, w2)
+        ctx.consumed = False
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w1, w2, h, a = ctx.saved_tensors
-        topo, act = ctx.topo, ctx.act
+        topo, act, fusion = ctx.topo, ctx.act, ctx.fusion
+        if fusion == "recompute":
+            if ctx.consumed:
+                raise ConfigurationError(
+                    "the expert FFN's backward ran twice on one graph (retain_graph=True): "
+                    "with act_fusion='recompute' the first backward overwrites the kept h "
+                    "with act(h); use set_kernel_config(act_fusion='store') for a graph "
+                    "that is differentiated more than once")
+            ctx.consumed = True
+        saved = ctx.saved_tensors
+        h, w2 = saved[0], saved[-1]
         grad_y = grad_y.contiguous()
-        # With backward_streams = 2 the weight gradients (DSᵀD) run on a side stream, each
-        # beside the product it does not depend on: dW2 beside dh, dW1 beside dx. Every
-        # tensor is allocated on the caller's stream, which waits for the side stream before
-        # returning, so the caching allocator never sees a block in use on two streams.
+        w2_t = w2.transpose(1, 2)
         side = _backward_side_stream(grad_y)
-        grad_w1 = grad_w2 = None
-        if ctx.needs_input_grad[1]:
-            grad_w1 = torch.empty_like(w1, memory_format=torch.contiguous_format)
+        grad_w2 = None
         if ctx.needs_input_grad[2]:
             grad_w2 = torch.empty_like(w2, memory_format=torch.contiguous_format)
-            with _after_caller_on(side):
-                _dstd(a if ctx.store else h, grad_y, topo, "none" if ctx.store else act,
-                      out=grad_w2)
-        if ctx.store:
-            grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, scale_by=h)
+        if fusion == "recompute":
+            # h becomes act(h) here, which DSᵀD then reads: dW2 must follow, not overlap
+            grad_h = _sdd(grad_y, w2_t, topo, act_grad_of=h, act=act, rewrite_act=True)
+            if grad_w2 is not None:
+                _dstd(h, grad_y, topo, out=grad_w2)
         else:
-            grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, act_grad_of=h, act=act)
-        if grad_w1 is not None:
-            with _after_caller_on(side):  # (after grad_h)
-                _dstd(grad_h, x, topo, out=grad_w1.transpose(1, 2))
-        grad_x = _dsd(grad_h, w1.transpose(1, 2), topo) if ctx.needs_input_grad[0] else None
-        if side is not None:
-            torch.cuda.current_stream(side.device).wait_stream(side)
-        return grad_x, grad_w1, grad_w2, None, None
+            if grad_w2 is not None:
+                with _after_caller_on(side):  # dW2 beside dh
+                    if fusion == "store":
+                        _dstd(saved[1], grad_y, topo, out=grad_w2)
+                    else:
+                        _dstd(h, grad_y, topo, act, out=grad_w2)
+            if fusion == "store":
+                grad_h = _sdd(grad_y, w2_t, topo, scale_by=h)
+            else:
+                grad_h = _sdd(grad_y, w2_t, topo, act_grad_of=h, act=act)
+        _join(side)
+        return grad_h, None, grad_w2, None, None, None
 
 
 _SIDE_STREAMS: dict = {}
@@ -594,17 +706,34 @@ def _after_caller_on(side):
         yield
 
 
-def fused_expert_ffn(x, w1, w2, topo, act="gelu"):
-    """act(x @ W1) @ W2 on the topology's blocks (act: gelu (tanh form), relu, silu, none)."""
+def _join(side) -> None:
+    """The caller's stream waits for the side stream (when there is one)."""
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
+
+
+def fused_expert_ffn(x, w1, w2, topo, act="gelu", plan=None, rows=None):
+    """act(x @ W1) @ W2 on the topology's blocks (act: gelu (tanh form), relu, silu, none).
+
+    x: the padded, expert-sorted rows [num_rows, H]. With `plan` (the routing plan of
+    x's tokens: the layer's path), x is the tokens [T, H] and the gradient goes to them;
+    `rows` is their permuted copy when the routing made one, else (None) the kernels read
+    the rows from x themselves (plan.row_token)."""
     if act not in ACT_CODES:
         raise ConfigurationError(
             f"fused activation must be one of {sorted(ACT_CODES)}, got {act!r}")
     _check_same_dtype(x, w1, w2)
+    if plan is None and rows is not None:
+        raise InvalidArgumentError("fused_expert_ffn: rows (a permuted copy) needs its plan")
+    a_rows = plan.row_token if plan is not None and rows is None else None
     if not (torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad
                                          or w2.requires_grad)):
         # no backward will follow (inference, torch.no_grad): only act(x W1) is needed
-        return _dsd(_sdd(x, w1, topo, act=act, act_only=True), w2, topo)
-    return _FusedExpertFFN.apply(x, w1, w2, topo, act)
+        src = x if rows is None else rows
+        return _dsd(_sdd(src, w1, topo, act=act, act_only=True, a_rows=a_rows), w2, topo)
+    fusion = KERNEL_CONFIG["act_fusion"]
+    h, a = _ExpertUp.apply(x, rows, w1, plan, topo, act, fusion)
+    return _ExpertDown.apply(h, a, w2, topo, act, fusion)
 
 
 # ---------------------------------------------------------------------------- autograd

@@ -88,6 +88,26 @@ def _activate_grad(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
 
 
 @triton.jit
+def _activate_with_grad(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
+    """(act(x), act'(x)) from one sigmoid: the epilogues that need both."""
+    if ACT == 1:
+        s = _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x), FAST)
+        a = x * s
+        d = s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * x * x)
+    elif ACT == 2:
+        a = tl.maximum(x, 0.0)
+        d = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == 3:
+        s = _sigmoid(x, FAST)
+        a = x * s
+        d = s * (1.0 + x * (1.0 - s))
+    else:
+        a = x
+        d = tl.full(x.shape, 1.0, tl.float32)
+    return a, d
+
+
+@triton.jit
 def _grouped_tile(t, num_rows, num_n, GROUP_M: tl.constexpr):
     """(row block, column tile) of output tile t in launch order. GROUP_M = 1: a row block's
     column tiles one after another. GROUP_M > 1: GROUP_M row blocks take each column tile in
@@ -108,7 +128,7 @@ def _grouped_tile(t, num_rows, num_n, GROUP_M: tl.constexpr):
 
 @_kernel
 def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
-               block_rows_ptr, K, F, nb, num_n,
+               block_rows_ptr, a_rows_ptr, K, F, nb, num_n,
                stride_am, stride_ak,
                stride_we, stride_wk, stride_wf,
                BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -117,7 +137,8 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
                USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False,
                FAST_ACT: tl.constexpr = False, PRELOAD_SCALE: tl.constexpr = False,
                EPILOGUE_ACT: tl.constexpr = 0, TAIL: tl.constexpr = False,
-               GROUP_M: tl.constexpr = 1):
+               GROUP_M: tl.constexpr = 1, STORE_PRE: tl.constexpr = False,
+               REWRITE_ACT: tl.constexpr = False, GATHER_A: tl.constexpr = False):
     # out[blk] = a[rows of row block r] @ w[e, :, cols of blk] for SPLIT consecutive blocks blk
     # of row r (a B x SPLIT*B tile per program: wider tiles feed the matrix units better).
     # With EPILOGUE_ACT_GRAD: out[blk] *= act'(h[blk]).
@@ -125,6 +146,13 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
     # With EPILOGUE_STORE_ACT: act_out[blk] = act(p) and out[blk] = act'(p) for the product p
     # (the forward of act_fusion="store": the backward then only multiplies by act'(p)).
     # With EPILOGUE_ACT: out[blk] = act(p) (a forward that no backward will follow).
+    # STORE_PRE (with EPILOGUE_STORE_ACT): out[blk] = p itself, act_out[blk] = act(p): the
+    # forward of act_fusion="recompute", which keeps p alone for the backward.
+    # REWRITE_ACT (with EPILOGUE_ACT_GRAD; act_out_ptr is h_ptr): out[blk] *= act'(h[blk])
+    # rounded to the storage type, and h[blk] is overwritten with act(h[blk]) in place (each
+    # program reads and writes its own tile only): the backward of "recompute", which then
+    # needs act(h) but never h again. Rounding act' makes the gradient bitwise that of
+    # act_fusion="store", whose forward stored act'(h) in the storage type.
     # USE_TMA (Hopper; the launcher checks alignment, EVEN_K and EVEN_F): a_ptr describes
     # A [P, K] in [BLOCK, BLOCK_K] boxes (a_half_ptr is A itself, for TAIL); w_ptr
     # describes W as [E*K, F] in [BLOCK_K, SPLIT*B] boxes, or with W_T (W is the transpose of
@@ -137,6 +165,9 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
     # typically an expert's last, is computed as its top half only, with zeros stored below:
     # with 128-row blocks and ~256 tokens per expert that is a tenth of all the rows.
     # GROUP_M: the launch order of the tiles (see _grouped_tile).
+    # GATHER_A: A is the unpermuted tokens [T, K]; row p of the padded rows is token
+    # a_rows[p] (-1: padding, read as zeros), loaded by pointer (TMA cannot gather rows on
+    # Hopper): no permuted copy of the tokens exists (act_fusion's "gather_rows").
     row_block, n_idx = _grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n,
                                      GROUP_M)
     first, end, valid, expert, f0 = _sdd_tile(row_block, n_idx, col_idx_ptr, nb, BLOCK, SPLIT)
@@ -148,13 +179,15 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
                   out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
                   stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
                   EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
-                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, False)
+                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, False, STORE_PRE, REWRITE_ACT,
+                  GATHER_A, a_rows_ptr)
     else:
         _sdd_rows(BLOCK, row_block, first, end, valid, expert, f0, a_ptr, w_ptr,
                   out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
                   stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
                   EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
-                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, USE_TMA)
+                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, USE_TMA and not GATHER_A, STORE_PRE,
+                  REWRITE_ACT, GATHER_A, a_rows_ptr)
 
 
 @triton.jit
@@ -164,7 +197,9 @@ def _sdd_rows(BM: tl.constexpr, row_block, first, end, valid, expert, f0, a_ptr,
               EVEN_K: tl.constexpr, EVEN_F: tl.constexpr, EPILOGUE_ACT_GRAD: tl.constexpr,
               EPILOGUE_STORE_ACT: tl.constexpr, EPILOGUE_SCALE: tl.constexpr,
               USE_TMA: tl.constexpr, W_T: tl.constexpr, FAST_ACT: tl.constexpr,
-              PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr, A_DESC: tl.constexpr):
+              PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr, A_DESC: tl.constexpr,
+              STORE_PRE: tl.constexpr, REWRITE_ACT: tl.constexpr, GATHER_A: tl.constexpr,
+              a_rows_ptr):
     """sdd_kernel's tile on the top BM rows of its row block (zeros stored below them).
     With USE_TMA, A comes through a descriptor when A_DESC, else (the half blocks: one more
     descriptor per launch cost more host time than their few loads gain) by pointer."""
@@ -178,15 +213,27 @@ def _sdd_rows(BM: tl.constexpr, row_block, first, end, valid, expert, f0, a_ptr,
     else:
         scale = 0.0
     acc = tl.zeros((BM, SPLIT * BLOCK), dtype=tl.float32)
-    if not (USE_TMA and A_DESC):
-        a_ptrs = a_ptr + (row_block * BLOCK + rm).to(tl.int64)[:, None] * stride_am \
+    # a_ok: the rows A has (every row unless GATHER_A, where padding rows have no token)
+    if GATHER_A:
+        src = tl.load(a_rows_ptr + row_block * BLOCK + rm)
+        a_ok = src >= 0
+        a_ptrs = a_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * stride_am \
             + rk[None, :] * stride_ak
+    else:
+        a_ok = rm >= 0
+        if not (USE_TMA and A_DESC):
+            a_ptrs = a_ptr + (row_block * BLOCK + rm).to(tl.int64)[:, None] * stride_am \
+                + rk[None, :] * stride_ak
     if USE_TMA:
         for k in range(0, k_end, BLOCK_K):
             if A_DESC:
                 a = a_ptr.load([row_block * BLOCK, k])
             else:
-                a = tl.load(a_ptrs)  # (TMA implies EVEN_K)
+                # (TMA implies EVEN_K)
+                if GATHER_A:
+                    a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
                 a_ptrs += BLOCK_K * stride_ak
             if W_T:
                 w = tl.trans(w_ptr.load([expert * F + f0, k]))
@@ -199,29 +246,35 @@ def _sdd_rows(BM: tl.constexpr, row_block, first, end, valid, expert, f0, a_ptr,
                   + f_cols[None, :] * stride_wf)
         for k in range(0, k_end, BLOCK_K):
             if EVEN_K:
-                a = tl.load(a_ptrs)
+                if GATHER_A:
+                    a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
                 if EVEN_F:
                     w = tl.load(w_ptrs)
                 else:
                     w = tl.load(w_ptrs, mask=f_cols[None, :] < F, other=0.0)
             else:
                 k_ok = (k + rk) < K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & (f_cols[None, :] < F), other=0.0)
             acc += tl.dot(a, w)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
     _sdd_finish(acc, scale, offs, in_row, out_ptr, h_ptr, act_out_ptr, EPILOGUE_ACT_GRAD,
-                EPILOGUE_STORE_ACT, EPILOGUE_SCALE, FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT)
+                EPILOGUE_STORE_ACT, EPILOGUE_SCALE, FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT,
+                STORE_PRE, REWRITE_ACT)
     if BM < BLOCK:
         # the lower rows are padding (zero in A): what the epilogue makes of a zero product
         z_offs, z_in_row = _sdd_offsets(first, end, BLOCK, SPLIT, BLOCK - BM, BM)
         zero = tl.zeros((BLOCK - BM, SPLIT * BLOCK), dtype=tl.float32)
+        # (REWRITE_ACT: h is zero there, and act(0) = 0, so h needs no store)
         if EPILOGUE_STORE_ACT != 0:
             # act(0) = 0; act'(0) is 1/2 for GELU and SiLU
             tl.store(act_out_ptr + z_offs, zero.to(out_ptr.dtype.element_ty),
                      mask=z_in_row[None, :])
-            zero = _activate_grad(zero, EPILOGUE_STORE_ACT, FAST_ACT)
+            if not STORE_PRE:
+                zero = _activate_grad(zero, EPILOGUE_STORE_ACT, FAST_ACT)
         tl.store(out_ptr + z_offs, zero.to(out_ptr.dtype.element_ty), mask=z_in_row[None, :])
 
 
@@ -256,12 +309,18 @@ def _sdd_offsets(first, end, BLOCK: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.
 def _sdd_finish(acc, scale, offs, in_row, out_ptr, h_ptr, act_out_ptr,
                 EPILOGUE_ACT_GRAD: tl.constexpr, EPILOGUE_STORE_ACT: tl.constexpr,
                 EPILOGUE_SCALE: tl.constexpr, FAST_ACT: tl.constexpr,
-                PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr):
+                PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr,
+                STORE_PRE: tl.constexpr = False, REWRITE_ACT: tl.constexpr = False):
     """SDD's epilogue (see sdd_kernel) and store; `scale` is the preloaded tile when
     PRELOAD_SCALE."""
     if EPILOGUE_ACT_GRAD != 0:
         h = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0).to(tl.float32)
-        acc = acc * _activate_grad(h, EPILOGUE_ACT_GRAD, FAST_ACT)
+        if REWRITE_ACT:
+            act, d = _activate_with_grad(h, EPILOGUE_ACT_GRAD, FAST_ACT)
+            tl.store(act_out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
+            acc = acc * d.to(out_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            acc = acc * _activate_grad(h, EPILOGUE_ACT_GRAD, FAST_ACT)
     if EPILOGUE_SCALE:
         if not PRELOAD_SCALE:
             scale = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0)
@@ -270,9 +329,10 @@ def _sdd_finish(acc, scale, offs, in_row, out_ptr, h_ptr, act_out_ptr,
         # act and act' of the rounded value, as the unfused reference computes both from a
         # stored h
         hr = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = _activate(hr, EPILOGUE_STORE_ACT, FAST_ACT).to(out_ptr.dtype.element_ty)
-        tl.store(act_out_ptr + offs, act, mask=in_row[None, :])
-        acc = _activate_grad(hr, EPILOGUE_STORE_ACT, FAST_ACT)
+        act, d = _activate_with_grad(hr, EPILOGUE_STORE_ACT, FAST_ACT)
+        tl.store(act_out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
+        if not STORE_PRE:
+            acc = d
     if EPILOGUE_ACT != 0:
         acc = _activate(acc.to(out_ptr.dtype.element_ty).to(tl.float32), EPILOGUE_ACT, FAST_ACT)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
@@ -285,7 +345,8 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
                           EPILOGUE_ACT_GRAD: tl.constexpr, EPILOGUE_STORE_ACT: tl.constexpr,
                           EPILOGUE_SCALE: tl.constexpr, W_T: tl.constexpr = False,
                           FAST_ACT: tl.constexpr = False, EPILOGUE_ACT: tl.constexpr = 0,
-                          COUNT_TILE: tl.constexpr = 64, GROUP_M: tl.constexpr = 1):
+                          COUNT_TILE: tl.constexpr = 64, GROUP_M: tl.constexpr = 1,
+                          STORE_PRE: tl.constexpr = False, REWRITE_ACT: tl.constexpr = False):
     # SDD as sdd_kernel computes it (tensor-descriptor operands, K a multiple of BLOCK_K),
     # by a few programs per SM that take the tiles pid, pid + grid, ... in one flat loop over
     # all their k steps, as dstd_persistent_kernel does: SDD's K is the hidden size, 8-16
@@ -335,7 +396,7 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
             # tile's first step, it made the backward SDD 5x slower on the H200)
             _sdd_finish(acc, 0.0, offs, in_row, out_ptr, h_ptr, act_out_ptr,
                         EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, FAST_ACT,
-                        False, EPILOGUE_ACT)
+                        False, EPILOGUE_ACT, STORE_PRE, REWRITE_ACT)
             acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
 
 
@@ -496,19 +557,32 @@ def _dstd_store(acc, out_ptr, expert, f0, n0, N, F, stride_oe, stride_of, stride
                  mask=(f[:, None] < F) & (rn < N)[None, :])
 
 
+@triton.jit
+def _load_gathered(b_ptr, rows_ptr, row0, rn, n_ok, stride_bm, stride_bn,
+                   BLOCK_K: tl.constexpr):
+    """The [BLOCK_K, BLOCK_N] tile at padded rows row0 ... of a dense operand that is not
+    materialised: padded row p is row rows_ptr[p] of b (-1: a padding row, zeros)."""
+    src = tl.load(rows_ptr + row0 + tl.arange(0, BLOCK_K))
+    ptrs = b_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * stride_bm \
+        + rn[None, :] * stride_bn
+    return tl.load(ptrs, mask=(src >= 0)[:, None] & n_ok[None, :], other=0.0)
+
+
 @_kernel
-def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
+def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr, b_rows_ptr,
                 N, F, nb, num_n,
                 stride_bm, stride_bn,
                 stride_oe, stride_of, stride_on,
                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_N: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr = False,
                 TMA_STORE: tl.constexpr = False, OUT_T: tl.constexpr = False,
-                TRIM_K: tl.constexpr = False):
+                TRIM_K: tl.constexpr = False, GATHER_B: tl.constexpr = False):
     # out[e, cols of column block c, tile] = sum over blocks of c: act(s[blk])^T @ b[rows of blk]
     # USE_TMA (Hopper; the launcher checks alignment): s_ptr describes the values as
     # [nnz*B, B] in [BLOCK_K, B] boxes (transposed in shared memory), b_ptr describes B [P, N]
     # in [BLOCK_K, BLOCK_N] boxes. TMA_STORE: see _dstd_store.
+    # GATHER_B: b_ptr is the unpermuted tokens, padded row p being token b_rows[p] (the
+    # weight gradient dW1 without a permuted copy of the tokens), read by pointer.
     pid = tl.program_id(0)
     c = pid // num_n      # N tiles of one column block run side by side (L2 reuse of s)
     pid_n = pid % num_n
@@ -530,7 +604,11 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
             s_t = tl.trans(s_ptr.load([blk * BLOCK + kk % BLOCK, 0]))
             if ACT != 0:
                 s_t = _activate(s_t.to(tl.float32), ACT).to(s_t.dtype)
-            b = b_ptr.load([first_row * BLOCK + kk, n0])
+            if GATHER_B:
+                b = _load_gathered(b_ptr, b_rows_ptr, first_row * BLOCK + kk, rn, n_ok,
+                                   stride_bm, stride_bn, BLOCK_K)
+            else:
+                b = b_ptr.load([first_row * BLOCK + kk, n0])
             acc += tl.dot(s_t, b)
     else:
         s_blk = s_ptr + first.to(tl.int64) * BLOCK * BLOCK
@@ -542,7 +620,10 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
             s_t = tl.load(s_blk + s_offs + k_in_block * BLOCK)
             if ACT != 0:
                 s_t = _activate(s_t.to(tl.float32), ACT).to(b_ptr.dtype.element_ty)
-            if EVEN_N:
+            if GATHER_B:
+                b = _load_gathered(b_ptr, b_rows_ptr, first_row * BLOCK + kk, rn, n_ok,
+                                   stride_bm, stride_bn, BLOCK_K)
+            elif EVEN_N:
                 b = tl.load(b_ptrs)
             else:
                 b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
@@ -554,13 +635,13 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
 
 
 @_kernel
-def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
-                           N, F, nb, num_n, num_tiles,
+def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr, b_rows_ptr,
+                           N, F, nb, num_n, num_tiles, stride_bm, stride_bn,
                            stride_oe, stride_of, stride_on,
                            BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            ACT: tl.constexpr, TMA_STORE: tl.constexpr = False,
                            OUT_T: tl.constexpr = False, TRIM_K: tl.constexpr = False,
-                           COUNT_TILE: tl.constexpr = 64):
+                           COUNT_TILE: tl.constexpr = 64, GATHER_B: tl.constexpr = False):
     # DSᵀD as dstd_kernel computes it, by a grid of a few programs per SM that each take the
     # tiles pid, pid + grid, ... (tensor-descriptor operands only). Its K, an expert's rows,
     # is often 2-3 steps of BLOCK_K: one program per tile then spends most of its time
@@ -569,7 +650,8 @@ def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
     # boundaries: the next tile's first operands arrive while this one finishes and is stored.
     # (Triton's flatten=True cannot fuse the nested form: the inner trip count is loaded.)
     # An empty column (an expert with no tokens) takes one step whose product is discarded,
-    # so that its zero tile is still written.
+    # so that its zero tile is still written. GATHER_B: as in dstd_kernel (b_ptr is then a
+    # pointer; stride_bm / stride_bn are used only then).
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     total = 0
@@ -601,7 +683,12 @@ def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
         s_t = tl.trans(s_ptr.load([(first + (kk // BLOCK) * nb) * BLOCK + kk % BLOCK, 0]))
         if ACT != 0:
             s_t = _activate(s_t.to(tl.float32), ACT).to(s_t.dtype)
-        b = b_ptr.load([first_row * BLOCK + kk, (tile % num_n) * BLOCK_N])
+        if GATHER_B:
+            rn = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            b = _load_gathered(b_ptr, b_rows_ptr, first_row * BLOCK + kk, rn, rn < N,
+                               stride_bm, stride_bn, BLOCK_K)
+        else:
+            b = b_ptr.load([first_row * BLOCK + kk, (tile % num_n) * BLOCK_N])
         acc = tl.dot(s_t, b, acc)
         if ki == k_steps - 1:
             c = tile // num_n
@@ -616,7 +703,8 @@ _CONSTEXPR_DEFAULTS = dict(BLOCK=128, SPLIT=2, BLOCK_N=128, BLOCK_K=64, EVEN_K=T
                            EPILOGUE_SCALE=False, ACT=ACT_NONE, USE_TMA=False, W_T=False,
                            FAST_ACT=False, PRELOAD_SCALE=False, EPILOGUE_ACT=ACT_NONE,
                            TMA_STORE=False, OUT_T=False, COUNT_TILE=64,
-                           TAIL=False, TRIM_K=False, GROUP_M=1)
+                           TAIL=False, TRIM_K=False, GROUP_M=1, STORE_PRE=False,
+                           REWRITE_ACT=False, GATHER_A=False, GATHER_B=False)
 
 
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
@@ -626,12 +714,13 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
     c = "constexpr"
     return {
         "sdd_kernel": dict(a_ptr=p, a_half_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, act_out_ptr=p,
-                           col_idx_ptr=i, block_rows_ptr=i, K="i32", F="i32", nb="i32",
-                           num_n="i32", stride_am="i32", stride_ak="i32", stride_we="i32",
-                           stride_wk="i32", stride_wf="i32",
+                           col_idx_ptr=i, block_rows_ptr=i, a_rows_ptr=i, K="i32", F="i32",
+                           nb="i32", num_n="i32", stride_am="i32", stride_ak="i32",
+                           stride_we="i32", stride_wk="i32", stride_wf="i32",
                            BLOCK=c, SPLIT=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c,
                            EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, USE_TMA=c, W_T=c,
-                           FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c, TAIL=c, GROUP_M=c),
+                           FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c, TAIL=c, GROUP_M=c,
+                           STORE_PRE=c, REWRITE_ACT=c, GATHER_A=c),
         "sdd_persistent_kernel": dict(a_ptr="tensordesc<%s[128, 64]>" % dtype,
                                       w_ptr="tensordesc<%s[64, 256]>" % dtype, out_ptr=p,
                                       h_ptr=p, act_out_ptr=p, col_idx_ptr=i, K="i32",
@@ -639,7 +728,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
                                       BLOCK=c, SPLIT=c, BLOCK_K=c, EPILOGUE_ACT_GRAD=c,
                                       EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, W_T=c,
                                       FAST_ACT=c, EPILOGUE_ACT=c, COUNT_TILE=c,
-                                      GROUP_M=c),
+                                      GROUP_M=c, STORE_PRE=c, REWRITE_ACT=c),
         "dsd_kernel": dict(s_ptr=p, s_half_ptr=p, w_ptr=p, out_ptr=p, col_idx_ptr=i,
                            block_rows_ptr=i, N="i32", F="i32", nb="i32", num_n="i32",
                            stride_we="i32", stride_wf="i32", stride_wn="i32", stride_om="i32",
@@ -647,19 +736,20 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
                            BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_F=c, EVEN_N=c, ACT=c,
                            USE_TMA=c, W_T=c, TAIL=c, GROUP_M=c),
         "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, expert_rows_ptr=i,
-                            N="i32", F="i32", nb="i32", num_n="i32", stride_bm="i32",
-                            stride_bn="i32",
+                            b_rows_ptr=i, N="i32", F="i32", nb="i32", num_n="i32",
+                            stride_bm="i32", stride_bn="i32",
                             stride_oe="i32", stride_of="i32", stride_on="i32", BLOCK=c,
                             BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c, USE_TMA=c, TMA_STORE=c,
-                            OUT_T=c, TRIM_K=c),
+                            OUT_T=c, TRIM_K=c, GATHER_B=c),
         "dstd_persistent_kernel": dict(s_ptr="tensordesc<%s[64, 128]>" % dtype,
                                        b_ptr="tensordesc<%s[64, 128]>" % dtype, out_ptr=p,
-                                       col_off_ptr=i, expert_rows_ptr=i, N="i32",
-                                       F="i32", nb="i32", num_n="i32", num_tiles="i32",
+                                       col_off_ptr=i, expert_rows_ptr=i, b_rows_ptr=i,
+                                       N="i32", F="i32", nb="i32", num_n="i32",
+                                       num_tiles="i32", stride_bm="i32", stride_bn="i32",
                                        stride_oe="i32",
                                        stride_of="i32", stride_on="i32", BLOCK=c, BLOCK_N=c,
                                        BLOCK_K=c, ACT=c, TMA_STORE=c, OUT_T=c, TRIM_K=c,
-                                       COUNT_TILE=c),
+                                       COUNT_TILE=c, GATHER_B=c),
     }
 
 
@@ -686,7 +776,7 @@ def aot_routing_signatures() -> dict[str, dict[str, str]]:
                                         num_t="i32", BLOCK_T=c, BLOCK_H=c, BLOCK=c),
         "scatter_rows_kernel": dict(ids_ptr=i, chunk_base_ptr=i, row_start_ptr=i,
                                     dest_ptr="*i64", x_ptr="*bf16", out_ptr="*bf16",
-                                    block_rows_ptr=i, N="i32", E="i32",
+                                    block_rows_ptr=i, row_token_ptr=i, N="i32", E="i32",
                                     H="i32", top_k="i32", stride_x="i32", stride_o="i32",
                                     cols_per_program="i32", num_chunks="i32", CHUNK=c,
                                     E_POW2=c, BLOCK_H=c, COPY=c, BLOCK=c),
@@ -811,21 +901,28 @@ def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scr
 
 @_kernel
 def scatter_rows_kernel(ids_ptr, chunk_base_ptr, row_start_ptr, dest_ptr, x_ptr, out_ptr,
-                        block_rows_ptr,
+                        block_rows_ptr, row_token_ptr,
                         N, E, H, top_k, stride_x, stride_o, cols_per_program, num_chunks,
                         CHUNK: tl.constexpr, E_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
                         COPY: tl.constexpr, BLOCK: tl.constexpr):
     # Program (chunk, j) places the chunk's pairs and copies columns [j * cols_per_program,
     # (j + 1) * cols_per_program) of their tokens: with one program per chunk, the 64 chunks
     # of 8192 tokens (E = 64) left half of an H200's SMs idle and the copy ran at ~2 TB/s.
-    # With COPY, programs num_chunks + rb zero the padding rows of row block rb instead.
+    # Programs num_chunks + rb write -1 as the token of row block rb's padding rows and,
+    # with COPY, zero those rows of the copy. Every padded row gets its token (row_token):
+    # the kernels that gather the rows from the tokens themselves (no copy) read it.
     pid = tl.program_id(0)
     pid_h = tl.program_id(1)
-    if COPY and pid >= num_chunks:
-        h_start = pid_h * cols_per_program
-        _zero_padding_block(out_ptr, pid - num_chunks, h_start,
-                            tl.minimum(h_start + cols_per_program, H), block_rows_ptr,
-                            stride_o, BLOCK, BLOCK_H)
+    if pid >= num_chunks:
+        rb = pid - num_chunks
+        if pid_h == 0:
+            rows = tl.arange(0, BLOCK)
+            tl.store(row_token_ptr + rb * BLOCK + rows, tl.full((BLOCK,), -1, tl.int32),
+                     mask=rows >= tl.load(block_rows_ptr + rb))
+        if COPY:
+            h_start = pid_h * cols_per_program
+            _zero_padding_block(out_ptr, rb, h_start, tl.minimum(h_start + cols_per_program, H),
+                                block_rows_ptr, stride_o, BLOCK, BLOCK_H)
     else:
         offs = pid * CHUNK + tl.arange(0, CHUNK)
         ok = offs < N
@@ -838,10 +935,11 @@ def scatter_rows_kernel(ids_ptr, chunk_base_ptr, row_start_ptr, dest_ptr, x_ptr,
         base = tl.load(chunk_base_ptr + pid * E + e_safe, mask=ok, other=0) \
             + tl.load(row_start_ptr + e_safe, mask=ok, other=0)
         dest = (base + rank).to(tl.int64)
+        token = (offs // top_k).to(tl.int64)
         if pid_h == 0:
             tl.store(dest_ptr + offs, dest, mask=ok)
+            tl.store(row_token_ptr + dest, token.to(tl.int32), mask=ok)
         if COPY:
-            token = (offs // top_k).to(tl.int64)
             h_start = pid_h * cols_per_program
             h_end = tl.minimum(h_start + cols_per_program, H)
             for h0 in range(h_start, h_end, BLOCK_H):

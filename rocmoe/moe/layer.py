@@ -10,23 +10,41 @@ from torch import nn
 from ..errors import ConfigurationError, RocmoeError
 from . import blocksparse as bs
 from .activations import ACTIVATIONS, FUSABLE
-from .permute import check_block_size, unpermute_combine
+from .permute import check_block_size, permute_pad, unpermute_combine
 from .router import Router, _check_config, check_tokens
 from .routing import route_and_permute
 
-def expert_ffn(x_perm, w1, w2, w3, topo, activation):
+def expert_ffn(x, w1, w2, w3, topo, activation, plan=None, rows=None):
     """SDD -> act -> DSD on the padded, expert-sorted rows (plus a GLU gate with w3).
 
     Without GLU the activation is fused into the block-sparse kernels (one pass fewer over
     the [rows, ffn] activations each way); GLU and exact-erf GELU compose the ops instead.
+    x: the padded rows; or with the routing `plan`, the tokens themselves (and `rows` their
+    permuted copy, if the routing made one): see blocksparse.fused_expert_ffn.
     """
     if w3 is None and activation in FUSABLE:
-        return bs.fused_expert_ffn(x_perm, w1, w2, topo, activation)
+        return bs.fused_expert_ffn(x, w1, w2, topo, activation, plan, rows)
+    if plan is not None:  # the composed products read a permuted copy, with autograd
+        x = permute_pad(x, plan)
     act = ACTIVATIONS[activation]
-    h = act(bs.sdd(x_perm, w1, topo))
+    h = act(bs.sdd(x, w1, topo))
     if w3 is not None:
-        h = h * bs.sdd(x_perm, w3, topo)
+        h = h * bs.sdd(x, w3, topo)
     return bs.dsd(h, w2, topo)
+
+
+def local_experts(x, expert_ids, weights, w1, w2, w3, block_size, activation):
+    """sum_j weights[t, j] * FFN_{expert_ids[t, j]}(x[t]) over experts w1 [E, H, F],
+    w2 [E, F, H] (w3: GLU gate) on this rank: routing, block-sparse FFN, combine."""
+    # The fused FFN reads the tokens' rows through the plan (gather_rows) or from a copy the
+    # routing makes without autograd; either way the gradient goes to x directly, so no
+    # [rows, H] gradient outlives the FFN's backward.
+    with torch.no_grad():
+        plan, topo, x_perm = route_and_permute(
+            x, expert_ids, w1.shape[0], block_size, w1.shape[2],
+            copy_rows=not bs.KERNEL_CONFIG["gather_rows"])
+    y_perm = expert_ffn(x, w1, w2, w3, topo, activation, plan=plan, rows=x_perm)
+    return unpermute_combine(y_perm, weights, plan)
 
 
 class DroplessMoE(nn.Module):
@@ -122,10 +140,8 @@ class DroplessMoE(nn.Module):
         return y.reshape(shape)
 
     def _local_experts(self, x, expert_ids, weights):
-        plan, topo, x_perm = route_and_permute(x, expert_ids, self.num_local_experts,
-                                               self.block_size, self.ffn_hidden_size)
-        y_perm = expert_ffn(x_perm, self.w1, self.w2, self.w3, topo, self.activation)
-        return unpermute_combine(y_perm, weights, plan)
+        return local_experts(x, expert_ids, weights, self.w1, self.w2, self.w3,
+                             self.block_size, self.activation)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "

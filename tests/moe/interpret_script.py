@@ -141,10 +141,16 @@ def routing_kernels_equal_torch_ops():
         bs.set_backend("triton")
         got = route_and_permute(x, ids, e, b, f)
         bs.set_backend("auto")
+        # without the copy: the same plan (row_token too), and no rows
+        bs.set_backend("triton")
+        plain = route_and_permute(x, ids, e, b, f, copy_rows=False)
+        bs.set_backend("auto")
+        assert plain[2] is None
         for name in ("tokens_per_expert", "dest_row", "block_expert", "num_valid_blocks",
-                     "block_rows"):
+                     "block_rows", "row_token"):
             a, c = getattr(ref[0], name), getattr(got[0], name)
             assert torch.equal(a.long(), c.long()), (how, name, a, c)
+            assert torch.equal(a.long(), getattr(plain[0], name).long()), (how, name)
         for name in ("row_offsets", "column_indices", "row_indices", "column_offsets",
                      "transpose_blocks"):
             a, c = getattr(ref[1], name), getattr(got[1], name)
@@ -470,6 +476,52 @@ def inference_forward_equals_torch_path():
 
 
 CHECKS["inference"] = inference_forward_equals_torch_path
+
+
+def lean_layer_variants_equal_torch_path_and_each_other():
+    # The memory-lean layer: act_fusion="recompute" (only h kept; the backward SDD turns h
+    # into act(h) in place) and gather_rows (SDD and DSᵀD read the tokens through
+    # plan.row_token: no permuted copy). Each of the four (fusion, gather) combinations
+    # through the kernels equals the torch path, and all four give bitwise the same output
+    # and gradients on the kernels (the same products on the same values, act' rounded
+    # alike): pointer loads in fp32 and descriptors in fp16 (where A and dW1's B operand
+    # are gathered by pointer beside descriptor loads), the inference forward too.
+    torch.manual_seed(0)
+    for tma, dt in ((False, torch.float32), (True, torch.float16)):
+        layer = DroplessMoE(32, 48, 4, 2, block_size=16, dtype=dt)
+        x = torch.randn(23, 32).to(dt)
+        g = torch.randn(23, 32).to(dt)
+        tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+        keys = ("block_n", "block_k", "act_fusion", "gather_rows") + bs.OPS
+        kernel_results = {}
+        for fusion in ("store", "recompute"):
+            for gather in (False, True):
+                with _with_descriptors(keys) as launched:
+                    bs.TMA_IN_INTERPRETER = tma
+                    bs.set_kernel_config(block_n=16, block_k=16, act_fusion=fusion,
+                                         gather_rows=gather,
+                                         **{op: {} for op in bs.OPS if op != "dstd"},
+                                         dstd=dict(persistent=2))
+                    runs = []
+                    for backend in ("torch", "triton"):
+                        bs.set_backend(backend)
+                        xg = x.clone().requires_grad_(True)
+                        y = layer(xg)
+                        grads = torch.autograd.grad(y, [xg, layer.w1, layer.w2], g)
+                        with torch.no_grad():
+                            runs.append((y, layer(x)) + grads)
+                    bs.set_backend("auto")
+                    assert ("dstd_persistent_kernel" in launched) == tma, launched
+                for ref, got in zip(*runs):
+                    torch.testing.assert_close(got.float(), ref.float(), **tol)
+                kernel_results[(fusion, gather)] = runs[1]
+        base = kernel_results[("store", False)]
+        for variant, got in kernel_results.items():
+            for a, c in zip(base, got):
+                assert torch.equal(a, c), (tma, variant)
+
+
+CHECKS["lean_layer"] = lean_layer_variants_equal_torch_path_and_each_other
 
 
 if __name__ == "__main__":

@@ -162,7 +162,7 @@ def test_fused_ffn_under_no_grad_writes_only_the_activation(monkeypatch):
 @pytest.mark.parametrize("bad", [dict(blockn=64), dict(act_fusion="both"),
                                  dict(dsd=dict(block_m=64)), dict(dstd=128),
                                  dict(group_m=0), dict(sdd_long=dict(group_m=2.5)),
-                                 dict(backward_streams=3)])
+                                 dict(backward_streams=3), dict(gather_rows="yes")])
 def test_bad_kernel_config_is_rejected_and_changes_nothing(bad):
     from rocmoe.errors import ConfigurationError
     before = dict(bs.KERNEL_CONFIG)
