@@ -23,9 +23,10 @@ baseline's: below 1 rocmoe needs less), all measured in the same run:
 * ``layer_host``: host (Python + launch) ms per step, launched back to back, and kernel
   launches per step, for both (GPU only): what the small, launch-bound shapes pay.
 * ``layer_kernels``: rocmoe's step by kernel (GPU time per kernel from the profiler).
-* ``layer_variant`` (``--variants``, on by default): every memory / gather variant of the
-  fused FFN (``KERNEL_CONFIG`` act_fusion x gather_rows) against the same baseline, queued
-  and idle-start time and peak memory, so that one run says which default to keep.
+* ``layer_variant`` (unless ``--no-variants``): the fused FFN's other memory variants
+  (``VARIANTS``: ``KERNEL_CONFIG``'s act_fusion, gather_rows, compact_values) against the
+  same baseline, idle-start and queued time and peak memory, so that one run says which
+  default to keep.
 
 The tokens are drawn so that the router picks the routing asked for: token t is a little
 noise plus the gate rows of the k experts drawn for it (uniformly, or Zipf(1.0) over the
@@ -55,8 +56,11 @@ MODEL_SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "deepseek-v2-lite": (2048, 
 MODEL_TOKENS = (4096, 65536)
 DEFAULT_SHAPES = SIX_SHAPES + [(t,) + shape for shape in MODEL_SHAPES.values()
                                for t in MODEL_TOKENS]
-# the fused FFN's memory variants: (act_fusion, gather_rows)
-VARIANTS = [("recompute", True), ("recompute", False), ("store", True), ("store", False)]
+# The fused FFN's memory variants, as KERNEL_CONFIG keys: the lean default, the layer
+# before it, and each of the default's keys flipped alone.
+VARIANT_KEYS = ("act_fusion", "gather_rows", "compact_values")
+VARIANTS = [("recompute", True, True), ("store", False, False), ("store", True, True),
+            ("recompute", False, True), ("recompute", True, False)]
 BASELINE = ("torch._grouped_mm layer: argsort, gather, _grouped_mm, tanh-GELU, _grouped_mm, "
             "weighted index_add_ (same router, same routing)")
 LOOP_BASELINE = ("torch.mm loop layer: argsort, gather, torch.mm per expert (host sync for "
@@ -178,20 +182,19 @@ def run_case(shape, routing: str, reps: int, dtype, device, emit, variants: bool
                   model=shape_name(shape), routing=routing, routing_match=round(match, 4),
                   max_load=int(counts.max()), mean_load=tokens * top_k / experts,
                   block_size=layer.block_size, dtype=str(dtype).replace("torch.", ""),
-                  act_fusion=bs.KERNEL_CONFIG["act_fusion"],
-                  gather_rows=bs.KERNEL_CONFIG["gather_rows"],
+                  **{k: bs.KERNEL_CONFIG[k] for k in VARIANT_KEYS},
                   output_rel_diff_vs_baseline=round(check, 5),
                   device=torch.cuda.get_device_name() if x.is_cuda else "cpu")
     baseline = BASELINE if grouped else LOOP_BASELINE
     none = lambda: None  # noqa: E731
     cases = {"ours": (none, ours), "base": (none, base),
              "ours_fwd": (none, inference(ours_fwd)), "base_fwd": (none, inference(base_fwd))}
-    chosen = (bs.KERNEL_CONFIG["act_fusion"], bs.KERNEL_CONFIG["gather_rows"])
+    chosen = tuple(bs.KERNEL_CONFIG[k] for k in VARIANT_KEYS)
     if variants:
-        for fusion, gather in VARIANTS:
-            if (fusion, gather) != chosen:
-                keys = dict(act_fusion=fusion, gather_rows=gather)
-                cases[f"variant:{fusion}:{gather}"] = (none, _with_config(keys, ours))
+        for variant in VARIANTS:
+            if variant != chosen:
+                cases[("variant",) + variant] = (
+                    none, _with_config(dict(zip(VARIANT_KEYS, variant)), ours))
     for _, fn in cases.values():  # warm-up (compiles)
         fn()
         fn()
@@ -241,12 +244,11 @@ def run_case(shape, routing: str, reps: int, dtype, device, emit, variants: bool
               ours_bytes=mem_ours, baseline_bytes=mem_base,
               ratio=round(mem_ours / max(mem_base, 1), 4)))
     for name, (_, fn) in cases.items():
-        if not name.startswith("variant:"):
+        if name[0] != "variant":
             continue
-        _, fusion, gather = name.split(":")
         mem = peak_bytes(fn)
-        emit(dict(common, metric="layer_variant", baseline=baseline, act_fusion=fusion,
-                  gather_rows=gather == "True", ours_ms=round(idle[name], 4),
+        emit(dict(common, metric="layer_variant", baseline=baseline,
+                  **dict(zip(VARIANT_KEYS, name[1:])), ours_ms=round(idle[name], 4),
                   baseline_ms=round(idle["base"], 4), ratio=round(idle["base"] / idle[name], 4),
                   ours_ms_queued=round(queued[name], 4),
                   baseline_ms_queued=round(queued["base"], 4),

@@ -5,8 +5,8 @@
 The GPU code path runs on meta tensors with every kernel launch skipped: the launchers
 allocate exactly what they allocate on a GPU, nothing is computed (a layer's sizes never
 depend on the routing, so none of them needs the data), and ``rocmoe.bench.memory`` counts
-every storage. One JSON line per shape and fused-FFN variant (``KERNEL_CONFIG``'s act_fusion
-x gather_rows) gives, for DroplessMoE and for the grouped-GEMM layer on the same router
+every storage. One JSON line per shape and fused-FFN variant (``moe_layer.VARIANTS``:
+``KERNEL_CONFIG``'s act_fusion, gather_rows, compact_values) gives, for DroplessMoE and for the grouped-GEMM layer on the same router
 (``rocmoe.moe.reference``), the bytes saved for the backward, alive after the forward and
 at the step's peak, with the ratios (rocmoe / baseline: below 1 rocmoe needs less). On a GPU
 ``rocmoe bench moe --layer`` measures the peak with the caching allocator instead.
@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from .memory import StepMemory, step_memory
-from .moe_layer import DEFAULT_SHAPES, VARIANTS, parse_shapes, shape_name
+from .moe_layer import DEFAULT_SHAPES, VARIANT_KEYS, VARIANTS, parse_shapes, shape_name
 
 
 class _SkippedLaunch:
@@ -45,10 +45,10 @@ def launches_skipped():
         backend.set_backend(real_backend)
 
 
-def layer_memory(shape, fusion: str, gather: bool, dtype=torch.bfloat16,
+def layer_memory(shape, variant, dtype=torch.bfloat16,
                  device="meta") -> tuple[StepMemory, StepMemory]:
     """(DroplessMoE, grouped-GEMM layer) memory of one forward + backward of `shape`
-    (T, H, F, E, k) under the fused FFN variant (act_fusion, gather_rows)."""
+    (T, H, F, E, k) under the fused FFN `variant` (values of moe_layer.VARIANT_KEYS)."""
     from rocmoe.moe import DroplessMoE
     from rocmoe.moe import blocksparse as bs
     from rocmoe.moe.reference import grouped_gemm_moe
@@ -66,8 +66,8 @@ def layer_memory(shape, fusion: str, gather: bool, dtype=torch.bfloat16,
         ids, weights = layer.router.route(x)
         return grouped_gemm_moe(x, ids, weights, layer.w1, layer.w2, grouped=True)
 
-    before = {k: bs.KERNEL_CONFIG[k] for k in ("act_fusion", "gather_rows")}
-    bs.set_kernel_config(act_fusion=fusion, gather_rows=gather)
+    before = {k: bs.KERNEL_CONFIG[k] for k in VARIANT_KEYS}
+    bs.set_kernel_config(**dict(zip(VARIANT_KEYS, variant)))
     try:
         with launches_skipped() if device == "meta" else contextlib.nullcontext():
             ours = step_memory(lambda: layer(x), backward)
@@ -91,14 +91,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = open(args.output, "a") if args.output else None
     try:
         for shape in parse_shapes(args.shapes) if args.shapes else DEFAULT_SHAPES:
-            for fusion, gather in VARIANTS:
-                ours, theirs = layer_memory(shape, fusion, gather)
+            for variant in VARIANTS:
+                ours, theirs = layer_memory(shape, variant)
                 rec = dict(metric="layer_memory_accounting", device="meta (GPU path, no launch)",
                            tokens=shape[0], hidden=shape[1], ffn=shape[2], experts=shape[3],
-                           top_k=shape[4], model=shape_name(shape), act_fusion=fusion,
-                           gather_rows=gather,
-                           default=(fusion, gather) == (bs.KERNEL_CONFIG["act_fusion"],
-                                                        bs.KERNEL_CONFIG["gather_rows"]),
+                           top_k=shape[4], model=shape_name(shape),
+                           **dict(zip(VARIANT_KEYS, variant)),
+                           default=variant == tuple(bs.KERNEL_CONFIG[k] for k in VARIANT_KEYS),
                            baseline="torch._grouped_mm layer, same router",
                            **ours.as_dict("ours_"), **theirs.as_dict("baseline_"),
                            saved_ratio=round(ours.saved / theirs.saved, 4),

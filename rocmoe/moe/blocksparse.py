@@ -67,6 +67,39 @@ def _grouped_row_blocks(w: torch.Tensor, topo: Topology) -> torch.Tensor:
     return w.reshape(e * topo.blocks_per_expert, topo.block_size, n)
 
 
+def _compact_rows(topo: Topology) -> torch.Tensor:
+    """For each padded row of a compact topology, its row in the values (num_pairs for a
+    padding row: a sink past the end); int64 [num_rows]."""
+    b = topo.block_size
+    rows = torch.arange(topo.num_rows, device=topo.block_rows.device)
+    block, within = rows // b, rows % b
+    real = within < topo.block_rows.long()[block]
+    return torch.where(real, topo.block_first_row.long()[block] + within,
+                       torch.full_like(rows, topo.num_pairs))
+
+
+def _blocks_to_values(blocks: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """[nnz, B, B] blocks -> the topology's values (the blocks themselves, or compact)."""
+    if not topo.compact:
+        return blocks
+    b, nb = topo.block_size, topo.blocks_per_expert
+    rows = blocks.reshape(topo.num_row_blocks, nb, b, b).permute(0, 2, 1, 3) \
+        .reshape(topo.num_rows, nb * b)
+    out = rows.new_zeros(topo.num_pairs + 1, nb * b)  # (+1: the padding rows' sink)
+    return out.index_copy_(0, _compact_rows(topo), rows)[:topo.num_pairs]
+
+
+def _values_to_blocks(values: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """The topology's values -> [nnz, B, B] blocks (padding rows zero)."""
+    if not topo.compact:
+        return values
+    b, nb = topo.block_size, topo.blocks_per_expert
+    padded = torch.cat([values, values.new_zeros(1, nb * b)])
+    rows = padded.index_select(0, _compact_rows(topo))
+    return rows.reshape(topo.num_row_blocks, b, nb, b).permute(0, 2, 1, 3) \
+        .reshape(topo.nnz, b, b)
+
+
 def _sdd_torch(a, w, topo):
     b = topo.block_size
     valid = topo.block_valid()
@@ -134,7 +167,8 @@ def _dstd_torch(s, b, topo):
 # amortises alone (benchmarks/results/moe_kernels_h200_long_experts.jsonl).
 FUSIONS = ("recompute", "store", "load")  # act_fusion's values (see _ExpertUp, _ExpertDown)
 KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3,
-                     act_fusion="recompute", gather_rows=True, backward_streams=1,
+                     act_fusion="recompute", gather_rows=True, compact_values=True,
+                     backward_streams=1,
                      tma=True, fast_act=True, preload_scale=True, tma_store=False,
                      persistent=0, tail=True, group_m=1, sdd={},
                      dsd=dict(block_n=256, num_warps=8, num_stages=4), dsd_wt={},
@@ -190,8 +224,9 @@ def set_kernel_config(**kw) -> None:
                                  f"known: {sorted(known)}")
     if kw.get("backward_streams", 1) not in (1, 2):
         raise ConfigurationError(f"backward_streams must be 1 or 2, got {kw['backward_streams']!r}")
-    if not isinstance(kw.get("gather_rows", False), bool):
-        raise ConfigurationError(f"gather_rows must be True or False, got {kw['gather_rows']!r}")
+    for key in ("gather_rows", "compact_values"):
+        if not isinstance(kw.get(key, False), bool):
+            raise ConfigurationError(f"{key} must be True or False, got {kw[key]!r}")
     if kw.get("act_fusion", "load") not in FUSIONS:
         raise ConfigurationError(f"act_fusion must be one of {FUSIONS}, got {kw['act_fusion']!r}")
     for op in OPS:
@@ -344,7 +379,7 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
     kernels = _kernels()
     cfg = op_config("sdd", topo, a.shape[1])
     b = topo.block_size
-    out = torch.empty(topo.nnz, b, b, device=a.device, dtype=a.dtype)
+    out = torch.empty(topo.values_shape(), device=a.device, dtype=a.dtype)
     if topo.nnz == 0:
         return out
     k = a.shape[1]
@@ -378,23 +413,42 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
     num_tiles = topo.num_row_blocks * num_n
     # (rewrite_act: act(h) goes back into h itself)
     act_out = act_grad_of if epilogue["REWRITE_ACT"] else out if act_out is None else act_out
+    block_rows, first_row = _layout_args(topo, tail)
+    epilogue["COMPACT"] = topo.compact
     if tma and cfg["persistent"] > 0 and a_rows is None:
         grid = max(1, min(num_tiles, sm_count(a.device) * int(cfg["persistent"])))
         epilogue.pop("PRELOAD_SCALE")  # (the persistent kernel reads the scale late)
         kernels.get("sdd_persistent_kernel")[(grid,)](
-            a_arg, w_arg, out, h, act_out, topo.column_indices, k, f, nb, num_n, num_tiles,
+            a_arg, w_arg, out, h, act_out, topo.column_indices, block_rows, first_row,
+            k, f, nb, num_n, num_tiles,
             BLOCK=b, SPLIT=split, BLOCK_K=bk, GROUP_M=cfg["group_m"], **epilogue,
             **_launch(b, stages, cfg))
         return out
     kernels.get("sdd_kernel")[(num_tiles,)](
-        a_arg, a_half, w_arg, out, h, act_out, topo.column_indices,
-        topo.block_rows if tail else topo.column_indices,
-        topo.column_indices if a_rows is None else a_rows, k, f, nb, num_n,
+        a_arg, a_half, w_arg, out, h, act_out, topo.column_indices, block_rows,
+        topo.column_indices if a_rows is None else a_rows, first_row, k, f, nb, num_n,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f, USE_TMA=tma,
         TAIL=tail, GROUP_M=cfg["group_m"], GATHER_A=a_rows is not None, **epilogue,
         **_launch(b, stages, cfg))
     return out
+
+
+def _layout_args(topo, tail: bool):
+    """(block_rows, block_first_row) kernel arguments: the real rows per row block where
+    the kernel reads them (TAIL, compact values), the compact rows' first row (compact);
+    column_indices stands in for what a kernel does not read."""
+    return (topo.block_rows if tail or topo.compact else topo.column_indices,
+            topo.block_first_row if topo.compact else topo.column_indices)
+
+
+def _values_desc(s, topo, box):
+    """A descriptor of the sparse values in `box` boxes: [nnz*B, B] blocks, or the compact
+    [pairs, nb*B] rows."""
+    if topo.compact:
+        return tensor_descriptor(s, topo.num_pairs, topo.ffn_padded, topo.ffn_padded, box)
+    b = topo.block_size
+    return tensor_descriptor(s, topo.nnz * b, b, b, box)
 
 
 def _dsd_triton(s, w, topo, act="none"):
@@ -413,17 +467,17 @@ def _dsd_triton(s, w, topo, act="none"):
     s_arg, s_half, w_arg, tma, w_t = s, s, w, False, False
     tail = _tail(topo, cfg)
     if f % b == 0 and s.is_contiguous() and _tma_device(s, cfg):
-        s_desc = tensor_descriptor(s, topo.nnz * b, b, b, [b, bk])
+        s_desc = _values_desc(s, topo, [b, bk])
         w_desc = _grouped_desc(w, bk, bn)
         if s_desc is not None and w_desc is not None:
             s_arg, (w_arg, w_t), tma = s_desc, w_desc, True
     kernels.get("dsd_kernel")[(topo.num_row_blocks * num_n,)](
-        s_arg, s_half, w_arg, out, topo.column_indices,
-        topo.block_rows if tail else topo.column_indices, n, f, topo.blocks_per_expert, num_n,
+        s_arg, s_half, w_arg, out, topo.column_indices, *_layout_args(topo, tail), n, f,
+        topo.blocks_per_expert, num_n,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_F=f % b == 0,
         EVEN_N=n % bn == 0, ACT=ACT_CODES[act], USE_TMA=tma, W_T=w_t, TAIL=tail,
-        GROUP_M=cfg["group_m"], **_launch(b, stages, cfg))
+        GROUP_M=cfg["group_m"], COMPACT=topo.compact, **_launch(b, stages, cfg))
     return out
 
 
@@ -441,7 +495,7 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None, b_rows=None):
     num_n = -(-n // bn)
     s_arg, b_arg, tma = s, b_dense, False
     if s.is_contiguous() and b_dense.stride(1) == 1 and _tma_device(s, cfg):
-        s_desc = tensor_descriptor(s, topo.nnz * b, b, b, [bk, b])
+        s_desc = _values_desc(s, topo, [bk, b])
         # (gathered rows come by pointer)
         b_desc = tensor_descriptor(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn]) \
             if b_rows is None else b_dense
@@ -454,21 +508,22 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None, b_rows=None):
     strides = (out.stride(0), out.stride(1), out.stride(2))
     # TRIM_K: reduce over an expert's real rows only (rounded up to BLOCK_K)
     trim = bool(cfg["tail"]) and topo.expert_rows is not None
-    expert_rows = topo.expert_rows if trim else topo.column_offsets
-    gather = dict(GATHER_B=b_rows is not None)
+    expert_rows = topo.expert_rows if trim or topo.compact else topo.column_offsets
+    gather = dict(GATHER_B=b_rows is not None, COMPACT=topo.compact)
     rows_arg = topo.column_offsets if b_rows is None else b_rows
+    first_row = _layout_args(topo, False)[1]
     if tma and cfg["persistent"] > 0:
         grid = max(1, min(num_tiles, sm_count(s.device) * int(cfg["persistent"])))
         kernels.get("dstd_persistent_kernel")[(grid,)](
-            s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, n,
+            s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, first_row, n,
             topo.ffn_size, topo.blocks_per_expert, num_n, num_tiles, b_dense.stride(0),
             b_dense.stride(1), *strides,
             BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, ACT=ACT_CODES[act], TMA_STORE=out_arg is not out,
             OUT_T=out_t, TRIM_K=trim, **gather, **_launch(b, stages, cfg))
         return out
     kernels.get("dstd_kernel")[(num_tiles,)](
-        s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, n, topo.ffn_size,
-        topo.blocks_per_expert, num_n,
+        s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, first_row, n,
+        topo.ffn_size, topo.blocks_per_expert, num_n,
         b_dense.stride(0), b_dense.stride(1), *strides,
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
         USE_TMA=tma, TMA_STORE=out_arg is not out, OUT_T=out_t, TRIM_K=trim, **gather,
@@ -502,6 +557,7 @@ def _gathered(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
          act_only=False, keep_product=False, rewrite_act=False, a_rows=None):
+    # (values in and out are in the topology's layout; the torch path computes blocks)
     """SDD S; epilogue options: times act'(act_grad_of) (rewrite_act: rounded to the storage
     type, and act_grad_of overwritten with act(act_grad_of)); times scale_by; (act_out)
     write act(S) to act_out and return act'(S) instead of S (keep_product: S itself); or
@@ -509,7 +565,8 @@ def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
     if use_triton(a):
         return _sdd_triton(a, w, topo, act_grad_of, act, act_out, scale_by, act_only,
                            keep_product, rewrite_act, a_rows)
-    out = _sdd_torch(a if a_rows is None else _gathered(a, a_rows), w, topo)
+    out = _blocks_to_values(_sdd_torch(a if a_rows is None else _gathered(a, a_rows), w, topo),
+                            topo)
     if act_only:
         return activate(out, act)
     if act_grad_of is not None:
@@ -530,13 +587,14 @@ def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
 def _dsd(s, w, topo, act="none"):
     if use_triton(s):
         return _dsd_triton(s, w, topo, act)
-    return _dsd_torch(activate(s, act), w, topo)
+    return _dsd_torch(_values_to_blocks(activate(s, act), topo), w, topo)
 
 
 def _dstd(s, b, topo, act="none", out=None, b_rows=None):
     if use_triton(s):
         return _dstd_triton(s, b, topo, act, out, b_rows)
-    res = _dstd_torch(activate(s, act), b if b_rows is None else _gathered(b, b_rows), topo)
+    res = _dstd_torch(_values_to_blocks(activate(s, act), topo),
+                      b if b_rows is None else _gathered(b, b_rows), topo)
     if out is not None:
         out.copy_(res)
         return out
@@ -589,8 +647,7 @@ class _ExpertUp(torch.autograd.Function):
         src = x if rows is None else rows
         if fusion == "load":
             return _sdd(src, w1, topo, a_rows=a_rows), None
-        a = torch.empty(topo.nnz, topo.block_size, topo.block_size, device=x.device,
-                        dtype=x.dtype)
+        a = torch.empty(topo.values_shape(), device=x.device, dtype=x.dtype)
         h = _sdd(src, w1, topo, act=act, act_out=a, keep_product=fusion == "recompute",
                  a_rows=a_rows)
         ctx.mark_non_differentiable(a)
@@ -790,14 +847,15 @@ class _DSTD(torch.autograd.Function):
 
 
 def _check_sparse(s: torch.Tensor, topo: Topology) -> None:
-    want = (topo.nnz, topo.block_size, topo.block_size)
+    want = topo.values_shape()
     if tuple(s.shape) != want:
         raise InvalidArgumentError(f"sparse values must have shape {want} for this topology, "
                                    f"got {tuple(s.shape)}")
 
 
 def sdd(a: torch.Tensor, w: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """S = A @ W on the topology's blocks. A [P, K], W [E, K, F] -> values [nnz, B, B]."""
+    """S = A @ W on the topology's blocks. A [P, K], W [E, K, F] -> values [nnz, B, B]
+    (compact topologies: [pairs, nb * B], see Topology)."""
     _check_same_dtype(a, w)
     if a.dim() != 2 or a.shape[0] != topo.num_rows or w.dim() != 3 \
             or w.shape[0] != topo.num_experts or w.shape[1] != a.shape[1] \
@@ -837,6 +895,7 @@ def ddst(w: torch.Tensor, s: torch.Tensor, topo: Topology) -> torch.Tensor:
 
 def to_dense(s: torch.Tensor, topo: Topology) -> torch.Tensor:
     """Dense [P, E * F_padded] view of sparse values (for tests and debugging)."""
+    s = _values_to_blocks(s, topo)
     rows, cols = topo.dense_shape()
     out = s.new_zeros(topo.num_row_blocks, topo.num_column_blocks, topo.block_size,
                       topo.block_size)

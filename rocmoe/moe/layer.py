@@ -42,7 +42,8 @@ def local_experts(x, expert_ids, weights, w1, w2, w3, block_size, activation):
     with torch.no_grad():
         plan, topo, x_perm = route_and_permute(
             x, expert_ids, w1.shape[0], block_size, w1.shape[2],
-            copy_rows=not bs.KERNEL_CONFIG["gather_rows"])
+            copy_rows=not bs.KERNEL_CONFIG["gather_rows"],
+            compact_values=bs.KERNEL_CONFIG["compact_values"])
     y_perm = expert_ffn(x, w1, w2, w3, topo, activation, plan=plan, rows=x_perm)
     return unpermute_combine(y_perm, weights, plan)
 

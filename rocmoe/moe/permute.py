@@ -55,6 +55,9 @@ class RoutingPlan:
                                     # row block, 0 past the end; the rest is padding
     row_token: torch.Tensor         # [num_rows] int32: the token of each padded row, -1
                                     # for padding (what a product reads to gather the rows)
+    block_first_row: torch.Tensor   # [num_rows // block] int32: the row of each row block's
+                                    # first row among the pairs sorted by expert without
+                                    # padding (compact values); the pair count past the end
 
     @property
     def num_row_blocks(self) -> int:
@@ -101,12 +104,17 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int, block_size: int,
         torch.zeros(1, dtype=torch.int32, device=device)
     row_token = torch.full((num_rows,), -1, dtype=torch.int32, device=device).scatter_(
         0, dest, (torch.arange(n, device=device) // max(top_k, 1)).to(torch.int32))
+    first_row = torch.where(owner < num_experts,
+                            starts[owner_safe] + block_ids * block_size
+                            - padded_starts[owner_safe], torch.full_like(block_ids, n)) \
+        if num_experts > 0 else torch.full_like(block_ids, n)
     return RoutingPlan(num_tokens=num_tokens, top_k=top_k, num_experts=num_experts,
                        block_size=block_size, num_rows=num_rows, tokens_per_expert=counts,
                        dest_row=dest.view(num_tokens, top_k),
                        block_expert=block_expert.to(torch.int32),
                        num_valid_blocks=num_valid,
-                       block_rows=block_rows.to(torch.int32), row_token=row_token)
+                       block_rows=block_rows.to(torch.int32), row_token=row_token,
+                       block_first_row=first_row.to(torch.int32))
 
 
 class _PermutePad(torch.autograd.Function):

@@ -342,3 +342,40 @@ def test_backward_epilogue_of_recompute_takes_one_special_function_per_element_o
                          options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
     assert ptx.count("tanh.approx.f32") == 128  # 128 x 256 tile over 256 threads
     assert "ex2.approx" not in ptx
+
+
+@pytest.mark.parametrize("target,asm_key,instruction", TARGETS,
+                         ids=["gfx942", "gfx90a", "sm90"])
+@pytest.mark.parametrize("name", ["sdd_kernel", "dsd_kernel", "dstd_kernel"])
+def test_compact_values_compile_with_matrix_instructions(name, target, asm_key, instruction):
+    # compact_values: the sparse values as [pairs, nb * B] rows (pointer loads and stores)
+    src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
+                    constexprs=kernels.aot_constexprs(name, COMPACT=True, TAIL=True))
+    compiled = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
+    assert instruction in compiled.asm[asm_key], f"{name} for {target} has no {instruction}"
+
+
+COMPACT_TMA = {
+    "dsd_kernel": dict(s_ptr=[128, 64], w_ptr=[64, 256]),
+    "dstd_kernel": dict(s_ptr=[64, 128], b_ptr=[64, 256]),
+    "dstd_persistent_kernel": dict(s_ptr=[64, 128], b_ptr=[64, 256]),
+    "sdd_persistent_kernel": dict(a_ptr=[128, 64], w_ptr=[64, 256]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPACT_TMA))
+def test_compact_values_load_by_descriptor_on_sm90(name):
+    # On Hopper the compact values' tiles come by bulk tensor copies, as the blocks' do,
+    # feeding wgmma, with no pointer copies of the operands left and no spills
+    signature = dict(kernels.aot_signatures("bf16")[name])
+    for arg, box in COMPACT_TMA[name].items():
+        signature[arg] = f"tensordesc<bf16[{box[0]}, {box[1]}]>"
+    extra = {"USE_TMA": True} if "USE_TMA" in signature else {}
+    constexprs = kernels.aot_constexprs(name, COMPACT=True, BLOCK_N=256, **extra)
+    src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8, "num_stages": 3})
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    assert "cp.async.cg" not in ptx and ".local" not in ptx
+    assert compiled.metadata.shared <= 232448

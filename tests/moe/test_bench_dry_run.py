@@ -123,11 +123,10 @@ def test_layer_benchmark_dry_run_times_memory_and_variants_against_the_grouped_m
     (mem,) = by_metric["layer_peak_memory_vs_grouped_mm"]
     assert mem["ours_bytes"] > 0 and mem["baseline_bytes"] > 0
     assert abs(mem["ratio"] - mem["ours_bytes"] / mem["baseline_bytes"]) < 1e-3
-    variants = {(r["act_fusion"], r["gather_rows"]) for r in by_metric["layer_variant"]}
-    default = (by_metric["layer_fwdbwd_vs_grouped_mm"][0]["act_fusion"],
-               by_metric["layer_fwdbwd_vs_grouped_mm"][0]["gather_rows"])
-    from rocmoe.bench.moe_layer import VARIANTS
-    assert variants == set(VARIANTS) - {default}
+    from rocmoe.bench.moe_layer import VARIANT_KEYS, VARIANTS
+    variants = {tuple(r[k] for k in VARIANT_KEYS) for r in by_metric["layer_variant"]}
+    default = tuple(by_metric["layer_fwdbwd_vs_grouped_mm"][0][k] for k in VARIANT_KEYS)
+    assert default in VARIANTS and variants == set(VARIANTS) - {default}
     assert all(r["ours_bytes"] > 0 and r["ratio_queued"] > 0 for r in by_metric["layer_variant"])
 
 
