@@ -25,8 +25,7 @@ baseline's: below 1 rocmoe needs less), all measured in the same run:
 * ``layer_kernels``: rocmoe's step by kernel (GPU time per kernel from the profiler).
 * ``layer_variant`` (unless ``--no-variants``): the fused FFN's other memory variants
   (``VARIANTS``: ``KERNEL_CONFIG``'s act_fusion, gather_rows, compact_values) against the
-  same baseline, idle-start and queued time and peak memory, so that one run says which
-  default to keep.
+  same baseline, queued time and peak memory, so that one run says which default to keep.
 
 The tokens are drawn so that the router picks the routing asked for: token t is a little
 noise plus the gate rows of the k experts drawn for it (uniformly, or Zipf(1.0) over the
@@ -60,12 +59,12 @@ DEFAULT_SHAPES = SIX_SHAPES + [(t,) + shape for shape in MODEL_SHAPES.values()
 # before it, and each of the default's keys flipped alone.
 VARIANT_KEYS = ("act_fusion", "gather_rows", "compact_values")
 VARIANTS = [("recompute", True, True), ("store", False, False), ("store", True, True),
-            ("recompute", False, True), ("recompute", True, False)]
+            ("recompute", False, True), ("recompute", True, False), ("checkpoint", True, True)]
 BASELINE = ("torch._grouped_mm layer: argsort, gather, _grouped_mm, tanh-GELU, _grouped_mm, "
             "weighted index_add_ (same router, same routing)")
 LOOP_BASELINE = ("torch.mm loop layer: argsort, gather, torch.mm per expert (host sync for "
                  "the split sizes), tanh-GELU, weighted index_add_ (same router, same routing)")
-TARGET_TIMED_S = 3.0  # seconds of timed calls per case, which sets its repetitions
+TARGET_TIMED_S = 2.5  # seconds of timed calls per case, which sets its repetitions
 
 
 def shape_name(shape) -> str:
@@ -189,14 +188,15 @@ def run_case(shape, routing: str, reps: int, dtype, device, emit, variants: bool
     none = lambda: None  # noqa: E731
     cases = {"ours": (none, ours), "base": (none, base),
              "ours_fwd": (none, inference(ours_fwd)), "base_fwd": (none, inference(base_fwd))}
+    # the other variants are timed queued only (what a layer inside a model sees), beside
+    # the default and the baseline
     chosen = tuple(bs.KERNEL_CONFIG[k] for k in VARIANT_KEYS)
-    if variants:
-        for variant in VARIANTS:
-            if variant != chosen:
-                cases[("variant",) + variant] = (
-                    none, _with_config(dict(zip(VARIANT_KEYS, variant)), ours))
+    others = {("variant",) + v: (none, _with_config(dict(zip(VARIANT_KEYS, v)), ours))
+              for v in (VARIANTS if variants else []) if v != chosen}
     for _, fn in cases.values():  # warm-up (compiles)
         fn()
+        fn()
+    for _, fn in others.values():
         fn()
     if x.is_cuda:
         torch.cuda.synchronize()
@@ -206,11 +206,11 @@ def run_case(shape, routing: str, reps: int, dtype, device, emit, variants: bool
     if x.is_cuda:
         torch.cuda.synchronize()
     pair_s = time.perf_counter() - t0
-    # each round times every case once, idle then queued (twice the calls)
-    per_round = pair_s * (len(cases) + 1) * 3 / 2
+    # a round times every case once idle, then queued (two calls each), with the variants
+    per_round = pair_s * (3 * len(cases) + 2 * len(others)) / 2
     case_reps = max(min(3, reps), min(reps, int(TARGET_TIMED_S / max(per_round, 1e-9))))
     idle = interleaved_ms(cases, rounds=case_reps, calls=1)
-    queued = interleaved_ms(cases, rounds=case_reps, calls=1, queued=True)
+    queued = interleaved_ms({**cases, **others}, rounds=case_reps, calls=1, queued=True)
     graphs, graph_error = {}, None
     try:
         graphed = {name: (none, captured(cases[name][1]))
@@ -243,13 +243,10 @@ def run_case(shape, routing: str, reps: int, dtype, device, emit, variants: bool
     emit(dict(common, metric="layer_peak_memory_vs_grouped_mm", baseline=baseline,
               ours_bytes=mem_ours, baseline_bytes=mem_base,
               ratio=round(mem_ours / max(mem_base, 1), 4)))
-    for name, (_, fn) in cases.items():
-        if name[0] != "variant":
-            continue
+    for name, (_, fn) in others.items():
         mem = peak_bytes(fn)
         emit(dict(common, metric="layer_variant", baseline=baseline,
-                  **dict(zip(VARIANT_KEYS, name[1:])), ours_ms=round(idle[name], 4),
-                  baseline_ms=round(idle["base"], 4), ratio=round(idle["base"] / idle[name], 4),
+                  **dict(zip(VARIANT_KEYS, name[1:])),
                   ours_ms_queued=round(queued[name], 4),
                   baseline_ms_queued=round(queued["base"], 4),
                   ratio_queued=round(queued["base"] / queued[name], 4),

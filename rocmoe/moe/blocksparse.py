@@ -135,12 +135,18 @@ def _dstd_torch(s, b, topo):
 # --------------------------------------------------------------------------- triton path
 # Tile configuration of the Triton kernels. BLOCK_M is the topology's block size; these are
 # the rest. Override with ROCMOE_MOE_KERNEL_CONFIG='{"block_n": 256, ...}' or set_kernel_config.
-# act_fusion: "load" applies the activation to the sparse operand as DSD/DSᵀD load it (only
-# h is written); "store" has the forward SDD write h and act(h) in its epilogue, so DSD and
-# DSᵀD run without an activation (more memory, fewer flops on the CUDA cores).
-# "store" is the default: on an H200 (benchmarks/results/moe_kernels_h200.jsonl) DSᵀD for dW2
-# ran at 651 TFLOP/s plain against 184 with GELU on load (the activation's exp/rcp on every
-# reload of the sparse operand competes with the matrix units), for one extra write of act(h).
+# act_fusion (what the fused FFN keeps for its backward; see its block comment below):
+# "recompute" (the default) keeps h alone and has the backward SDD recompute act(h) and
+# act'(h) from it in its epilogue, so DSD and DSᵀD still run without an activation; "store"
+# keeps act(h) and act'(h) (one [rows, ffn] tensor more); "load" keeps h and applies the
+# activation as DSD/DSᵀD load it, which an H200 pays for (benchmarks/results/
+# moe_kernels_h200.jsonl: DSᵀD for dW2 at 651 TFLOP/s plain against 184 with GELU on load,
+# the activation's exp/rcp on every reload competing with the matrix units); "checkpoint"
+# keeps nothing [rows, ffn] and recomputes h first.
+# gather_rows: SDD and dW1's DSᵀD read the tokens' rows through the routing plan's row map
+# (no permuted [rows, H] copy of the tokens); compact_values: the [rows, ffn] tensors keep
+# no padding rows (Topology). Both are the default; the layer then needs at most the memory
+# of a grouped-GEMM layer (tests/moe/test_memory.py, rocmoe.bench.moe_memory).
 #
 # Tiles: the H200 sweep with interleaved timing (benchmarks/results/moe_kernels_h200_sweep3.jsonl,
 # `rocmoe bench moe_kernels`) found 128x128 tiles, 4 warps, 3 stages best for most kernels
@@ -165,7 +171,8 @@ def _dstd_torch(s, b, topo):
 # on the 4-expert shape, whose K is 4096), while with K 512-1024 the wide tile lost 6-9 %:
 # there the two narrow programs per SM hide each other's epilogue, which a 64-step K loop
 # amortises alone (benchmarks/results/moe_kernels_h200_long_experts.jsonl).
-FUSIONS = ("recompute", "store", "load")  # act_fusion's values (see _ExpertUp, _ExpertDown)
+# act_fusion's values (see the fused expert FFN's block comment)
+FUSIONS = ("recompute", "store", "load", "checkpoint")
 KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3,
                      act_fusion="recompute", gather_rows=True, compact_values=True,
                      backward_streams=1,
@@ -622,6 +629,10 @@ def _dstd(s, b, topo, act="none", out=None, b_rows=None):
 #   "load"       only h is written and kept; DSD and DSᵀD apply act as they load h (exp/rcp
 #                next to the matrix units: slow on an H200) and the backward SDD's epilogue
 #                multiplies by act'(h).
+#   "checkpoint" as "recompute", but nothing [rows, ffn] is kept: the backward first
+#                recomputes h = SDD(x, W1) (one product more, a sixth of the FFN's work).
+#                The step's peak does not fall (dh and dW1, dW2 are what it holds), what a
+#                model keeps across its layers for the backward does.
 
 
 class _ExpertUp(torch.autograd.Function):
@@ -648,7 +659,7 @@ class _ExpertUp(torch.autograd.Function):
         if fusion == "load":
             return _sdd(src, w1, topo, a_rows=a_rows), None
         a = torch.empty(topo.values_shape(), device=x.device, dtype=x.dtype)
-        h = _sdd(src, w1, topo, act=act, act_out=a, keep_product=fusion == "recompute",
+        h = _sdd(src, w1, topo, act=act, act_out=a, keep_product=fusion != "store",
                  a_rows=a_rows)
         ctx.mark_non_differentiable(a)
         return h, a
@@ -687,11 +698,15 @@ class _ExpertDown(torch.autograd.Function):
     """y = DSD(act(h), W2); its backward returns dL/dh (see the block comment above)."""
 
     @staticmethod
-    def forward(ctx, h, a, w2, topo, act, fusion):
-        ctx.topo, ctx.act, ctx.fusion = topo, act, fusion
+    def forward(ctx, h, a, w2, topo, act, fusion, src, w1, a_rows):
+        # (src, w1, a_rows: up's SDD inputs, which "checkpoint" recomputes h from)
+        ctx.topo, ctx.act, ctx.fusion, ctx.a_rows = topo, act, fusion, a_rows
         if fusion == "load":
             y = _dsd(h, w2, topo, act)
             ctx.save_for_backward(h, w2)
+        elif fusion == "checkpoint":
+            y = _dsd(a, w2, topo)
+            ctx.save_for_backward(src, w1, w2)
         else:
             y = _dsd(a, w2, topo)
             ctx.save_for_backward(h, a if fusion == "store" else None, w2)
@@ -711,13 +726,15 @@ class _ExpertDown(torch.autograd.Function):
             ctx.consumed = True
         saved = ctx.saved_tensors
         h, w2 = saved[0], saved[-1]
+        if fusion == "checkpoint":  # h again, as the forward's SDD made it
+            h = _sdd(saved[0], saved[1], topo, a_rows=ctx.a_rows)
         grad_y = grad_y.contiguous()
         w2_t = w2.transpose(1, 2)
         side = _backward_side_stream(grad_y)
         grad_w2 = None
         if ctx.needs_input_grad[2]:
             grad_w2 = torch.empty_like(w2, memory_format=torch.contiguous_format)
-        if fusion == "recompute":
+        if fusion in ("recompute", "checkpoint"):
             # h becomes act(h) here, which DSᵀD then reads: dW2 must follow, not overlap
             grad_h = _sdd(grad_y, w2_t, topo, act_grad_of=h, act=act, rewrite_act=True)
             if grad_w2 is not None:
@@ -734,7 +751,7 @@ class _ExpertDown(torch.autograd.Function):
             else:
                 grad_h = _sdd(grad_y, w2_t, topo, act_grad_of=h, act=act)
         _join(side)
-        return grad_h, None, grad_w2, None, None, None
+        return grad_h, None, grad_w2, None, None, None, None, None, None
 
 
 _SIDE_STREAMS: dict = {}
@@ -790,7 +807,8 @@ def fused_expert_ffn(x, w1, w2, topo, act="gelu", plan=None, rows=None):
         return _dsd(_sdd(src, w1, topo, act=act, act_only=True, a_rows=a_rows), w2, topo)
     fusion = KERNEL_CONFIG["act_fusion"]
     h, a = _ExpertUp.apply(x, rows, w1, plan, topo, act, fusion)
-    return _ExpertDown.apply(h, a, w2, topo, act, fusion)
+    return _ExpertDown.apply(h, a, w2, topo, act, fusion, x if rows is None else rows, w1,
+                             a_rows)
 
 
 # ---------------------------------------------------------------------------- autograd

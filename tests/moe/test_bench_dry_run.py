@@ -127,7 +127,10 @@ def test_layer_benchmark_dry_run_times_memory_and_variants_against_the_grouped_m
     variants = {tuple(r[k] for k in VARIANT_KEYS) for r in by_metric["layer_variant"]}
     default = tuple(by_metric["layer_fwdbwd_vs_grouped_mm"][0][k] for k in VARIANT_KEYS)
     assert default in VARIANTS and variants == set(VARIANTS) - {default}
-    assert all(r["ours_bytes"] > 0 and r["ratio_queued"] > 0 for r in by_metric["layer_variant"])
+    for r in by_metric["layer_variant"]:
+        assert r["ours_bytes"] > 0 and r["baseline"] == mem["baseline"]
+        ratio = r["baseline_ms_queued"] / r["ours_ms_queued"]
+        assert abs(r["ratio_queued"] - ratio) <= 1e-3 * ratio + 1e-3
 
 
 def test_router_inputs_make_the_router_pick_the_drawn_experts():
