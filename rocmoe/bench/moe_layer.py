@@ -59,7 +59,8 @@ DEFAULT_SHAPES = SIX_SHAPES + [(t,) + shape for shape in MODEL_SHAPES.values()
 # before it, and each of the default's keys flipped alone.
 VARIANT_KEYS = ("act_fusion", "gather_rows", "compact_values")
 VARIANTS = [("recompute", True, True), ("store", False, False), ("store", True, True),
-            ("recompute", False, True), ("recompute", True, False), ("checkpoint", True, True)]
+            ("recompute", False, True), ("recompute", "backward", True),
+            ("recompute", True, False), ("checkpoint", True, True)]
 BASELINE = ("torch._grouped_mm layer: argsort, gather, _grouped_mm, tanh-GELU, _grouped_mm, "
             "weighted index_add_ (same router, same routing)")
 LOOP_BASELINE = ("torch.mm loop layer: argsort, gather, torch.mm per expert (host sync for "

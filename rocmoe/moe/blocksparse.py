@@ -144,7 +144,8 @@ def _dstd_torch(s, b, topo):
 # the activation's exp/rcp on every reload competing with the matrix units); "checkpoint"
 # keeps nothing [rows, ffn] and recomputes h first.
 # gather_rows: SDD and dW1's DSᵀD read the tokens' rows through the routing plan's row map
-# (no permuted [rows, H] copy of the tokens); compact_values: the [rows, ffn] tensors keep
+# (no permuted [rows, H] copy of the tokens; "backward": the forward's SDD reads a copy by
+# TMA, which dies with the forward, and dW1 gathers); compact_values: the [rows, ffn] tensors keep
 # no padding rows (Topology). Both are the default; the layer then needs at most the memory
 # of a grouped-GEMM layer (tests/moe/test_memory.py, rocmoe.bench.moe_memory).
 #
@@ -231,9 +232,12 @@ def set_kernel_config(**kw) -> None:
                                  f"known: {sorted(known)}")
     if kw.get("backward_streams", 1) not in (1, 2):
         raise ConfigurationError(f"backward_streams must be 1 or 2, got {kw['backward_streams']!r}")
-    for key in ("gather_rows", "compact_values"):
-        if not isinstance(kw.get(key, False), bool):
-            raise ConfigurationError(f"{key} must be True or False, got {kw[key]!r}")
+    if kw.get("gather_rows", True) not in (True, False, "backward"):
+        raise ConfigurationError(
+            f"gather_rows must be True, False or 'backward', got {kw['gather_rows']!r}")
+    if not isinstance(kw.get("compact_values", False), bool):
+        raise ConfigurationError(
+            f"compact_values must be True or False, got {kw['compact_values']!r}")
     if kw.get("act_fusion", "load") not in FUSIONS:
         raise ConfigurationError(f"act_fusion must be one of {FUSIONS}, got {kw['act_fusion']!r}")
     for op in OPS:
@@ -646,15 +650,16 @@ class _ExpertUp(torch.autograd.Function):
     itself, and frees that [rows, H] gradient before it allocates dW1."""
 
     @staticmethod
-    def forward(ctx, x, rows, w1, plan, topo, act, fusion):
+    def forward(ctx, x, rows, w1, plan, topo, act, fusion, keep_rows):
         ctx.topo, ctx.plan = topo, plan
-        # what DSᵀD reads for dW1: the rows, or x and the map into it
-        ctx.save_for_backward(x if rows is None else rows, w1)
-        ctx.gathered = plan is not None and rows is None
+        # what DSᵀD reads for dW1: the rows, or x and the map into it (also when the copy
+        # is not kept: then it dies with the forward)
+        ctx.gathered = plan is not None and (rows is None or not keep_rows)
+        ctx.save_for_backward(x if ctx.gathered or rows is None else rows, w1)
         # (the side output a gets no gradient: without this autograd would hand the
         # backward a [rows, ffn] tensor of zeros for it)
         ctx.set_materialize_grads(False)
-        a_rows = plan.row_token if ctx.gathered else None
+        a_rows = plan.row_token if rows is None and plan is not None else None
         src = x if rows is None else rows
         if fusion == "load":
             return _sdd(src, w1, topo, a_rows=a_rows), None
@@ -691,7 +696,7 @@ class _ExpertUp(torch.autograd.Function):
         if ctx.needs_input_grad[2] and grad_w1 is None:  # (after the [rows, H] dx is gone)
             grad_w1 = weight_gradient()
         _join(side)
-        return grad_x, None, grad_w1, None, None, None, None
+        return grad_x, None, grad_w1, None, None, None, None, None
 
 
 class _ExpertDown(torch.autograd.Function):
@@ -786,13 +791,14 @@ def _join(side) -> None:
         torch.cuda.current_stream(side.device).wait_stream(side)
 
 
-def fused_expert_ffn(x, w1, w2, topo, act="gelu", plan=None, rows=None):
+def fused_expert_ffn(x, w1, w2, topo, act="gelu", plan=None, rows=None, keep_rows=True):
     """act(x @ W1) @ W2 on the topology's blocks (act: gelu (tanh form), relu, silu, none).
 
     x: the padded, expert-sorted rows [num_rows, H]. With `plan` (the routing plan of
     x's tokens: the layer's path), x is the tokens [T, H] and the gradient goes to them;
     `rows` is their permuted copy when the routing made one, else (None) the kernels read
-    the rows from x themselves (plan.row_token)."""
+    the rows from x themselves (plan.row_token). keep_rows=False: the forward reads the
+    copy, the backward the tokens (the copy is not kept for it)."""
     if act not in ACT_CODES:
         raise ConfigurationError(
             f"fused activation must be one of {sorted(ACT_CODES)}, got {act!r}")
@@ -806,7 +812,9 @@ def fused_expert_ffn(x, w1, w2, topo, act="gelu", plan=None, rows=None):
         src = x if rows is None else rows
         return _dsd(_sdd(src, w1, topo, act=act, act_only=True, a_rows=a_rows), w2, topo)
     fusion = KERNEL_CONFIG["act_fusion"]
-    h, a = _ExpertUp.apply(x, rows, w1, plan, topo, act, fusion)
+    h, a = _ExpertUp.apply(x, rows, w1, plan, topo, act, fusion, keep_rows)
+    if rows is not None and not keep_rows:  # "checkpoint" recomputes h from the tokens too
+        rows, a_rows = None, plan.row_token
     return _ExpertDown.apply(h, a, w2, topo, act, fusion, x if rows is None else rows, w1,
                              a_rows)
 

@@ -14,7 +14,7 @@ from .permute import check_block_size, permute_pad, unpermute_combine
 from .router import Router, _check_config, check_tokens
 from .routing import route_and_permute
 
-def expert_ffn(x, w1, w2, w3, topo, activation, plan=None, rows=None):
+def expert_ffn(x, w1, w2, w3, topo, activation, plan=None, rows=None, keep_rows=True):
     """SDD -> act -> DSD on the padded, expert-sorted rows (plus a GLU gate with w3).
 
     Without GLU the activation is fused into the block-sparse kernels (one pass fewer over
@@ -23,7 +23,7 @@ def expert_ffn(x, w1, w2, w3, topo, activation, plan=None, rows=None):
     permuted copy, if the routing made one): see blocksparse.fused_expert_ffn.
     """
     if w3 is None and activation in FUSABLE:
-        return bs.fused_expert_ffn(x, w1, w2, topo, activation, plan, rows)
+        return bs.fused_expert_ffn(x, w1, w2, topo, activation, plan, rows, keep_rows)
     if plan is not None:  # the composed products read a permuted copy, with autograd
         x = permute_pad(x, plan)
     act = ACTIVATIONS[activation]
@@ -37,14 +37,16 @@ def local_experts(x, expert_ids, weights, w1, w2, w3, block_size, activation):
     """sum_j weights[t, j] * FFN_{expert_ids[t, j]}(x[t]) over experts w1 [E, H, F],
     w2 [E, F, H] (w3: GLU gate) on this rank: routing, block-sparse FFN, combine."""
     # The fused FFN reads the tokens' rows through the plan (gather_rows) or from a copy the
-    # routing makes without autograd; either way the gradient goes to x directly, so no
-    # [rows, H] gradient outlives the FFN's backward.
+    # routing makes without autograd ("backward": for the forward only); either way the
+    # gradient goes to x directly, so no [rows, H] gradient outlives the FFN's backward.
+    gather = bs.KERNEL_CONFIG["gather_rows"]
     with torch.no_grad():
         plan, topo, x_perm = route_and_permute(
-            x, expert_ids, w1.shape[0], block_size, w1.shape[2],
-            copy_rows=not bs.KERNEL_CONFIG["gather_rows"],
+            x, expert_ids, w1.shape[0], block_size, w1.shape[2], copy_rows=gather is not True,
             compact_values=bs.KERNEL_CONFIG["compact_values"])
-    y_perm = expert_ffn(x, w1, w2, w3, topo, activation, plan=plan, rows=x_perm)
+    y_perm = expert_ffn(x, w1, w2, w3, topo, activation, plan=plan, rows=x_perm,
+                        keep_rows=gather is False)
+    del x_perm  # ("backward": the copy dies with the forward)
     return unpermute_combine(y_perm, weights, plan)
 
 

@@ -496,7 +496,8 @@ def lean_layer_variants_equal_torch_path_and_each_other():
         # the previous layer, the lean default, and each of the default's keys flipped
         for fusion, gather, compact in (("store", False, False), ("recompute", True, True),
                                         ("store", True, True), ("recompute", False, True),
-                                        ("recompute", True, False), ("checkpoint", True, True)):
+                                        ("recompute", True, False), ("checkpoint", True, True),
+                                        ("recompute", "backward", True)):
                 with _with_descriptors(keys) as launched:
                     bs.TMA_IN_INTERPRETER = tma
                     bs.set_kernel_config(block_n=16, block_k=16, act_fusion=fusion,

@@ -227,7 +227,8 @@ def test_forward_and_backward_code_has_no_host_reads():
 
 @pytest.mark.parametrize("fusion,gather", [("recompute", True), ("recompute", False),
                                            ("store", True), ("load", True),
-                                           ("checkpoint", True)])
+                                           ("checkpoint", True), ("recompute", "backward"),
+                                           ("checkpoint", "backward")])
 def test_memory_variants_equal_per_token_loop(reference, fusion, gather):
     # act_fusion "recompute" (only h kept for the backward) and gather_rows (no permuted
     # copy of the tokens): the layer and its gradients are the dropless contract still
