@@ -18,7 +18,7 @@ timeout "${MOE_TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -o a
   tests/moe/test_gpu.py 2>&1 | tee "$OUT/moe_layer_gpu_tests.log" | tail -25
 echo "tests took $(( $(date +%s) - t0 )) s"
 t1=$(date +%s)
-timeout "${MOE_LAYER_BENCH_TIMEOUT:-360}" python3 -m rocmoe.bench.moe --layer \
+timeout "${MOE_LAYER_BENCH_TIMEOUT:-420}" python3 -m rocmoe.bench.moe --layer \
   ${MOE_LAYER_BENCH_ARGS:-} --output "$OUT/moe_layer_h200.jsonl" > "$OUT/moe_layer_bench.log" 2>&1
 echo "bench rc=$? took $(( $(date +%s) - t1 )) s"
 grep '^#' "$OUT/moe_layer_bench.log" | tail -3

@@ -48,6 +48,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F_
 
+from . import emit as emit_line
 from .memory import peak_bytes
 from .timing import captured, graph_time_ms, host_ms_per_call, interleaved_ms, time_ms
 
@@ -495,11 +496,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = open(args.output, "a") if args.output else None
 
     def emit(rec):
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if out is not None:
-            out.write(line + "\n")
-            out.flush()
+        emit_line(rec, out)
 
     try:
         from rocmoe.moe import blocksparse as bs

@@ -1,7 +1,8 @@
 """Whole-layer MoE benchmark: DroplessMoE against the grouped-GEMM layer a torch user writes.
 
-    rocmoe bench moe --layer [--shapes T,H,F,E,k;...] [--routing uniform,zipf] [--reps 5]
-                             [--variants] [--output FILE] [--device cuda|cpu]
+    rocmoe bench moe --layer [--shapes T,H,F,E,k;...] [--routing uniform,zipf] [--reps 7]
+                             [--variants auto|all|none] [--budget-s 300] [--output FILE]
+                             [--device cuda|cpu]
 
 Both sides run the whole layer, router included, on identical routing: the same ``Router``
 module (fp32 gate, softmax, top-k, aux loss) picks the experts, then rocmoe's ``DroplessMoE``
@@ -23,15 +24,18 @@ baseline's: below 1 rocmoe needs less), all measured in the same run:
 * ``layer_host``: host (Python + launch) ms per step, launched back to back, and kernel
   launches per step, for both (GPU only): what the small, launch-bound shapes pay.
 * ``layer_kernels``: rocmoe's step by kernel (GPU time per kernel from the profiler).
-* ``layer_variant`` (unless ``--no-variants``): the fused FFN's other memory variants
-  (``VARIANTS``: ``KERNEL_CONFIG``'s act_fusion, gather_rows, compact_values) against the
-  same baseline, queued time and peak memory, so that one run says which default to keep.
+* ``layer_variant``: the fused FFN's other memory variants (``VARIANTS``: ``KERNEL_CONFIG``'s
+  act_fusion, gather_rows, compact_values) against the same baseline, queued time and peak
+  memory, so that one run says which default to keep: ``--variants auto`` (the default) on
+  the six shapes with uniform routing (each variant compiles kernels of its own: on every
+  case they would take most of the four minutes), ``all`` on every case, ``none``.
 
 The tokens are drawn so that the router picks the routing asked for: token t is a little
 noise plus the gate rows of the k experts drawn for it (uniformly, or Zipf(1.0) over the
 experts); ``routing_match`` says for how many tokens the router's top-k is that draw.
 Each case's repetitions adapt to its step time (at most ``--reps``, at least 3) so that the
-default run (24 cases) takes about four minutes on an H200.
+default run (24 cases) takes about four minutes on an H200; past ``--budget-s`` seconds no
+further case starts (a ``layer_case`` record lists the ones left out).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import emit as emit_line
 from .memory import peak_bytes
 from .timing import captured, host_ms_per_call, interleaved_ms
 
@@ -140,6 +145,8 @@ def kernel_launches(step: Callable[[], object]) -> tuple[int, dict]:
 
 
 def run_case(shape, routing: str, reps: int, dtype, device, emit, variants: bool) -> None:
+    """Time and measure one case (see the module docstring), with the memory variants when
+    `variants`."""
     from rocmoe.moe import DroplessMoE
     from rocmoe.moe import blocksparse as bs
     from rocmoe.moe.reference import grouped_gemm_moe, uses_grouped_mm
@@ -301,8 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "at 4096 and 65536 tokens)")
     p.add_argument("--routing", default="uniform,zipf")
     p.add_argument("--reps", type=int, default=7, help="most repetitions per case")
-    p.add_argument("--no-variants", dest="variants", action="store_false",
-                   help="time only the configured variant")
+    p.add_argument("--variants", default="auto", choices=("auto", "all", "none"),
+                   help="where the other memory variants are timed too (auto: the six "
+                        "shapes, uniform routing)")
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="start no case after this many seconds")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--output", help="also append the JSON lines to this file")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the code")
@@ -319,23 +329,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = open(args.output, "a") if args.output else None
 
     def emit(rec):
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if out is not None:
-            out.write(line + "\n")
-            out.flush()
+        emit_line(rec, out)
 
     from rocmoe.moe import blocksparse as bs
     emit(dict(metric="layer_config", config=dict(bs.KERNEL_CONFIG), torch=torch.__version__,
               command="rocmoe bench moe --layer " + " ".join(argv or sys.argv[1:])))
     t_start = time.time()
+    left_out = []
     try:
         for shape in parse_shapes(args.shapes):
             for routing in args.routing.split(","):
+                if time.time() - t_start > args.budget_s:
+                    left_out.append(dict(shape=list(shape), routing=routing))
+                    continue
+                variants = args.variants == "all" or (
+                    args.variants == "auto" and routing == "uniform"
+                    and tuple(shape) in SIX_SHAPES)
                 t0 = time.time()
                 try:
                     run_case(shape, routing, args.reps, getattr(torch, args.dtype),
-                             torch.device(args.device), emit, args.variants)
+                             torch.device(args.device), emit, variants)
                 except torch.OutOfMemoryError as exc:
                     emit(dict(metric="layer_case", shape=list(shape), routing=routing,
                               error=repr(exc)[:300]))
@@ -343,6 +356,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     torch.cuda.empty_cache()
                 print(f"# {shape} {routing}: {time.time() - t0:.1f} s "
                       f"(total {time.time() - t_start:.0f} s)", file=sys.stderr, flush=True)
+        if left_out:
+            emit(dict(metric="layer_case", error=f"over the {args.budget_s:.0f} s budget: "
+                      "these cases did not run", cases=left_out))
     finally:
         if out is not None:
             out.close()

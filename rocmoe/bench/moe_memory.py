@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from typing import Optional
 
 import torch
 
+from . import emit
 from .memory import StepMemory, step_memory
 from .moe_layer import DEFAULT_SHAPES, VARIANT_KEYS, VARIANTS, parse_shapes, shape_name
 
@@ -104,10 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                            after_forward_ratio=round(ours.after_forward
                                                      / theirs.after_forward, 4),
                            peak_ratio=round(ours.peak / theirs.peak, 4))
-                line = json.dumps(rec)
-                print(line, flush=True)
-                if out is not None:
-                    out.write(line + "\n")
+                emit(rec, out)
     finally:
         if out is not None:
             out.close()

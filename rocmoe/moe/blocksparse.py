@@ -646,8 +646,9 @@ class _ExpertUp(torch.autograd.Function):
     Without a routing plan, x holds the padded rows and gets the gradient. With one (the
     layer), x is the tokens [T, H] and `rows` their permuted copy, made by the routing
     without autograd, or None: then SDD and DSᵀD read the rows from x themselves, through
-    plan.row_token. The gradient goes to x: the backward sums each token's k rows of dx
-    itself, and frees that [rows, H] gradient before it allocates dW1."""
+    plan.row_token (keep_rows=False: the forward reads the copy, dW1 the tokens, and the
+    copy dies with the forward). The gradient goes to x: the backward sums each token's k
+    rows of dx itself, and frees that [rows, H] gradient before it allocates dW1."""
 
     @staticmethod
     def forward(ctx, x, rows, w1, plan, topo, act, fusion, keep_rows):
@@ -672,7 +673,7 @@ class _ExpertUp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h, _grad_a):
         if grad_h is None:  # h did not reach what was differentiated
-            return None, None, None, None, None, None, None
+            return (None,) * 8
         src, w1 = ctx.saved_tensors
         topo, plan = ctx.topo, ctx.plan
         b_rows = plan.row_token if ctx.gathered else None

@@ -106,7 +106,7 @@ def test_layer_benchmark_dry_run_times_memory_and_variants_against_the_grouped_m
     # other memory variant of the fused FFN, each as a ratio to the baseline measured in the
     # same run
     rc = bench_moe.main(["--layer", "--device", "cpu", "--shapes", "48,32,32,4,2",
-                         "--routing", "zipf", "--reps", "1"])
+                         "--routing", "zipf", "--reps", "1", "--variants", "all"])
     assert rc == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
                if line.startswith("{")]
@@ -145,3 +145,15 @@ def test_router_inputs_make_the_router_pick_the_drawn_experts():
         counts = torch.bincount(ids.reshape(-1).long(), minlength=16).float()
         skew = counts[:4].sum() / counts[-4:].sum()
         assert (skew > 3) == (kind == "zipf"), (kind, skew)
+
+
+def test_layer_benchmark_starts_no_case_past_its_budget_and_says_which(capsys):
+    rc = bench_moe.main(["--layer", "--device", "cpu", "--shapes", "48,32,32,4,2;40,32,32,4,2",
+                         "--routing", "uniform", "--reps", "1", "--variants", "none",
+                         "--budget-s", "0"])
+    assert rc == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("{")]
+    assert not [r for r in records if r["metric"] == "layer_fwdbwd_vs_grouped_mm"]
+    (skipped,) = [r for r in records if r["metric"] == "layer_case"]
+    assert [c["shape"] for c in skipped["cases"]] == [[48, 32, 32, 4, 2], [40, 32, 32, 4, 2]]
