@@ -607,10 +607,13 @@ def _dstd_store(acc, out_ptr, expert, f0, n0, N, F, stride_oe, stride_of, stride
 
 @triton.jit
 def _load_gathered(b_ptr, rows_ptr, row0, rn, n_ok, stride_bm, stride_bn,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, live):
     """The [BLOCK_K, BLOCK_N] tile at padded rows row0 ... of a dense operand that is not
-    materialised: padded row p is row rows_ptr[p] of b (-1: a padding row, zeros)."""
-    src = tl.load(rows_ptr + row0 + tl.arange(0, BLOCK_K))
+    materialised: padded row p is row rows_ptr[p] of b (-1: a padding row, zeros). Not
+    `live` (the discarded step of an empty column, whose rows may lie past the end): zeros,
+    nothing read."""
+    rk = tl.arange(0, BLOCK_K)
+    src = tl.load(rows_ptr + row0 + rk, mask=rk < tl.where(live, BLOCK_K, 0), other=-1)
     ptrs = b_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * stride_bm \
         + rn[None, :] * stride_bn
     return tl.load(ptrs, mask=(src >= 0)[:, None] & n_ok[None, :], other=0.0)
@@ -653,7 +656,8 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr, b_rows_ptr,
     # act(s[blk])^T tile: element (m, k) is s[blk, kk % B + k, m]
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
     if COMPACT:
-        row0 = tl.load(first_row_ptr + first_row)
+        # (an idle expert's column may point one row block past the end: nothing to read)
+        row0 = tl.load(first_row_ptr + first_row, mask=k_len > 0, other=0)
         count = tl.load(expert_rows_ptr + expert)
     else:
         row0 = 0
@@ -669,7 +673,7 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr, b_rows_ptr,
                 s_t = _activate(s_t.to(tl.float32), ACT).to(s_t.dtype)
             if GATHER_B:
                 b = _load_gathered(b_ptr, b_rows_ptr, first_row * BLOCK + kk, rn, n_ok,
-                                   stride_bm, stride_bn, BLOCK_K)
+                                   stride_bm, stride_bn, BLOCK_K, k_len > 0)
             else:
                 b = b_ptr.load([first_row * BLOCK + kk, n0])
             acc += tl.dot(s_t, b)
@@ -690,7 +694,7 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr, b_rows_ptr,
                 s_t = _activate(s_t.to(tl.float32), ACT).to(b_ptr.dtype.element_ty)
             if GATHER_B:
                 b = _load_gathered(b_ptr, b_rows_ptr, first_row * BLOCK + kk, rn, n_ok,
-                                   stride_bm, stride_bn, BLOCK_K)
+                                   stride_bm, stride_bn, BLOCK_K, k_len > 0)
             elif EVEN_N:
                 b = tl.load(b_ptrs)
             else:
@@ -750,7 +754,7 @@ def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr, 
                                                    nb, BLOCK, BLOCK_K, TRIM_K)
             k_steps = tl.maximum(k_len // BLOCK_K, 1)
             if COMPACT:
-                row0 = tl.load(first_row_ptr + first_row)
+                row0 = tl.load(first_row_ptr + first_row, mask=k_len > 0, other=0)
         kk = ki * BLOCK_K
         if COMPACT:
             s_t = tl.trans(s_ptr.load([row0 + kk, ((tile // num_n) % nb) * BLOCK]))
@@ -761,7 +765,7 @@ def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr, 
         if GATHER_B:
             rn = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
             b = _load_gathered(b_ptr, b_rows_ptr, first_row * BLOCK + kk, rn, rn < N,
-                               stride_bm, stride_bn, BLOCK_K)
+                               stride_bm, stride_bn, BLOCK_K, k_len > 0)
         else:
             b = b_ptr.load([first_row * BLOCK + kk, (tile % num_n) * BLOCK_N])
         acc = tl.dot(s_t, b, acc)

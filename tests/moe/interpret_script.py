@@ -571,6 +571,16 @@ def compact_values_equal_block_values():
             if persistent:
                 assert {"sdd_persistent_kernel", "dstd_persistent_kernel"} <= set(launched)
         bs.TMA_IN_INTERPRETER = False
+    # more experts than pairs: every row block is used and idle experts come after the
+    # last one (their columns point one row block past the end)
+    ids = torch.tensor([[1], [0]], dtype=torch.int32)
+    plan = plan_routing(ids, 4, 16)
+    topo = build_topology(plan, 32, compact=True)
+    assert int(topo.num_valid_blocks) == topo.num_row_blocks
+    x = _real(torch.randn(topo.num_rows, 16, generator=g), topo)
+    w1, w2 = torch.randn(4, 16, 32, generator=g), torch.randn(4, 32, 16, generator=g)
+    gy = _real(torch.randn(topo.num_rows, 16, generator=g), topo)
+    _ffn_equals_torch_path(topo, x, w1, w2, gy, dict(rtol=1e-4, atol=1e-4))
 
 
 CHECKS["compact_values"] = compact_values_equal_block_values
