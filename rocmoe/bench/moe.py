@@ -48,6 +48,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F_
 
+from . import emit as emit_line
+from .memory import peak_bytes
 from .timing import captured, graph_time_ms, host_ms_per_call, interleaved_ms, time_ms
 
 DEFAULT_SHAPES = [(65536, 512, 2048, 64), (32768, 768, 3072, 64), (8192, 1024, 4096, 64),
@@ -56,19 +58,6 @@ DEFAULT_SHAPES = [(65536, 512, 2048, 64), (32768, 768, 3072, 64), (8192, 1024, 4
 
 def _gelu(t):
     return F_.gelu(t, approximate="tanh")
-
-
-def peak_bytes(fn: Callable[[], object]) -> int:
-    if not torch.cuda.is_available():
-        fn()
-        return 1
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 # ----------------------------------------------------------------------------- routing
@@ -120,20 +109,37 @@ def grouped_mm_ffn(x_sorted, offs, w1, w2):
 # ------------------------------------------------------------------------------ runner
 # The six products of the fused FFN under each activation fusion (names of kernel_calls).
 FUSION_KERNELS = {
+    "recompute": ("sdd_fwd_store_pre_gelu", "dsd_fwd", "sdd_bwd_rewrite_act", "dstd_dw2",
+                  "dsd_dx", "dstd_dw1"),
     "store": ("sdd_fwd_store_gelu", "dsd_fwd", "sdd_bwd_scale", "dstd_dw2", "dsd_dx", "dstd_dw1"),
     "load": ("sdd_fwd", "dsd_fwd_gelu_on_load", "dstd_dw2_gelu_on_load", "sdd_bwd_act_grad",
              "dsd_dx", "dstd_dw1"),
 }
 
 
-def kernel_calls(bs, topo, x_perm, w1, w2, grad):
+def kernel_calls(bs, topo, x_perm, w1, w2, grad, tokens=None, plan=None):
     """name -> zero-argument call of one block-sparse kernel with the inputs it sees in the
-    layer, for both activation fusions (bs: rocmoe.moe.blocksparse)."""
+    layer, for every activation fusion (bs: rocmoe.moe.blocksparse); with the tokens and
+    their plan also the kernels that gather the rows (gather_rows, "*_gathered")."""
     h = bs._sdd(x_perm, w1, topo)
     a = torch.empty_like(h)
     bs._sdd(x_perm, w1, topo, act="gelu", act_out=a)
     gw1 = torch.empty_like(w1)
+    h_kept = h.clone()  # rewritten with act(h) by each call of sdd_bwd_rewrite_act: its
+    # later calls see other values, the same work
+    gathered = {} if plan is None else {
+        "sdd_fwd_gathered_store_pre_gelu": lambda: bs._sdd(
+            tokens, w1, topo, act="gelu", act_out=a, keep_product=True, a_rows=plan.row_token),
+        "dstd_dw1_gathered": lambda: bs._dstd(h, tokens, topo, out=gw1.transpose(1, 2),
+                                              b_rows=plan.row_token),
+    }
     return {
+        **gathered,
+        "sdd_fwd_store_pre_gelu": lambda: bs._sdd(x_perm, w1, topo, act="gelu", act_out=a,
+                                                  keep_product=True),
+        "sdd_bwd_rewrite_act": lambda: bs._sdd(grad, w2.transpose(1, 2), topo,
+                                               act_grad_of=h_kept, act="gelu",
+                                               rewrite_act=True),
         "sdd_fwd": lambda: bs._sdd(x_perm, w1, topo),
         "sdd_fwd_store_gelu": lambda: bs._sdd(x_perm, w1, topo, act="gelu", act_out=a),
         # the inference forward's SDD (no backward follows: GELU alone in the epilogue)
@@ -167,7 +173,8 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
              emit: Callable[[dict], None], skip_max_padded_above_gib: float = 100.0,
              breakdown: bool = False) -> None:
     from rocmoe.moe import blocksparse as bs
-    from rocmoe.moe import route_and_permute, unpermute_combine
+    from rocmoe.moe import route_and_permute
+    from rocmoe.moe.layer import local_experts
 
     tokens, hidden, ffn, experts = shape
     k = min(top_k, experts)
@@ -204,8 +211,12 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
         # each kernel of the fused FFN alone, with its useful FLOPs (2*pairs*H*F each)
         # (the kernels the layer runs under the configured activation fusion)
         with torch.no_grad():
-            calls = kernel_calls(bs, topo, x_perm, w1, w2, grad_ffn)
-            parts = {name: calls[name] for name in FUSION_KERNELS[bs.KERNEL_CONFIG["act_fusion"]]}
+            calls = kernel_calls(bs, topo, x_perm, w1, w2, grad_ffn, x, plan)
+            names = FUSION_KERNELS[bs.KERNEL_CONFIG["act_fusion"]]
+            if bs.KERNEL_CONFIG["gather_rows"]:  # the layer's SDD and dW1 read the tokens
+                names = [{"sdd_fwd_store_pre_gelu": "sdd_fwd_gathered_store_pre_gelu",
+                          "dstd_dw1": "dstd_dw1_gathered"}.get(n, n) for n in names]
+            parts = {name: calls[name] for name in names}
             for name, fn in parts.items():
                 ms = time_ms(fn, reps)
                 emit(dict(common, metric="kernel", kernel=name, ms=round(ms, 4),
@@ -338,10 +349,8 @@ def run_case(shape, routing: str, top_k: int, block: int, dtype, reps: int, devi
     x_g = x.clone().requires_grad_(True)
     gy = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen)
 
-    def ours_layer():
-        p, t, xp = route_and_permute(x_g, ids, experts, block, ffn)
-        y_perm = bs.fused_expert_ffn(xp, w1, w2, t, "gelu")
-        y = unpermute_combine(y_perm, weights, p)
+    def ours_layer():  # DroplessMoE's local path (routing, FFN, combine) on these weights
+        y = local_experts(x_g, ids, weights, w1, w2, None, block, "gelu")
         torch.autograd.grad(y, [x_g, w1, w2], gy)
 
     def ours_prepare():
@@ -463,10 +472,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true", help="pick kernel tiles on one shape first")
     p.add_argument("--output", help="also append the JSON lines to this file")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the code")
+    p.add_argument("--layer", action="store_true",
+                   help="the whole layer against the grouped-GEMM layer instead "
+                        "(rocmoe bench moe --layer --help)")
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--layer" in argv:  # the whole layer against the grouped-GEMM layer (moe_layer.py)
+        from . import moe_layer
+        argv.remove("--layer")
+        return moe_layer.main(argv)
     args = build_parser().parse_args(argv)
     if args.device != "cpu" and not torch.cuda.is_available():
         print(json.dumps({"metric": "moe", "error": "no CUDA/ROCm device: the MoE benchmark "
@@ -479,11 +496,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = open(args.output, "a") if args.output else None
 
     def emit(rec):
-        line = json.dumps(rec)
-        print(line, flush=True)
-        if out is not None:
-            out.write(line + "\n")
-            out.flush()
+        emit_line(rec, out)
 
     try:
         from rocmoe.moe import blocksparse as bs

@@ -36,51 +36,11 @@ import torch.nn.functional as F_
 from .._triton import interpreting as _interpreting
 from .._triton import sm_count, tensor_descriptor, tma_capable
 from ..errors import ConfigurationError, DTypeError, InvalidArgumentError
+from .activations import activate, activation_grad, widened
+# (set_backend, get_backend, TRITON_DTYPES: re-exported, the public names of the products)
+from .backend import TRITON_DTYPES, get_backend, set_backend, use_triton  # noqa: F401
+from .permute import sum_pair_rows
 from .topology import Topology
-
-_BACKENDS = ("auto", "torch", "triton")
-_backend = os.environ.get("ROCMOE_MOE_BACKEND", "auto")
-
-
-def set_backend(name: str) -> None:
-    """``auto`` (Triton on GPU tensors of 16- and 32-bit floats, torch otherwise), ``torch``
-    or ``triton``."""
-    global _backend
-    if name not in _BACKENDS:
-        raise ConfigurationError(f"MoE backend must be one of {_BACKENDS}, got {name!r}")
-    _backend = name
-
-
-def get_backend() -> str:
-    return _backend
-
-
-# dtypes the Triton kernels are built for (fp32 accumulators); "auto" runs float64 through
-# the torch path, on the GPU too (exact; a float64 tile would not match its fp32 accumulator)
-TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _use_triton(t: torch.Tensor) -> bool:
-    if _backend == "torch":
-        return False
-    if _backend == "triton":
-        return True
-    return t.is_cuda and t.dtype in TRITON_DTYPES and _triton_available()
-
-
-_TRITON_OK = None
-
-
-def _triton_available() -> bool:
-    global _TRITON_OK
-    if _TRITON_OK is None:
-        try:
-            from . import kernels  # noqa: F401
-            _TRITON_OK = True
-        except Exception:  # triton missing or broken: the torch path still works
-            _TRITON_OK = False
-    return _TRITON_OK
-
 
 def _check_same_dtype(*tensors: torch.Tensor) -> None:
     dtypes = {t.dtype for t in tensors}
@@ -105,6 +65,39 @@ def _grouped_row_blocks(w: torch.Tensor, topo: Topology) -> torch.Tensor:
     e, f, n = w.shape
     w = F_.pad(w, (0, 0, 0, topo.ffn_padded - f))
     return w.reshape(e * topo.blocks_per_expert, topo.block_size, n)
+
+
+def _compact_rows(topo: Topology) -> torch.Tensor:
+    """For each padded row of a compact topology, its row in the values (num_pairs for a
+    padding row: a sink past the end); int64 [num_rows]."""
+    b = topo.block_size
+    rows = torch.arange(topo.num_rows, device=topo.block_rows.device)
+    block, within = rows // b, rows % b
+    real = within < topo.block_rows.long()[block]
+    return torch.where(real, topo.block_first_row.long()[block] + within,
+                       torch.full_like(rows, topo.num_pairs))
+
+
+def _blocks_to_values(blocks: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """[nnz, B, B] blocks -> the topology's values (the blocks themselves, or compact)."""
+    if not topo.compact:
+        return blocks
+    b, nb = topo.block_size, topo.blocks_per_expert
+    rows = blocks.reshape(topo.num_row_blocks, nb, b, b).permute(0, 2, 1, 3) \
+        .reshape(topo.num_rows, nb * b)
+    out = rows.new_zeros(topo.num_pairs + 1, nb * b)  # (+1: the padding rows' sink)
+    return out.index_copy_(0, _compact_rows(topo), rows)[:topo.num_pairs]
+
+
+def _values_to_blocks(values: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """The topology's values -> [nnz, B, B] blocks (padding rows zero)."""
+    if not topo.compact:
+        return values
+    b, nb = topo.block_size, topo.blocks_per_expert
+    padded = torch.cat([values, values.new_zeros(1, nb * b)])
+    rows = padded.index_select(0, _compact_rows(topo))
+    return rows.reshape(topo.num_row_blocks, b, nb, b).permute(0, 2, 1, 3) \
+        .reshape(topo.nnz, b, b)
 
 
 def _sdd_torch(a, w, topo):
@@ -142,12 +135,19 @@ def _dstd_torch(s, b, topo):
 # --------------------------------------------------------------------------- triton path
 # Tile configuration of the Triton kernels. BLOCK_M is the topology's block size; these are
 # the rest. Override with ROCMOE_MOE_KERNEL_CONFIG='{"block_n": 256, ...}' or set_kernel_config.
-# act_fusion: "load" applies the activation to the sparse operand as DSD/DSᵀD load it (only
-# h is written); "store" has the forward SDD write h and act(h) in its epilogue, so DSD and
-# DSᵀD run without an activation (more memory, fewer flops on the CUDA cores).
-# "store" is the default: on an H200 (benchmarks/results/moe_kernels_h200.jsonl) DSᵀD for dW2
-# ran at 651 TFLOP/s plain against 184 with GELU on load (the activation's exp/rcp on every
-# reload of the sparse operand competes with the matrix units), for one extra write of act(h).
+# act_fusion (what the fused FFN keeps for its backward; see its block comment below):
+# "recompute" (the default) keeps h alone and has the backward SDD recompute act(h) and
+# act'(h) from it in its epilogue, so DSD and DSᵀD still run without an activation; "store"
+# keeps act(h) and act'(h) (one [rows, ffn] tensor more); "load" keeps h and applies the
+# activation as DSD/DSᵀD load it, which an H200 pays for (benchmarks/results/
+# moe_kernels_h200.jsonl: DSᵀD for dW2 at 651 TFLOP/s plain against 184 with GELU on load,
+# the activation's exp/rcp on every reload competing with the matrix units); "checkpoint"
+# keeps nothing [rows, ffn] and recomputes h first.
+# gather_rows: SDD and dW1's DSᵀD read the tokens' rows through the routing plan's row map
+# (no permuted [rows, H] copy of the tokens; "backward": the forward's SDD reads a copy by
+# TMA, which dies with the forward, and dW1 gathers); compact_values: the [rows, ffn] tensors keep
+# no padding rows (Topology). Both are the default; the layer then needs at most the memory
+# of a grouped-GEMM layer (tests/moe/test_memory.py, rocmoe.bench.moe_memory).
 #
 # Tiles: the H200 sweep with interleaved timing (benchmarks/results/moe_kernels_h200_sweep3.jsonl,
 # `rocmoe bench moe_kernels`) found 128x128 tiles, 4 warps, 3 stages best for most kernels
@@ -172,7 +172,10 @@ def _dstd_torch(s, b, topo):
 # on the 4-expert shape, whose K is 4096), while with K 512-1024 the wide tile lost 6-9 %:
 # there the two narrow programs per SM hide each other's epilogue, which a 64-step K loop
 # amortises alone (benchmarks/results/moe_kernels_h200_long_experts.jsonl).
-KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3, act_fusion="store",
+# act_fusion's values (see the fused expert FFN's block comment)
+FUSIONS = ("recompute", "store", "load", "checkpoint")
+KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3,
+                     act_fusion="recompute", gather_rows=True, compact_values=True,
                      backward_streams=1,
                      tma=True, fast_act=True, preload_scale=True, tma_store=False,
                      persistent=0, tail=True, group_m=1, sdd={},
@@ -229,8 +232,14 @@ def set_kernel_config(**kw) -> None:
                                  f"known: {sorted(known)}")
     if kw.get("backward_streams", 1) not in (1, 2):
         raise ConfigurationError(f"backward_streams must be 1 or 2, got {kw['backward_streams']!r}")
-    if kw.get("act_fusion", "load") not in ("load", "store"):
-        raise ConfigurationError(f"act_fusion must be 'load' or 'store', got {kw['act_fusion']!r}")
+    if kw.get("gather_rows", True) not in (True, False, "backward"):
+        raise ConfigurationError(
+            f"gather_rows must be True, False or 'backward', got {kw['gather_rows']!r}")
+    if not isinstance(kw.get("compact_values", False), bool):
+        raise ConfigurationError(
+            f"compact_values must be True or False, got {kw['compact_values']!r}")
+    if kw.get("act_fusion", "load") not in FUSIONS:
+        raise ConfigurationError(f"act_fusion must be one of {FUSIONS}, got {kw['act_fusion']!r}")
     for op in OPS:
         if op in kw:
             if not isinstance(kw[op], dict) or set(kw[op]) - set(TILE_KEYS):
@@ -377,11 +386,11 @@ def _sdd_split(b: int, nb: int, cfg: dict) -> int:
 
 
 def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
-                act_only=False):
+                act_only=False, keep_product=False, rewrite_act=False, a_rows=None):
     kernels = _kernels()
     cfg = op_config("sdd", topo, a.shape[1])
     b = topo.block_size
-    out = torch.empty(topo.nnz, b, b, device=a.device, dtype=a.dtype)
+    out = torch.empty(topo.values_shape(), device=a.device, dtype=a.dtype)
     if topo.nnz == 0:
         return out
     k = a.shape[1]
@@ -396,7 +405,9 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
     a_arg, a_half, w_arg, tma, w_t = a, a, w, False, False
     tail = _tail(topo, cfg)
     if even_k and even_f and a.stride(1) == 1 and _tma_device(a, cfg):
-        a_desc = tensor_descriptor(a, a.shape[0], k, a.stride(0), [b, bk])
+        # (gathered rows come by pointer: a descriptor cannot gather on Hopper)
+        a_desc = tensor_descriptor(a, a.shape[0], k, a.stride(0), [b, bk]) \
+            if a_rows is None else a
         w_desc = _grouped_desc(w, bk, tile_n)
         if a_desc is not None and w_desc is not None:
             a_arg, (w_arg, w_t), tma = a_desc, w_desc, True
@@ -407,24 +418,48 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
         EPILOGUE_SCALE=scale_by is not None, W_T=w_t,
         FAST_ACT=bool(cfg["fast_act"]) and _nvidia_compiled(a) and a.element_size() == 2,
         PRELOAD_SCALE=bool(cfg["preload_scale"]) and scale_by is not None,
-        EPILOGUE_ACT=ACT_CODES[act] if act_only else 0)
+        EPILOGUE_ACT=ACT_CODES[act] if act_only else 0,
+        STORE_PRE=keep_product and act_out is not None,
+        REWRITE_ACT=rewrite_act and act_grad_of is not None)
     num_tiles = topo.num_row_blocks * num_n
-    act_out = out if act_out is None else act_out
-    if tma and cfg["persistent"] > 0:
+    # (rewrite_act: act(h) goes back into h itself)
+    act_out = act_grad_of if epilogue["REWRITE_ACT"] else out if act_out is None else act_out
+    block_rows, first_row = _layout_args(topo, tail)
+    epilogue["COMPACT"] = topo.compact
+    if tma and cfg["persistent"] > 0 and a_rows is None:
         grid = max(1, min(num_tiles, sm_count(a.device) * int(cfg["persistent"])))
         epilogue.pop("PRELOAD_SCALE")  # (the persistent kernel reads the scale late)
         kernels.get("sdd_persistent_kernel")[(grid,)](
-            a_arg, w_arg, out, h, act_out, topo.column_indices, k, f, nb, num_n, num_tiles,
+            a_arg, w_arg, out, h, act_out, topo.column_indices, block_rows, first_row,
+            k, f, nb, num_n, num_tiles,
             BLOCK=b, SPLIT=split, BLOCK_K=bk, GROUP_M=cfg["group_m"], **epilogue,
             **_launch(b, stages, cfg))
         return out
     kernels.get("sdd_kernel")[(num_tiles,)](
-        a_arg, a_half, w_arg, out, h, act_out, topo.column_indices,
-        topo.block_rows if tail else topo.column_indices, k, f, nb, num_n,
+        a_arg, a_half, w_arg, out, h, act_out, topo.column_indices, block_rows,
+        topo.column_indices if a_rows is None else a_rows, first_row, k, f, nb, num_n,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f, USE_TMA=tma,
-        TAIL=tail, GROUP_M=cfg["group_m"], **epilogue, **_launch(b, stages, cfg))
+        TAIL=tail, GROUP_M=cfg["group_m"], GATHER_A=a_rows is not None, **epilogue,
+        **_launch(b, stages, cfg))
     return out
+
+
+def _layout_args(topo, tail: bool):
+    """(block_rows, block_first_row) kernel arguments: the real rows per row block where
+    the kernel reads them (TAIL, compact values), the compact rows' first row (compact);
+    column_indices stands in for what a kernel does not read."""
+    return (topo.block_rows if tail or topo.compact else topo.column_indices,
+            topo.block_first_row if topo.compact else topo.column_indices)
+
+
+def _values_desc(s, topo, box):
+    """A descriptor of the sparse values in `box` boxes: [nnz*B, B] blocks, or the compact
+    [pairs, nb*B] rows."""
+    if topo.compact:
+        return tensor_descriptor(s, topo.num_pairs, topo.ffn_padded, topo.ffn_padded, box)
+    b = topo.block_size
+    return tensor_descriptor(s, topo.nnz * b, b, b, box)
 
 
 def _dsd_triton(s, w, topo, act="none"):
@@ -443,21 +478,21 @@ def _dsd_triton(s, w, topo, act="none"):
     s_arg, s_half, w_arg, tma, w_t = s, s, w, False, False
     tail = _tail(topo, cfg)
     if f % b == 0 and s.is_contiguous() and _tma_device(s, cfg):
-        s_desc = tensor_descriptor(s, topo.nnz * b, b, b, [b, bk])
+        s_desc = _values_desc(s, topo, [b, bk])
         w_desc = _grouped_desc(w, bk, bn)
         if s_desc is not None and w_desc is not None:
             s_arg, (w_arg, w_t), tma = s_desc, w_desc, True
     kernels.get("dsd_kernel")[(topo.num_row_blocks * num_n,)](
-        s_arg, s_half, w_arg, out, topo.column_indices,
-        topo.block_rows if tail else topo.column_indices, n, f, topo.blocks_per_expert, num_n,
+        s_arg, s_half, w_arg, out, topo.column_indices, *_layout_args(topo, tail), n, f,
+        topo.blocks_per_expert, num_n,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_F=f % b == 0,
         EVEN_N=n % bn == 0, ACT=ACT_CODES[act], USE_TMA=tma, W_T=w_t, TAIL=tail,
-        GROUP_M=cfg["group_m"], **_launch(b, stages, cfg))
+        GROUP_M=cfg["group_m"], COMPACT=topo.compact, **_launch(b, stages, cfg))
     return out
 
 
-def _dstd_triton(s, b_dense, topo, act="none", out=None):
+def _dstd_triton(s, b_dense, topo, act="none", out=None, b_rows=None):
     kernels = _kernels()
     cfg = op_config("dstd", topo)
     b = topo.block_size
@@ -471,8 +506,10 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
     num_n = -(-n // bn)
     s_arg, b_arg, tma = s, b_dense, False
     if s.is_contiguous() and b_dense.stride(1) == 1 and _tma_device(s, cfg):
-        s_desc = tensor_descriptor(s, topo.nnz * b, b, b, [bk, b])
-        b_desc = tensor_descriptor(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn])
+        s_desc = _values_desc(s, topo, [bk, b])
+        # (gathered rows come by pointer)
+        b_desc = tensor_descriptor(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn]) \
+            if b_rows is None else b_dense
         if s_desc is not None and b_desc is not None:
             s_arg, b_arg, tma = s_desc, b_desc, True
     out_arg, out_t = out, False
@@ -482,21 +519,25 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None):
     strides = (out.stride(0), out.stride(1), out.stride(2))
     # TRIM_K: reduce over an expert's real rows only (rounded up to BLOCK_K)
     trim = bool(cfg["tail"]) and topo.expert_rows is not None
-    expert_rows = topo.expert_rows if trim else topo.column_offsets
+    expert_rows = topo.expert_rows if trim or topo.compact else topo.column_offsets
+    gather = dict(GATHER_B=b_rows is not None, COMPACT=topo.compact)
+    rows_arg = topo.column_offsets if b_rows is None else b_rows
+    first_row = _layout_args(topo, False)[1]
     if tma and cfg["persistent"] > 0:
         grid = max(1, min(num_tiles, sm_count(s.device) * int(cfg["persistent"])))
         kernels.get("dstd_persistent_kernel")[(grid,)](
-            s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, n, topo.ffn_size,
-            topo.blocks_per_expert, num_n, num_tiles, *strides,
+            s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, first_row, n,
+            topo.ffn_size, topo.blocks_per_expert, num_n, num_tiles, b_dense.stride(0),
+            b_dense.stride(1), *strides,
             BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, ACT=ACT_CODES[act], TMA_STORE=out_arg is not out,
-            OUT_T=out_t, TRIM_K=trim, **_launch(b, stages, cfg))
+            OUT_T=out_t, TRIM_K=trim, **gather, **_launch(b, stages, cfg))
         return out
     kernels.get("dstd_kernel")[(num_tiles,)](
-        s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, n, topo.ffn_size,
-        topo.blocks_per_expert, num_n,
+        s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, first_row, n,
+        topo.ffn_size, topo.blocks_per_expert, num_n,
         b_dense.stride(0), b_dense.stride(1), *strides,
         BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
-        USE_TMA=tma, TMA_STORE=out_arg is not out, OUT_T=out_t, TRIM_K=trim,
+        USE_TMA=tma, TMA_STORE=out_arg is not out, OUT_T=out_t, TRIM_K=trim, **gather,
         **_launch(b, stages, cfg))
     return out
 
@@ -518,126 +559,205 @@ def _dstd_out_desc(out: torch.Tensor, topo, b: int, bn: int):
 
 
 # ------------------------------------------------------------------------ raw dispatch
-def _act_torch(t, act):
-    if act == "gelu":
-        return F_.gelu(t, approximate="tanh")
-    if act == "relu":
-        return F_.relu(t)
-    if act == "silu":
-        return F_.silu(t)
-    return t
-
-
-def _wide(t):
-    """t in at least fp32 (16-bit inputs are computed in fp32, as the kernels do; float64
-    stays float64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def _act_grad_torch(h, act):
-    """act'(h), the same formulas the kernels use."""
-    h = _wide(h)
-    if act == "gelu":
-        c = 1.5957691216057308
-        sig = torch.sigmoid(c * (h + 0.044715 * h ** 3))
-        return sig + h * sig * (1 - sig) * c * (1 + 0.134145 * h * h)
-    if act == "relu":
-        return (h > 0).to(h.dtype)
-    if act == "silu":
-        sig = torch.sigmoid(h)
-        return sig * (1 + h * (1 - sig))
-    return torch.ones_like(h)
+def _gathered(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The padded rows [len(rows), N] of t [T, N]: row p is t[rows[p]], zeros where
+    rows[p] < 0 (what the kernels read when they gather the rows themselves)."""
+    padded = torch.cat([t, t.new_zeros(1, t.shape[1])])
+    return padded.index_select(0, torch.where(rows < 0, t.shape[0], rows).long())
 
 
 def _sdd(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
-         act_only=False):
-    """SDD S; epilogue options: times act'(act_grad_of); times scale_by; (act_out) write
-    act(S) to act_out and return act'(S) instead of S; or (act_only) return act(S)."""
-    if _use_triton(a):
-        return _sdd_triton(a, w, topo, act_grad_of, act, act_out, scale_by, act_only)
-    out = _sdd_torch(a, w, topo)
+         act_only=False, keep_product=False, rewrite_act=False, a_rows=None):
+    # (values in and out are in the topology's layout; the torch path computes blocks)
+    """SDD S; epilogue options: times act'(act_grad_of) (rewrite_act: rounded to the storage
+    type, and act_grad_of overwritten with act(act_grad_of)); times scale_by; (act_out)
+    write act(S) to act_out and return act'(S) instead of S (keep_product: S itself); or
+    (act_only) return act(S). a_rows: A is [T, K], its padded rows gathered (_gathered)."""
+    if use_triton(a):
+        return _sdd_triton(a, w, topo, act_grad_of, act, act_out, scale_by, act_only,
+                           keep_product, rewrite_act, a_rows)
+    out = _blocks_to_values(_sdd_torch(a if a_rows is None else _gathered(a, a_rows), w, topo),
+                            topo)
     if act_only:
-        return _act_torch(out, act)
+        return activate(out, act)
     if act_grad_of is not None:
-        out = (_wide(out) * _act_grad_torch(act_grad_of, act)).to(out.dtype)
+        grad = activation_grad(act_grad_of, act)
+        if rewrite_act:
+            grad = widened(grad.to(out.dtype))
+            act_grad_of.copy_(activate(act_grad_of, act))
+        out = (widened(out) * grad).to(out.dtype)
     if scale_by is not None:
-        out = (_wide(out) * _wide(scale_by)).to(out.dtype)
+        out = (widened(out) * widened(scale_by)).to(out.dtype)
     if act_out is not None:
-        act_out.copy_(_act_torch(out, act))
-        out = _act_grad_torch(out, act).to(out.dtype)
+        act_out.copy_(activate(out, act))
+        if not keep_product:
+            out = activation_grad(out, act).to(out.dtype)
     return out
 
 
 def _dsd(s, w, topo, act="none"):
-    if _use_triton(s):
+    if use_triton(s):
         return _dsd_triton(s, w, topo, act)
-    return _dsd_torch(_act_torch(s, act), w, topo)
+    return _dsd_torch(_values_to_blocks(activate(s, act), topo), w, topo)
 
 
-def _dstd(s, b, topo, act="none", out=None):
-    if _use_triton(s):
-        return _dstd_triton(s, b, topo, act, out)
-    res = _dstd_torch(_act_torch(s, act), b, topo)
+def _dstd(s, b, topo, act="none", out=None, b_rows=None):
+    if use_triton(s):
+        return _dstd_triton(s, b, topo, act, out, b_rows)
+    res = _dstd_torch(_values_to_blocks(activate(s, act), topo),
+                      b if b_rows is None else _gathered(b, b_rows), topo)
     if out is not None:
         out.copy_(res)
         return out
     return res
 
 
-class _FusedExpertFFN(torch.autograd.Function):
-    """y = act(x W1) W2 over the topology, with the activation fused into the products.
+# ------------------------------------------------------------------- the fused expert FFN
+# y = act(x W1) W2 over the topology, as two autograd nodes so that each backward frees what
+# it was given as soon as it returns (a single node keeps every saved tensor and the
+# incoming gradient alive until its whole backward is done, which put three [rows, ffn]
+# tensors next to both weight gradients at the step's peak):
+#
+#   up    x -> h = SDD(x, W1)                       backward: dx = DSD(dh, W1ᵀ), dW1 = DSᵀD(dh, x)ᵀ
+#   down  h -> y = DSD(act(h), W2)                  backward: dh = SDD(dy, W2ᵀ) * act'(h),
+#                                                             dW2 = DSᵀD(act(h), dy)
+#
+# "h" is what flows between them: its gradient is dL/dh. What the forward keeps of it is the
+# activation fusion (KERNEL_CONFIG["act_fusion"]):
+#   "recompute"  the forward SDD writes h and act(h); DSD reads act(h), which is then freed:
+#                only h is kept. The backward SDD's epilogue computes act'(h) and act(h) from
+#                h, scales dh by the first and writes the second over h, where DSᵀD reads it.
+#                One [rows, ffn] tensor kept, products as plain as "store".
+#   "store"      the forward SDD writes act(h) and act'(h) (which it returns as "h"); both
+#                are kept, the backward multiplies by act'(h) and runs DSᵀD on act(h).
+#   "load"       only h is written and kept; DSD and DSᵀD apply act as they load h (exp/rcp
+#                next to the matrix units: slow on an H200) and the backward SDD's epilogue
+#                multiplies by act'(h).
+#   "checkpoint" as "recompute", but nothing [rows, ffn] is kept: the backward first
+#                recomputes h = SDD(x, W1) (one product more, a sixth of the FFN's work).
+#                The step's peak does not fall (dh and dW1, dW2 are what it holds), what a
+#                model keeps across its layers for the backward does.
 
-    Forward: h = SDD(x, W1); y = DSD(act(h), W2). With act_fusion="load" DSD applies act as
-    it loads h, so act(h) is never written and only h is saved; with "store" (the default)
-    the SDD epilogue writes act(h) and act'(h) (not h, which nothing else needs) and DSD/DSᵀD
-    run plain: MegaBlocks' memory, and no exp/rcp next to the matrix units ("load"
-    recomputes act once per N tile, and its backward epilogue act'). Backward:
-    dh = SDD(dy, W2ᵀ) * act'(h) (epilogue); dW2 = DSᵀD(act(h), dy); dx = DSD(dh, W1ᵀ);
-    dW1 = DSᵀD(dh, x)ᵀ written straight into a [E, K, F] tensor. When no input needs a
-    gradient (inference), the SDD epilogue writes act(h) alone and nothing is saved.
-    """
+
+class _ExpertUp(torch.autograd.Function):
+    """h = SDD(x, W1) (plus act(h), a side output the down node reads and drops, for
+    "recompute" and "store"; "store" returns act'(h) as h).
+
+    Without a routing plan, x holds the padded rows and gets the gradient. With one (the
+    layer), x is the tokens [T, H] and `rows` their permuted copy, made by the routing
+    without autograd, or None: then SDD and DSᵀD read the rows from x themselves, through
+    plan.row_token (keep_rows=False: the forward reads the copy, dW1 the tokens, and the
+    copy dies with the forward). The gradient goes to x: the backward sums each token's k
+    rows of dx itself, and frees that [rows, H] gradient before it allocates dW1."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, topo, act):
-        store = KERNEL_CONFIG["act_fusion"] == "store"
-        a = torch.empty(topo.nnz, topo.block_size, topo.block_size, device=x.device,
-                        dtype=x.dtype) if store else None
-        # store: h holds act'(x W1), a holds act(x W1)
-        h = _sdd(x, w1, topo, act=act, act_out=a)
-        y = _dsd(a, w2, topo) if store else _dsd(h, w2, topo, act)
-        ctx.topo, ctx.act, ctx.store = topo, act, store
-        ctx.save_for_backward(x, w1, w2, h, a)
+    def forward(ctx, x, rows, w1, plan, topo, act, fusion, keep_rows):
+        ctx.topo, ctx.plan = topo, plan
+        # what DSᵀD reads for dW1: the rows, or x and the map into it (also when the copy
+        # is not kept: then it dies with the forward)
+        ctx.gathered = plan is not None and (rows is None or not keep_rows)
+        ctx.save_for_backward(x if ctx.gathered or rows is None else rows, w1)
+        # (the side output a gets no gradient: without this autograd would hand the
+        # backward a [rows, ffn] tensor of zeros for it)
+        ctx.set_materialize_grads(False)
+        a_rows = plan.row_token if rows is None and plan is not None else None
+        src = x if rows is None else rows
+        if fusion == "load":
+            return _sdd(src, w1, topo, a_rows=a_rows), None
+        a = torch.empty(topo.values_shape(), device=x.device, dtype=x.dtype)
+        h = _sdd(src, w1, topo, act=act, act_out=a, keep_product=fusion != "store",
+                 a_rows=a_rows)
+        ctx.mark_non_differentiable(a)
+        return h, a
+
+    @staticmethod
+    def backward(ctx, grad_h, _grad_a):
+        if grad_h is None:  # h did not reach what was differentiated
+            return (None,) * 8
+        src, w1 = ctx.saved_tensors
+        topo, plan = ctx.topo, ctx.plan
+        b_rows = plan.row_token if ctx.gathered else None
+        grad_h = grad_h.contiguous()
+        side = _backward_side_stream(grad_h)
+        grad_w1 = None
+
+        def weight_gradient():
+            out = torch.empty_like(w1, memory_format=torch.contiguous_format)
+            with _after_caller_on(side):
+                _dstd(grad_h, src, topo, out=out.transpose(1, 2), b_rows=b_rows)
+            return out
+
+        if ctx.needs_input_grad[2] and side is not None:  # dW1 on the side stream, beside dx
+            grad_w1 = weight_gradient()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _dsd(grad_h, w1.transpose(1, 2), topo)
+            if plan is not None:
+                grad_x = sum_pair_rows(grad_x, plan.dest_row)
+        if ctx.needs_input_grad[2] and grad_w1 is None:  # (after the [rows, H] dx is gone)
+            grad_w1 = weight_gradient()
+        _join(side)
+        return grad_x, None, grad_w1, None, None, None, None, None
+
+
+class _ExpertDown(torch.autograd.Function):
+    """y = DSD(act(h), W2); its backward returns dL/dh (see the block comment above)."""
+
+    @staticmethod
+    def forward(ctx, h, a, w2, topo, act, fusion, src, w1, a_rows):
+        # (src, w1, a_rows: up's SDD inputs, which "checkpoint" recomputes h from)
+        ctx.topo, ctx.act, ctx.fusion, ctx.a_rows = topo, act, fusion, a_rows
+        if fusion == "load":
+            y = _dsd(h, w2, topo, act)
+            ctx.save_for_backward(h, w2)
+        elif fusion == "checkpoint":
+            y = _dsd(a, w2, topo)
+            ctx.save_for_backward(src, w1, w2)
+        else:
+            y = _dsd(a, w2, topo)
+            ctx.save_for_backward(h, a if fusion == "store" else None, w2)
+        ctx.consumed = False
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w1, w2, h, a = ctx.saved_tensors
-        topo, act = ctx.topo, ctx.act
+        topo, act, fusion = ctx.topo, ctx.act, ctx.fusion
+        if fusion == "recompute":
+            if ctx.consumed:
+                raise ConfigurationError(
+                    "the expert FFN's backward ran twice on one graph (retain_graph=True): "
+                    "with act_fusion='recompute' the first backward overwrites the kept h "
+                    "with act(h); use set_kernel_config(act_fusion='store') for a graph "
+                    "that is differentiated more than once")
+            ctx.consumed = True
+        saved = ctx.saved_tensors
+        h, w2 = saved[0], saved[-1]
+        if fusion == "checkpoint":  # h again, as the forward's SDD made it
+            h = _sdd(saved[0], saved[1], topo, a_rows=ctx.a_rows)
         grad_y = grad_y.contiguous()
-        # With backward_streams = 2 the weight gradients (DSᵀD) run on a side stream, each
-        # beside the product it does not depend on: dW2 beside dh, dW1 beside dx. Every
-        # tensor is allocated on the caller's stream, which waits for the side stream before
-        # returning, so the caching allocator never sees a block in use on two streams.
+        w2_t = w2.transpose(1, 2)
         side = _backward_side_stream(grad_y)
-        grad_w1 = grad_w2 = None
-        if ctx.needs_input_grad[1]:
-            grad_w1 = torch.empty_like(w1, memory_format=torch.contiguous_format)
+        grad_w2 = None
         if ctx.needs_input_grad[2]:
             grad_w2 = torch.empty_like(w2, memory_format=torch.contiguous_format)
-            with _after_caller_on(side):
-                _dstd(a if ctx.store else h, grad_y, topo, "none" if ctx.store else act,
-                      out=grad_w2)
-        if ctx.store:
-            grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, scale_by=h)
+        if fusion in ("recompute", "checkpoint"):
+            # h becomes act(h) here, which DSᵀD then reads: dW2 must follow, not overlap
+            grad_h = _sdd(grad_y, w2_t, topo, act_grad_of=h, act=act, rewrite_act=True)
+            if grad_w2 is not None:
+                _dstd(h, grad_y, topo, out=grad_w2)
         else:
-            grad_h = _sdd(grad_y, w2.transpose(1, 2), topo, act_grad_of=h, act=act)
-        if grad_w1 is not None:
-            with _after_caller_on(side):  # (after grad_h)
-                _dstd(grad_h, x, topo, out=grad_w1.transpose(1, 2))
-        grad_x = _dsd(grad_h, w1.transpose(1, 2), topo) if ctx.needs_input_grad[0] else None
-        if side is not None:
-            torch.cuda.current_stream(side.device).wait_stream(side)
-        return grad_x, grad_w1, grad_w2, None, None
+            if grad_w2 is not None:
+                with _after_caller_on(side):  # dW2 beside dh
+                    if fusion == "store":
+                        _dstd(saved[1], grad_y, topo, out=grad_w2)
+                    else:
+                        _dstd(h, grad_y, topo, act, out=grad_w2)
+            if fusion == "store":
+                grad_h = _sdd(grad_y, w2_t, topo, scale_by=h)
+            else:
+                grad_h = _sdd(grad_y, w2_t, topo, act_grad_of=h, act=act)
+        _join(side)
+        return grad_h, None, grad_w2, None, None, None, None, None, None
 
 
 _SIDE_STREAMS: dict = {}
@@ -666,17 +786,38 @@ def _after_caller_on(side):
         yield
 
 
-def fused_expert_ffn(x, w1, w2, topo, act="gelu"):
-    """act(x @ W1) @ W2 on the topology's blocks (act: gelu (tanh form), relu, silu, none)."""
+def _join(side) -> None:
+    """The caller's stream waits for the side stream (when there is one)."""
+    if side is not None:
+        torch.cuda.current_stream(side.device).wait_stream(side)
+
+
+def fused_expert_ffn(x, w1, w2, topo, act="gelu", plan=None, rows=None, keep_rows=True):
+    """act(x @ W1) @ W2 on the topology's blocks (act: gelu (tanh form), relu, silu, none).
+
+    x: the padded, expert-sorted rows [num_rows, H]. With `plan` (the routing plan of
+    x's tokens: the layer's path), x is the tokens [T, H] and the gradient goes to them;
+    `rows` is their permuted copy when the routing made one, else (None) the kernels read
+    the rows from x themselves (plan.row_token). keep_rows=False: the forward reads the
+    copy, the backward the tokens (the copy is not kept for it)."""
     if act not in ACT_CODES:
         raise ConfigurationError(
             f"fused activation must be one of {sorted(ACT_CODES)}, got {act!r}")
     _check_same_dtype(x, w1, w2)
+    if plan is None and rows is not None:
+        raise InvalidArgumentError("fused_expert_ffn: rows (a permuted copy) needs its plan")
+    a_rows = plan.row_token if plan is not None and rows is None else None
     if not (torch.is_grad_enabled() and (x.requires_grad or w1.requires_grad
                                          or w2.requires_grad)):
         # no backward will follow (inference, torch.no_grad): only act(x W1) is needed
-        return _dsd(_sdd(x, w1, topo, act=act, act_only=True), w2, topo)
-    return _FusedExpertFFN.apply(x, w1, w2, topo, act)
+        src = x if rows is None else rows
+        return _dsd(_sdd(src, w1, topo, act=act, act_only=True, a_rows=a_rows), w2, topo)
+    fusion = KERNEL_CONFIG["act_fusion"]
+    h, a = _ExpertUp.apply(x, rows, w1, plan, topo, act, fusion, keep_rows)
+    if rows is not None and not keep_rows:  # "checkpoint" recomputes h from the tokens too
+        rows, a_rows = None, plan.row_token
+    return _ExpertDown.apply(h, a, w2, topo, act, fusion, x if rows is None else rows, w1,
+                             a_rows)
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -733,14 +874,15 @@ class _DSTD(torch.autograd.Function):
 
 
 def _check_sparse(s: torch.Tensor, topo: Topology) -> None:
-    want = (topo.nnz, topo.block_size, topo.block_size)
+    want = topo.values_shape()
     if tuple(s.shape) != want:
         raise InvalidArgumentError(f"sparse values must have shape {want} for this topology, "
                                    f"got {tuple(s.shape)}")
 
 
 def sdd(a: torch.Tensor, w: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """S = A @ W on the topology's blocks. A [P, K], W [E, K, F] -> values [nnz, B, B]."""
+    """S = A @ W on the topology's blocks. A [P, K], W [E, K, F] -> values [nnz, B, B]
+    (compact topologies: [pairs, nb * B], see Topology)."""
     _check_same_dtype(a, w)
     if a.dim() != 2 or a.shape[0] != topo.num_rows or w.dim() != 3 \
             or w.shape[0] != topo.num_experts or w.shape[1] != a.shape[1] \
@@ -780,6 +922,7 @@ def ddst(w: torch.Tensor, s: torch.Tensor, topo: Topology) -> torch.Tensor:
 
 def to_dense(s: torch.Tensor, topo: Topology) -> torch.Tensor:
     """Dense [P, E * F_padded] view of sparse values (for tests and debugging)."""
+    s = _values_to_blocks(s, topo)
     rows, cols = topo.dense_shape()
     out = s.new_zeros(topo.num_row_blocks, topo.num_column_blocks, topo.block_size,
                       topo.block_size)

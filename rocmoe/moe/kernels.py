@@ -88,6 +88,26 @@ def _activate_grad(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
 
 
 @triton.jit
+def _activate_with_grad(x, ACT: tl.constexpr, FAST: tl.constexpr = False):
+    """(act(x), act'(x)) from one sigmoid: the epilogues that need both."""
+    if ACT == 1:
+        s = _sigmoid(1.5957691216057308 * (x + 0.044715 * x * x * x), FAST)
+        a = x * s
+        d = s + x * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * x * x)
+    elif ACT == 2:
+        a = tl.maximum(x, 0.0)
+        d = tl.where(x > 0.0, 1.0, 0.0)
+    elif ACT == 3:
+        s = _sigmoid(x, FAST)
+        a = x * s
+        d = s * (1.0 + x * (1.0 - s))
+    else:
+        a = x
+        d = tl.full(x.shape, 1.0, tl.float32)
+    return a, d
+
+
+@triton.jit
 def _grouped_tile(t, num_rows, num_n, GROUP_M: tl.constexpr):
     """(row block, column tile) of output tile t in launch order. GROUP_M = 1: a row block's
     column tiles one after another. GROUP_M > 1: GROUP_M row blocks take each column tile in
@@ -108,7 +128,7 @@ def _grouped_tile(t, num_rows, num_n, GROUP_M: tl.constexpr):
 
 @_kernel
 def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
-               block_rows_ptr, K, F, nb, num_n,
+               block_rows_ptr, a_rows_ptr, first_row_ptr, K, F, nb, num_n,
                stride_am, stride_ak,
                stride_we, stride_wk, stride_wf,
                BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -117,7 +137,9 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
                USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False,
                FAST_ACT: tl.constexpr = False, PRELOAD_SCALE: tl.constexpr = False,
                EPILOGUE_ACT: tl.constexpr = 0, TAIL: tl.constexpr = False,
-               GROUP_M: tl.constexpr = 1):
+               GROUP_M: tl.constexpr = 1, STORE_PRE: tl.constexpr = False,
+               REWRITE_ACT: tl.constexpr = False, GATHER_A: tl.constexpr = False,
+               COMPACT: tl.constexpr = False):
     # out[blk] = a[rows of row block r] @ w[e, :, cols of blk] for SPLIT consecutive blocks blk
     # of row r (a B x SPLIT*B tile per program: wider tiles feed the matrix units better).
     # With EPILOGUE_ACT_GRAD: out[blk] *= act'(h[blk]).
@@ -125,6 +147,13 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
     # With EPILOGUE_STORE_ACT: act_out[blk] = act(p) and out[blk] = act'(p) for the product p
     # (the forward of act_fusion="store": the backward then only multiplies by act'(p)).
     # With EPILOGUE_ACT: out[blk] = act(p) (a forward that no backward will follow).
+    # STORE_PRE (with EPILOGUE_STORE_ACT): out[blk] = p itself, act_out[blk] = act(p): the
+    # forward of act_fusion="recompute", which keeps p alone for the backward.
+    # REWRITE_ACT (with EPILOGUE_ACT_GRAD; act_out_ptr is h_ptr): out[blk] *= act'(h[blk])
+    # rounded to the storage type, and h[blk] is overwritten with act(h[blk]) in place (each
+    # program reads and writes its own tile only): the backward of "recompute", which then
+    # needs act(h) but never h again. Rounding act' makes the gradient bitwise that of
+    # act_fusion="store", whose forward stored act'(h) in the storage type.
     # USE_TMA (Hopper; the launcher checks alignment, EVEN_K and EVEN_F): a_ptr describes
     # A [P, K] in [BLOCK, BLOCK_K] boxes (a_half_ptr is A itself, for TAIL); w_ptr
     # describes W as [E*K, F] in [BLOCK_K, SPLIT*B] boxes, or with W_T (W is the transpose of
@@ -137,6 +166,12 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
     # typically an expert's last, is computed as its top half only, with zeros stored below:
     # with 128-row blocks and ~256 tokens per expert that is a tenth of all the rows.
     # GROUP_M: the launch order of the tiles (see _grouped_tile).
+    # GATHER_A: A is the unpermuted tokens [T, K]; row p of the padded rows is token
+    # a_rows[p] (-1: padding, read as zeros), loaded by pointer (TMA cannot gather rows on
+    # Hopper): no permuted copy of the tokens exists (act_fusion's "gather_rows").
+    # COMPACT: the values (out, h, act_out) are stored without their padding rows, as
+    # [pairs, nb * B] rows (see _value_offsets); padding rows are neither computed into
+    # memory nor stored.
     row_block, n_idx = _grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n,
                                      GROUP_M)
     first, end, valid, expert, f0 = _sdd_tile(row_block, n_idx, col_idx_ptr, nb, BLOCK, SPLIT)
@@ -148,13 +183,16 @@ def sdd_kernel(a_ptr, a_half_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_pt
                   out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
                   stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
                   EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
-                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, False)
+                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, False, STORE_PRE, REWRITE_ACT,
+                  GATHER_A, a_rows_ptr, nb, block_rows_ptr, first_row_ptr, COMPACT)
     else:
         _sdd_rows(BLOCK, row_block, first, end, valid, expert, f0, a_ptr, w_ptr,
                   out_ptr, h_ptr, act_out_ptr, K, F, stride_am, stride_ak, stride_we,
                   stride_wk, stride_wf, BLOCK, SPLIT, BLOCK_K, EVEN_K, EVEN_F,
                   EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, USE_TMA, W_T,
-                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, USE_TMA)
+                  FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT, USE_TMA and not GATHER_A, STORE_PRE,
+                  REWRITE_ACT, GATHER_A, a_rows_ptr, nb, block_rows_ptr, first_row_ptr,
+                  COMPACT)
 
 
 @triton.jit
@@ -164,7 +202,9 @@ def _sdd_rows(BM: tl.constexpr, row_block, first, end, valid, expert, f0, a_ptr,
               EVEN_K: tl.constexpr, EVEN_F: tl.constexpr, EPILOGUE_ACT_GRAD: tl.constexpr,
               EPILOGUE_STORE_ACT: tl.constexpr, EPILOGUE_SCALE: tl.constexpr,
               USE_TMA: tl.constexpr, W_T: tl.constexpr, FAST_ACT: tl.constexpr,
-              PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr, A_DESC: tl.constexpr):
+              PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr, A_DESC: tl.constexpr,
+              STORE_PRE: tl.constexpr, REWRITE_ACT: tl.constexpr, GATHER_A: tl.constexpr,
+              a_rows_ptr, nb, block_rows_ptr, first_row_ptr, COMPACT: tl.constexpr):
     """sdd_kernel's tile on the top BM rows of its row block (zeros stored below them).
     With USE_TMA, A comes through a descriptor when A_DESC, else (the half blocks: one more
     descriptor per launch cost more host time than their few loads gain) by pointer."""
@@ -172,21 +212,34 @@ def _sdd_rows(BM: tl.constexpr, row_block, first, end, valid, expert, f0, a_ptr,
     rm = tl.arange(0, BM)
     rn = tl.arange(0, SPLIT * BLOCK)
     rk = tl.arange(0, BLOCK_K)
-    offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT, BM, 0)
+    offs, in_row = _value_offsets(first, end, f0, row_block, nb, block_rows_ptr,
+                                  first_row_ptr, BLOCK, SPLIT, BM, 0, COMPACT)
     if EPILOGUE_SCALE and PRELOAD_SCALE:
-        scale = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0)
+        scale = tl.load(h_ptr + offs, mask=in_row, other=0.0)
     else:
         scale = 0.0
     acc = tl.zeros((BM, SPLIT * BLOCK), dtype=tl.float32)
-    if not (USE_TMA and A_DESC):
-        a_ptrs = a_ptr + (row_block * BLOCK + rm).to(tl.int64)[:, None] * stride_am \
+    # a_ok: the rows A has (every row unless GATHER_A, where padding rows have no token)
+    if GATHER_A:
+        src = tl.load(a_rows_ptr + row_block * BLOCK + rm)
+        a_ok = src >= 0
+        a_ptrs = a_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * stride_am \
             + rk[None, :] * stride_ak
+    else:
+        a_ok = rm >= 0
+        if not (USE_TMA and A_DESC):
+            a_ptrs = a_ptr + (row_block * BLOCK + rm).to(tl.int64)[:, None] * stride_am \
+                + rk[None, :] * stride_ak
     if USE_TMA:
         for k in range(0, k_end, BLOCK_K):
             if A_DESC:
                 a = a_ptr.load([row_block * BLOCK, k])
             else:
-                a = tl.load(a_ptrs)  # (TMA implies EVEN_K)
+                # (TMA implies EVEN_K)
+                if GATHER_A:
+                    a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
                 a_ptrs += BLOCK_K * stride_ak
             if W_T:
                 w = tl.trans(w_ptr.load([expert * F + f0, k]))
@@ -199,30 +252,36 @@ def _sdd_rows(BM: tl.constexpr, row_block, first, end, valid, expert, f0, a_ptr,
                   + f_cols[None, :] * stride_wf)
         for k in range(0, k_end, BLOCK_K):
             if EVEN_K:
-                a = tl.load(a_ptrs)
+                if GATHER_A:
+                    a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
+                else:
+                    a = tl.load(a_ptrs)
                 if EVEN_F:
                     w = tl.load(w_ptrs)
                 else:
                     w = tl.load(w_ptrs, mask=f_cols[None, :] < F, other=0.0)
             else:
                 k_ok = (k + rk) < K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                a = tl.load(a_ptrs, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_ok[:, None] & (f_cols[None, :] < F), other=0.0)
             acc += tl.dot(a, w)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
     _sdd_finish(acc, scale, offs, in_row, out_ptr, h_ptr, act_out_ptr, EPILOGUE_ACT_GRAD,
-                EPILOGUE_STORE_ACT, EPILOGUE_SCALE, FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT)
-    if BM < BLOCK:
+                EPILOGUE_STORE_ACT, EPILOGUE_SCALE, FAST_ACT, PRELOAD_SCALE, EPILOGUE_ACT,
+                STORE_PRE, REWRITE_ACT)
+    if BM < BLOCK and not COMPACT:  # (compact values keep no padding rows)
         # the lower rows are padding (zero in A): what the epilogue makes of a zero product
-        z_offs, z_in_row = _sdd_offsets(first, end, BLOCK, SPLIT, BLOCK - BM, BM)
+        z_offs, z_in_row = _value_offsets(first, end, f0, row_block, nb, block_rows_ptr,
+                                          first_row_ptr, BLOCK, SPLIT, BLOCK - BM, BM, False)
         zero = tl.zeros((BLOCK - BM, SPLIT * BLOCK), dtype=tl.float32)
+        # (REWRITE_ACT: h is zero there, and act(0) = 0, so h needs no store)
         if EPILOGUE_STORE_ACT != 0:
             # act(0) = 0; act'(0) is 1/2 for GELU and SiLU
-            tl.store(act_out_ptr + z_offs, zero.to(out_ptr.dtype.element_ty),
-                     mask=z_in_row[None, :])
-            zero = _activate_grad(zero, EPILOGUE_STORE_ACT, FAST_ACT)
-        tl.store(out_ptr + z_offs, zero.to(out_ptr.dtype.element_ty), mask=z_in_row[None, :])
+            tl.store(act_out_ptr + z_offs, zero.to(out_ptr.dtype.element_ty), mask=z_in_row)
+            if not STORE_PRE:
+                zero = _activate_grad(zero, EPILOGUE_STORE_ACT, FAST_ACT)
+        tl.store(out_ptr + z_offs, zero.to(out_ptr.dtype.element_ty), mask=z_in_row)
 
 
 @triton.jit
@@ -239,53 +298,76 @@ def _sdd_tile(row_block, n_idx, col_idx_ptr, nb, BLOCK: tl.constexpr, SPLIT: tl.
 
 
 @triton.jit
-def _sdd_offsets(first, end, BLOCK: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
-                 ROW0: tl.constexpr):
-    """Element offsets of rows ROW0 ... ROW0 + ROWS - 1 of a B x SPLIT*B tile in the
-    [nnz, B, B] values, and which of its columns exist (a row whose block count is not a
-    multiple of SPLIT)."""
+def _value_offsets(first, end, f0, row_block, nb, block_rows_ptr, first_row_ptr,
+                   BLOCK: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
+                   ROW0: tl.constexpr, COMPACT: tl.constexpr):
+    """Element offsets of rows ROW0 ... ROW0 + ROWS - 1 of row block `row_block`'s
+    B x SPLIT*B tile whose first block is `first` (ffn column f0) in the sparse values, and
+    the [ROWS, SPLIT*B] mask of the elements that exist: its columns (a row whose block
+    count is not a multiple of SPLIT) and, with COMPACT, its real rows only.
+
+    Values are [nnz, B, B] blocks, or with COMPACT [pairs, nb * B] rows without padding:
+    row i of row block r is row first_row[r] + i, for i < block_rows[r] (an expert's rows
+    are consecutive, in the order of its padded rows)."""
     rm = ROW0 + tl.arange(0, ROWS)
     rn = tl.arange(0, SPLIT * BLOCK)
-    # tile column c lives in block first + c // B at column c % B
-    offs = ((first + rn // BLOCK).to(tl.int64) * (BLOCK * BLOCK))[None, :] \
-        + rm[:, None] * BLOCK + (rn % BLOCK)[None, :]
-    return offs, (first + rn // BLOCK) < end
+    cols = (first + rn // BLOCK) < end
+    if COMPACT:
+        row0 = tl.load(first_row_ptr + row_block)
+        real = tl.load(block_rows_ptr + row_block)
+        offs = (row0 + rm).to(tl.int64)[:, None] * (nb * BLOCK) + (f0 + rn)[None, :]
+        ok = (rm < real)[:, None] & cols[None, :]
+    else:
+        # tile column c lives in block first + c // B at column c % B
+        offs = ((first + rn // BLOCK).to(tl.int64) * (BLOCK * BLOCK))[None, :] \
+            + rm[:, None] * BLOCK + (rn % BLOCK)[None, :]
+        ok = (rm >= 0)[:, None] & cols[None, :]
+    return offs, ok
 
 
 @triton.jit
 def _sdd_finish(acc, scale, offs, in_row, out_ptr, h_ptr, act_out_ptr,
                 EPILOGUE_ACT_GRAD: tl.constexpr, EPILOGUE_STORE_ACT: tl.constexpr,
                 EPILOGUE_SCALE: tl.constexpr, FAST_ACT: tl.constexpr,
-                PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr):
+                PRELOAD_SCALE: tl.constexpr, EPILOGUE_ACT: tl.constexpr,
+                STORE_PRE: tl.constexpr = False, REWRITE_ACT: tl.constexpr = False):
     """SDD's epilogue (see sdd_kernel) and store; `scale` is the preloaded tile when
     PRELOAD_SCALE."""
     if EPILOGUE_ACT_GRAD != 0:
-        h = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0).to(tl.float32)
-        acc = acc * _activate_grad(h, EPILOGUE_ACT_GRAD, FAST_ACT)
+        h = tl.load(h_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+        if REWRITE_ACT:
+            act, d = _activate_with_grad(h, EPILOGUE_ACT_GRAD, FAST_ACT)
+            tl.store(act_out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=in_row)
+            acc = acc * d.to(out_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            acc = acc * _activate_grad(h, EPILOGUE_ACT_GRAD, FAST_ACT)
     if EPILOGUE_SCALE:
         if not PRELOAD_SCALE:
-            scale = tl.load(h_ptr + offs, mask=in_row[None, :], other=0.0)
+            scale = tl.load(h_ptr + offs, mask=in_row, other=0.0)
         acc = acc * scale.to(tl.float32)
     if EPILOGUE_STORE_ACT != 0:
         # act and act' of the rounded value, as the unfused reference computes both from a
         # stored h
         hr = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        act = _activate(hr, EPILOGUE_STORE_ACT, FAST_ACT).to(out_ptr.dtype.element_ty)
-        tl.store(act_out_ptr + offs, act, mask=in_row[None, :])
-        acc = _activate_grad(hr, EPILOGUE_STORE_ACT, FAST_ACT)
+        act, d = _activate_with_grad(hr, EPILOGUE_STORE_ACT, FAST_ACT)
+        tl.store(act_out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=in_row)
+        if not STORE_PRE:
+            acc = d
     if EPILOGUE_ACT != 0:
         acc = _activate(acc.to(out_ptr.dtype.element_ty).to(tl.float32), EPILOGUE_ACT, FAST_ACT)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row[None, :])
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 @_kernel
 def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr,
-                          K, F, nb, num_n, num_tiles,
+                          block_rows_ptr, first_row_ptr, K, F, nb, num_n, num_tiles,
                           BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr,
                           EPILOGUE_ACT_GRAD: tl.constexpr, EPILOGUE_STORE_ACT: tl.constexpr,
                           EPILOGUE_SCALE: tl.constexpr, W_T: tl.constexpr = False,
                           FAST_ACT: tl.constexpr = False, EPILOGUE_ACT: tl.constexpr = 0,
-                          COUNT_TILE: tl.constexpr = 64, GROUP_M: tl.constexpr = 1):
+                          COUNT_TILE: tl.constexpr = 64, GROUP_M: tl.constexpr = 1,
+                          STORE_PRE: tl.constexpr = False, REWRITE_ACT: tl.constexpr = False,
+                          COMPACT: tl.constexpr = False):
     # SDD as sdd_kernel computes it (tensor-descriptor operands, K a multiple of BLOCK_K),
     # by a few programs per SM that take the tiles pid, pid + grid, ... in one flat loop over
     # all their k steps, as dstd_persistent_kernel does: SDD's K is the hidden size, 8-16
@@ -330,24 +412,26 @@ def sdd_persistent_kernel(a_ptr, w_ptr, out_ptr, h_ptr, act_out_ptr, col_idx_ptr
         acc = tl.dot(a, w, acc)
         if ki == k_steps - 1:
             acc = tl.where(valid, acc, 0.0)
-            offs, in_row = _sdd_offsets(first, end, BLOCK, SPLIT, BLOCK, 0)
+            offs, in_row = _value_offsets(first, end, f0, row_block, nb, block_rows_ptr,
+                                          first_row_ptr, BLOCK, SPLIT, BLOCK, 0, COMPACT)
             # (the scale tile is read here: carried across the loop from a load at the
             # tile's first step, it made the backward SDD 5x slower on the H200)
             _sdd_finish(acc, 0.0, offs, in_row, out_ptr, h_ptr, act_out_ptr,
                         EPILOGUE_ACT_GRAD, EPILOGUE_STORE_ACT, EPILOGUE_SCALE, FAST_ACT,
-                        False, EPILOGUE_ACT)
+                        False, EPILOGUE_ACT, STORE_PRE, REWRITE_ACT)
             acc = tl.zeros((BLOCK, SPLIT * BLOCK), dtype=tl.float32)
 
 
 @_kernel
-def dsd_kernel(s_ptr, s_half_ptr, w_ptr, out_ptr, col_idx_ptr, block_rows_ptr,
+def dsd_kernel(s_ptr, s_half_ptr, w_ptr, out_ptr, col_idx_ptr, block_rows_ptr, first_row_ptr,
                N, F, nb, num_n,
                stride_we, stride_wf, stride_wn,
                stride_om, stride_on,
                BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN_F: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr,
                USE_TMA: tl.constexpr = False, W_T: tl.constexpr = False,
-               TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 1):
+               TAIL: tl.constexpr = False, GROUP_M: tl.constexpr = 1,
+               COMPACT: tl.constexpr = False):
     # out[rows of row block r, tile] = sum over blocks of r: act(s[blk]) @ w[e, cols of blk, tile]
     # USE_TMA (Hopper; the launcher checks alignment and EVEN_F): s_ptr describes the values
     # as [nnz*B, B] in [B, BLOCK_K] boxes (s_half_ptr is the values, for TAIL); w_ptr
@@ -359,6 +443,10 @@ def dsd_kernel(s_ptr, s_half_ptr, w_ptr, out_ptr, col_idx_ptr, block_rows_ptr,
     # sparse values are read from HBM once and hit L2 for the other N tiles; with
     # GROUP_M > 1, GROUP_M row blocks share each W tile too (see _grouped_tile).
     # TAIL: as in sdd_kernel, a row block with at most B/2 real rows computes its top half.
+    # COMPACT: the values are [pairs, nb * B] rows (see _value_offsets); with USE_TMA s_ptr
+    # describes them in [B, BLOCK_K] boxes. Rows of a box past the row block's real ones
+    # belong to the next expert (or lie past the end: zeros), so the tile's output rows
+    # there are stored as zeros, as padding rows always are.
     row_block, pid_n = _grouped_tile(tl.program_id(0), tl.num_programs(0) // num_n, num_n,
                                      GROUP_M)
     start = row_block * nb  # row_offsets[r] = r * nb (see the module docstring)
@@ -372,16 +460,22 @@ def dsd_kernel(s_ptr, s_half_ptr, w_ptr, out_ptr, col_idx_ptr, block_rows_ptr,
     half = tl.constexpr(False)  # (a constexpr: without TAIL the half branch is not built)
     if TAIL:
         half = (num_blocks > 0) & (tl.load(block_rows_ptr + row_block) <= BLOCK // 2)
+    if COMPACT:
+        row0 = tl.load(first_row_ptr + row_block)
+        real = tl.load(block_rows_ptr + row_block)
+    else:
+        row0 = 0
+        real = BLOCK
     if half:
         _dsd_rows(BLOCK // 2, row_block, pid_n, start, num_blocks, expert, f_first,
                   s_half_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
                   stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
-                  USE_TMA, W_T, False)
+                  USE_TMA, W_T, False, row0, real, nb, COMPACT)
     else:
         _dsd_rows(BLOCK, row_block, pid_n, start, num_blocks, expert, f_first,
                   s_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn,
                   stride_om, stride_on, BLOCK, BLOCK_N, BLOCK_K, EVEN_F, EVEN_N, ACT,
-                  USE_TMA, W_T, USE_TMA)
+                  USE_TMA, W_T, USE_TMA, row0, real, nb, COMPACT)
 
 
 @triton.jit
@@ -389,10 +483,12 @@ def _dsd_rows(BM: tl.constexpr, row_block, pid_n, start, num_blocks, expert, f_f
               s_ptr, w_ptr, out_ptr, N, F, stride_we, stride_wf, stride_wn, stride_om,
               stride_on, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN_F: tl.constexpr, EVEN_N: tl.constexpr, ACT: tl.constexpr,
-              USE_TMA: tl.constexpr, W_T: tl.constexpr, S_DESC: tl.constexpr):
+              USE_TMA: tl.constexpr, W_T: tl.constexpr, S_DESC: tl.constexpr, row0, real,
+              nb, COMPACT: tl.constexpr):
     """dsd_kernel's tile on the top BM rows of its row block (zeros stored below them).
     With USE_TMA, the sparse operand comes through a descriptor when S_DESC, else by
-    pointer (the half blocks, as in _sdd_rows)."""
+    pointer (the half blocks, as in _sdd_rows). COMPACT: the row block's values are rows
+    row0 ... of [pairs, nb * B] values, `real` of them its own."""
     rm = tl.arange(0, BM)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -403,13 +499,20 @@ def _dsd_rows(BM: tl.constexpr, row_block, pid_n, start, num_blocks, expert, f_f
     # keeps one BLOCK_K slice per pipeline stage, so 3-4 stages fit in shared memory.
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     s_offs = rm[:, None] * BLOCK + rk[None, :]
-    if not (USE_TMA and S_DESC):
+    row_ok = rm < real
+    if COMPACT and not (USE_TMA and S_DESC):
+        s_rows = s_ptr + (row0 + rm).to(tl.int64)[:, None] * (nb * BLOCK) + rk[None, :]
+    elif not (USE_TMA and S_DESC):
         s_base = s_ptr + start.to(tl.int64) * BLOCK * BLOCK
     if USE_TMA:
         n0 = pid_n * BLOCK_N
         for kk in range(0, num_blocks * BLOCK, BLOCK_K):
-            if S_DESC:
+            if S_DESC and COMPACT:
+                s = s_ptr.load([row0, kk])
+            elif S_DESC:
                 s = s_ptr.load([(start + kk // BLOCK) * BLOCK, kk % BLOCK])
+            elif COMPACT:
+                s = tl.load(s_rows + kk, mask=row_ok[:, None], other=0.0)
             else:
                 blk_off = tl.multiple_of((kk // BLOCK) * (BLOCK * BLOCK), BLOCK * BLOCK)
                 s = tl.load(s_base + blk_off + tl.multiple_of(kk % BLOCK, BLOCK_K) + s_offs)
@@ -428,10 +531,14 @@ def _dsd_rows(BM: tl.constexpr, row_block, pid_n, start, num_blocks, expert, f_f
             # (not carried as a pointer bumped by a tl.where): Triton 3.6 could not prove the
             # carried form 16-byte aligned, loaded the tile with 2-byte scalar loads outside the
             # software pipeline, and DSD ran at 260-280 TFLOP/s on an H200 against SDD's 600.
-            k_in_block = tl.multiple_of(kk % BLOCK, BLOCK_K)
-            # (int32 is enough: a row holds ffn / BLOCK blocks, far below 2^31 / BLOCK^2)
-            blk_off = tl.multiple_of((kk // BLOCK) * (BLOCK * BLOCK), BLOCK * BLOCK)
-            s = tl.load(s_base + blk_off + k_in_block + s_offs)
+            if COMPACT:
+                s = tl.load(s_rows + tl.multiple_of(kk, BLOCK_K), mask=row_ok[:, None],
+                            other=0.0)
+            else:
+                k_in_block = tl.multiple_of(kk % BLOCK, BLOCK_K)
+                # (int32 is enough: a row holds ffn / BLOCK blocks, far below 2^31 / B^2)
+                blk_off = tl.multiple_of((kk // BLOCK) * (BLOCK * BLOCK), BLOCK * BLOCK)
+                s = tl.load(s_base + blk_off + k_in_block + s_offs)
             if ACT != 0:
                 s = _activate(s.to(tl.float32), ACT).to(w_ptr.dtype.element_ty)
             if EVEN_F and EVEN_N:
@@ -441,6 +548,8 @@ def _dsd_rows(BM: tl.constexpr, row_block, pid_n, start, num_blocks, expert, f_f
                             other=0.0)
             acc += tl.dot(s, w)
             w_ptrs += BLOCK_K * stride_wf
+    if COMPACT and S_DESC:  # (the box's rows past the real ones are the next expert's)
+        acc = tl.where(row_ok[:, None], acc, 0.0)
     rows = (row_block * BLOCK + rm).to(tl.int64)
     out_ptrs = out_ptr + rows[:, None] * stride_om + rn[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[None, :])
@@ -496,19 +605,41 @@ def _dstd_store(acc, out_ptr, expert, f0, n0, N, F, stride_oe, stride_of, stride
                  mask=(f[:, None] < F) & (rn < N)[None, :])
 
 
+@triton.jit
+def _load_gathered(b_ptr, rows_ptr, row0, rn, n_ok, stride_bm, stride_bn,
+                   BLOCK_K: tl.constexpr, live):
+    """The [BLOCK_K, BLOCK_N] tile at padded rows row0 ... of a dense operand that is not
+    materialised: padded row p is row rows_ptr[p] of b (-1: a padding row, zeros). Not
+    `live` (the discarded step of an empty column, whose rows may lie past the end): zeros,
+    nothing read."""
+    rk = tl.arange(0, BLOCK_K)
+    src = tl.load(rows_ptr + row0 + rk, mask=rk < tl.where(live, BLOCK_K, 0), other=-1)
+    ptrs = b_ptr + tl.maximum(src, 0).to(tl.int64)[:, None] * stride_bm \
+        + rn[None, :] * stride_bn
+    return tl.load(ptrs, mask=(src >= 0)[:, None] & n_ok[None, :], other=0.0)
+
+
 @_kernel
-def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
-                N, F, nb, num_n,
+def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr, b_rows_ptr,
+                first_row_ptr, N, F, nb, num_n,
                 stride_bm, stride_bn,
                 stride_oe, stride_of, stride_on,
                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 EVEN_N: tl.constexpr, ACT: tl.constexpr, USE_TMA: tl.constexpr = False,
                 TMA_STORE: tl.constexpr = False, OUT_T: tl.constexpr = False,
-                TRIM_K: tl.constexpr = False):
+                TRIM_K: tl.constexpr = False, GATHER_B: tl.constexpr = False,
+                COMPACT: tl.constexpr = False):
     # out[e, cols of column block c, tile] = sum over blocks of c: act(s[blk])^T @ b[rows of blk]
     # USE_TMA (Hopper; the launcher checks alignment): s_ptr describes the values as
     # [nnz*B, B] in [BLOCK_K, B] boxes (transposed in shared memory), b_ptr describes B [P, N]
     # in [BLOCK_K, BLOCK_N] boxes. TMA_STORE: see _dstd_store.
+    # GATHER_B: b_ptr is the unpermuted tokens, padded row p being token b_rows[p] (the
+    # weight gradient dW1 without a permuted copy of the tokens), read by pointer.
+    # COMPACT: the values are [pairs, nb * B] rows (see _value_offsets), an expert's rows
+    # consecutive from first_row[its first row block]; with USE_TMA s_ptr describes them in
+    # [BLOCK_K, B] boxes. A box's rows past the expert's (expert_rows: its real count) are
+    # the next expert's, finite, and meet padding rows of B, which are zero (the contract
+    # of every dense operand): they add nothing. The pointer loads mask them.
     pid = tl.program_id(0)
     c = pid // num_n      # N tiles of one column block run side by side (L2 reuse of s)
     pid_n = pid % num_n
@@ -524,25 +655,47 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
     # Valid blocks of a column are consecutive row blocks: block ids step by nb, rows by B.
     # act(s[blk])^T tile: element (m, k) is s[blk, kk % B + k, m]
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
+    if COMPACT:
+        # (an idle expert's column may point one row block past the end: nothing to read)
+        row0 = tl.load(first_row_ptr + first_row, mask=k_len > 0, other=0)
+        count = tl.load(expert_rows_ptr + expert)
+    else:
+        row0 = 0
+        count = k_len
     if USE_TMA:
         for kk in range(0, k_len, BLOCK_K):
-            blk = first + (kk // BLOCK) * nb
-            s_t = tl.trans(s_ptr.load([blk * BLOCK + kk % BLOCK, 0]))
+            if COMPACT:
+                s_t = tl.trans(s_ptr.load([row0 + kk, f0]))
+            else:
+                blk = first + (kk // BLOCK) * nb
+                s_t = tl.trans(s_ptr.load([blk * BLOCK + kk % BLOCK, 0]))
             if ACT != 0:
                 s_t = _activate(s_t.to(tl.float32), ACT).to(s_t.dtype)
-            b = b_ptr.load([first_row * BLOCK + kk, n0])
+            if GATHER_B:
+                b = _load_gathered(b_ptr, b_rows_ptr, first_row * BLOCK + kk, rn, n_ok,
+                                   stride_bm, stride_bn, BLOCK_K, k_len > 0)
+            else:
+                b = b_ptr.load([first_row * BLOCK + kk, n0])
             acc += tl.dot(s_t, b)
     else:
         s_blk = s_ptr + first.to(tl.int64) * BLOCK * BLOCK
         s_offs = rk[None, :] * BLOCK + rm[:, None]
+        s_cols = s_ptr + (row0 + rk).to(tl.int64)[None, :] * (nb * BLOCK) + (f0 + rm)[:, None]
         b_ptrs = (b_ptr + (first_row.to(tl.int64) * BLOCK + rk)[:, None] * stride_bm
                   + rn[None, :] * stride_bn)
         for kk in range(0, k_len, BLOCK_K):
             k_in_block = kk % BLOCK
-            s_t = tl.load(s_blk + s_offs + k_in_block * BLOCK)
+            if COMPACT:
+                s_t = tl.load(s_cols, mask=(kk + rk < count)[None, :], other=0.0)
+                s_cols += BLOCK_K * (nb * BLOCK)
+            else:
+                s_t = tl.load(s_blk + s_offs + k_in_block * BLOCK)
             if ACT != 0:
                 s_t = _activate(s_t.to(tl.float32), ACT).to(b_ptr.dtype.element_ty)
-            if EVEN_N:
+            if GATHER_B:
+                b = _load_gathered(b_ptr, b_rows_ptr, first_row * BLOCK + kk, rn, n_ok,
+                                   stride_bm, stride_bn, BLOCK_K, k_len > 0)
+            elif EVEN_N:
                 b = tl.load(b_ptrs)
             else:
                 b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
@@ -554,13 +707,14 @@ def dstd_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
 
 
 @_kernel
-def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
-                           N, F, nb, num_n, num_tiles,
+def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr, b_rows_ptr,
+                           first_row_ptr, N, F, nb, num_n, num_tiles, stride_bm, stride_bn,
                            stride_oe, stride_of, stride_on,
                            BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            ACT: tl.constexpr, TMA_STORE: tl.constexpr = False,
                            OUT_T: tl.constexpr = False, TRIM_K: tl.constexpr = False,
-                           COUNT_TILE: tl.constexpr = 64):
+                           COUNT_TILE: tl.constexpr = 64, GATHER_B: tl.constexpr = False,
+                           COMPACT: tl.constexpr = False):
     # DSᵀD as dstd_kernel computes it, by a grid of a few programs per SM that each take the
     # tiles pid, pid + grid, ... (tensor-descriptor operands only). Its K, an expert's rows,
     # is often 2-3 steps of BLOCK_K: one program per tile then spends most of its time
@@ -569,7 +723,8 @@ def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
     # boundaries: the next tile's first operands arrive while this one finishes and is stored.
     # (Triton's flatten=True cannot fuse the nested form: the inner trip count is loaded.)
     # An empty column (an expert with no tokens) takes one step whose product is discarded,
-    # so that its zero tile is still written.
+    # so that its zero tile is still written. GATHER_B: as in dstd_kernel (b_ptr is then a
+    # pointer; stride_bm / stride_bn are used only then). COMPACT: as in dstd_kernel.
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     total = 0
@@ -589,6 +744,7 @@ def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
     first_row = 0
     first = 0
     k_len = 0
+    row0 = 0
     acc = tl.zeros((BLOCK, BLOCK_N), dtype=tl.float32)
     for _ in range(0, total):
         ki = tl.where(ki == k_steps - 1, 0, ki + 1)
@@ -597,11 +753,21 @@ def dstd_persistent_kernel(s_ptr, b_ptr, out_ptr, col_off_ptr, expert_rows_ptr,
             first_row, first, k_len = _dstd_column(tile // num_n, col_off_ptr, expert_rows_ptr,
                                                    nb, BLOCK, BLOCK_K, TRIM_K)
             k_steps = tl.maximum(k_len // BLOCK_K, 1)
+            if COMPACT:
+                row0 = tl.load(first_row_ptr + first_row, mask=k_len > 0, other=0)
         kk = ki * BLOCK_K
-        s_t = tl.trans(s_ptr.load([(first + (kk // BLOCK) * nb) * BLOCK + kk % BLOCK, 0]))
+        if COMPACT:
+            s_t = tl.trans(s_ptr.load([row0 + kk, ((tile // num_n) % nb) * BLOCK]))
+        else:
+            s_t = tl.trans(s_ptr.load([(first + (kk // BLOCK) * nb) * BLOCK + kk % BLOCK, 0]))
         if ACT != 0:
             s_t = _activate(s_t.to(tl.float32), ACT).to(s_t.dtype)
-        b = b_ptr.load([first_row * BLOCK + kk, (tile % num_n) * BLOCK_N])
+        if GATHER_B:
+            rn = (tile % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            b = _load_gathered(b_ptr, b_rows_ptr, first_row * BLOCK + kk, rn, rn < N,
+                               stride_bm, stride_bn, BLOCK_K, k_len > 0)
+        else:
+            b = b_ptr.load([first_row * BLOCK + kk, (tile % num_n) * BLOCK_N])
         acc = tl.dot(s_t, b, acc)
         if ki == k_steps - 1:
             c = tile // num_n
@@ -616,7 +782,8 @@ _CONSTEXPR_DEFAULTS = dict(BLOCK=128, SPLIT=2, BLOCK_N=128, BLOCK_K=64, EVEN_K=T
                            EPILOGUE_SCALE=False, ACT=ACT_NONE, USE_TMA=False, W_T=False,
                            FAST_ACT=False, PRELOAD_SCALE=False, EPILOGUE_ACT=ACT_NONE,
                            TMA_STORE=False, OUT_T=False, COUNT_TILE=64,
-                           TAIL=False, TRIM_K=False, GROUP_M=1)
+                           TAIL=False, TRIM_K=False, GROUP_M=1, STORE_PRE=False,
+                           REWRITE_ACT=False, GATHER_A=False, GATHER_B=False, COMPACT=False)
 
 
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
@@ -626,40 +793,45 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
     c = "constexpr"
     return {
         "sdd_kernel": dict(a_ptr=p, a_half_ptr=p, w_ptr=p, out_ptr=p, h_ptr=p, act_out_ptr=p,
-                           col_idx_ptr=i, block_rows_ptr=i, K="i32", F="i32", nb="i32",
-                           num_n="i32", stride_am="i32", stride_ak="i32", stride_we="i32",
-                           stride_wk="i32", stride_wf="i32",
+                           col_idx_ptr=i, block_rows_ptr=i, a_rows_ptr=i, first_row_ptr=i,
+                           K="i32", F="i32",
+                           nb="i32", num_n="i32", stride_am="i32", stride_ak="i32",
+                           stride_we="i32", stride_wk="i32", stride_wf="i32",
                            BLOCK=c, SPLIT=c, BLOCK_K=c, EVEN_K=c, EVEN_F=c, EPILOGUE_ACT_GRAD=c,
                            EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, USE_TMA=c, W_T=c,
-                           FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c, TAIL=c, GROUP_M=c),
+                           FAST_ACT=c, PRELOAD_SCALE=c, EPILOGUE_ACT=c, TAIL=c, GROUP_M=c,
+                           STORE_PRE=c, REWRITE_ACT=c, GATHER_A=c, COMPACT=c),
         "sdd_persistent_kernel": dict(a_ptr="tensordesc<%s[128, 64]>" % dtype,
                                       w_ptr="tensordesc<%s[64, 256]>" % dtype, out_ptr=p,
-                                      h_ptr=p, act_out_ptr=p, col_idx_ptr=i, K="i32",
+                                      h_ptr=p, act_out_ptr=p, col_idx_ptr=i,
+                                      block_rows_ptr=i, first_row_ptr=i, K="i32",
                                       F="i32", nb="i32", num_n="i32", num_tiles="i32",
                                       BLOCK=c, SPLIT=c, BLOCK_K=c, EPILOGUE_ACT_GRAD=c,
                                       EPILOGUE_STORE_ACT=c, EPILOGUE_SCALE=c, W_T=c,
                                       FAST_ACT=c, EPILOGUE_ACT=c, COUNT_TILE=c,
-                                      GROUP_M=c),
+                                      GROUP_M=c, STORE_PRE=c, REWRITE_ACT=c, COMPACT=c),
         "dsd_kernel": dict(s_ptr=p, s_half_ptr=p, w_ptr=p, out_ptr=p, col_idx_ptr=i,
-                           block_rows_ptr=i, N="i32", F="i32", nb="i32", num_n="i32",
+                           block_rows_ptr=i, first_row_ptr=i, N="i32", F="i32", nb="i32", num_n="i32",
                            stride_we="i32", stride_wf="i32", stride_wn="i32", stride_om="i32",
                            stride_on="i32",
                            BLOCK=c, BLOCK_N=c, BLOCK_K=c, EVEN_F=c, EVEN_N=c, ACT=c,
-                           USE_TMA=c, W_T=c, TAIL=c, GROUP_M=c),
+                           USE_TMA=c, W_T=c, TAIL=c, GROUP_M=c, COMPACT=c),
         "dstd_kernel": dict(s_ptr=p, b_ptr=p, out_ptr=p, col_off_ptr=i, expert_rows_ptr=i,
-                            N="i32", F="i32", nb="i32", num_n="i32", stride_bm="i32",
-                            stride_bn="i32",
+                            b_rows_ptr=i, first_row_ptr=i, N="i32", F="i32", nb="i32",
+                            num_n="i32",
+                            stride_bm="i32", stride_bn="i32",
                             stride_oe="i32", stride_of="i32", stride_on="i32", BLOCK=c,
                             BLOCK_N=c, BLOCK_K=c, EVEN_N=c, ACT=c, USE_TMA=c, TMA_STORE=c,
-                            OUT_T=c, TRIM_K=c),
+                            OUT_T=c, TRIM_K=c, GATHER_B=c, COMPACT=c),
         "dstd_persistent_kernel": dict(s_ptr="tensordesc<%s[64, 128]>" % dtype,
                                        b_ptr="tensordesc<%s[64, 128]>" % dtype, out_ptr=p,
-                                       col_off_ptr=i, expert_rows_ptr=i, N="i32",
-                                       F="i32", nb="i32", num_n="i32", num_tiles="i32",
+                                       col_off_ptr=i, expert_rows_ptr=i, b_rows_ptr=i,
+                                       first_row_ptr=i, N="i32", F="i32", nb="i32", num_n="i32",
+                                       num_tiles="i32", stride_bm="i32", stride_bn="i32",
                                        stride_oe="i32",
                                        stride_of="i32", stride_on="i32", BLOCK=c, BLOCK_N=c,
                                        BLOCK_K=c, ACT=c, TMA_STORE=c, OUT_T=c, TRIM_K=c,
-                                       COUNT_TILE=c),
+                                       COUNT_TILE=c, GATHER_B=c, COMPACT=c),
     }
 
 
@@ -673,7 +845,7 @@ def aot_routing_signatures() -> dict[str, dict[str, str]]:
                                     row_start_ptr=i, scratch_ptr=i, block_expert_ptr=i,
                                     num_valid_ptr=i, row_off_ptr=i, col_idx_ptr=i,
                                     row_idx_ptr=i, col_off_ptr=i, t_blocks_ptr=i,
-                                    block_rows_ptr=i, num_chunks="i32", E="i32", R="i32",
+                                    block_rows_ptr=i, first_row_ptr=i, num_chunks="i32", E="i32", R="i32",
                                     nb="i32", BLOCK=c, E_POW2=c, CHUNK_TILE=c, TILE=c),
         "combine_kernel": dict(y_ptr="*bf16", w_ptr="*bf16", dest_ptr="*i64", out_ptr="*bf16",
                                T="i32", H="i32", top_k="i32", stride_y="i32", stride_o="i32",
@@ -686,7 +858,7 @@ def aot_routing_signatures() -> dict[str, dict[str, str]]:
                                         num_t="i32", BLOCK_T=c, BLOCK_H=c, BLOCK=c),
         "scatter_rows_kernel": dict(ids_ptr=i, chunk_base_ptr=i, row_start_ptr=i,
                                     dest_ptr="*i64", x_ptr="*bf16", out_ptr="*bf16",
-                                    block_rows_ptr=i, N="i32", E="i32",
+                                    block_rows_ptr=i, row_token_ptr=i, N="i32", E="i32",
                                     H="i32", top_k="i32", stride_x="i32", stride_o="i32",
                                     cols_per_program="i32", num_chunks="i32", CHUNK=c,
                                     E_POW2=c, BLOCK_H=c, COPY=c, BLOCK=c),
@@ -728,7 +900,7 @@ def chunk_histogram_kernel(ids_ptr, hist_ptr, N, E,
 @_kernel
 def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scratch_ptr,
                         block_expert_ptr, num_valid_ptr, row_off_ptr, col_idx_ptr,
-                        row_idx_ptr, col_off_ptr, t_blocks_ptr, block_rows_ptr,
+                        row_idx_ptr, col_off_ptr, t_blocks_ptr, block_rows_ptr, first_row_ptr,
                         num_chunks, E, R, nb,
                         BLOCK: tl.constexpr, E_POW2: tl.constexpr, CHUNK_TILE: tl.constexpr,
                         TILE: tl.constexpr):
@@ -753,6 +925,9 @@ def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scr
     tl.store(row_start_ptr + experts, block_start * BLOCK, mask=e_ok)
     tl.store(scratch_ptr + experts, block_start, mask=e_ok)
     tl.store(scratch_ptr + E + experts, blocks, mask=e_ok)
+    # first row of each expert's pairs without padding (the compact values' rows)
+    tl.store(scratch_ptr + 2 * E + experts, tl.cumsum(running, axis=0) - running, mask=e_ok)
+    pairs = tl.sum(running, axis=0)
     tl.store(num_valid_ptr, num_valid)
     tl.debug_barrier()  # scratch is read back below by other threads of this program
     # 3. row blocks: owning expert (-1 past the real count) and BCSR row offsets
@@ -769,15 +944,18 @@ def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scr
             tl.store(block_expert_ptr + start_e + local, tl.full((TILE,), 0, tl.int32) + e,
                      mask=local < nblk)
     tl.debug_barrier()  # block_expert is gathered below
-    # 3b. real rows per row block (the rest of an expert's last block is padding)
+    # 3b. real rows per row block (the rest of an expert's last block is padding), and the
+    #     compact row of its first row (the pair count past the end)
     for r0 in range(0, R, TILE):
         rb = r0 + tl.arange(0, TILE)
         owner = tl.load(block_expert_ptr + rb, mask=rb < R, other=-1)
         o = tl.maximum(owner, 0)
-        real = tl.load(counts_ptr + o, mask=rb < R, other=0) \
-            - (rb * BLOCK - tl.load(row_start_ptr + o, mask=rb < R, other=0))
+        within = rb * BLOCK - tl.load(row_start_ptr + o, mask=rb < R, other=0)
+        real = tl.load(counts_ptr + o, mask=rb < R, other=0) - within
         real = tl.where(owner >= 0, tl.minimum(tl.maximum(real, 0), BLOCK), 0)
         tl.store(block_rows_ptr + rb, real, mask=rb < R)
+        first = tl.load(scratch_ptr + 2 * E + o, mask=rb < R, other=0) + within
+        tl.store(first_row_ptr + rb, tl.where(owner >= 0, first, pairs), mask=rb < R)
     # 4. blocks in BCSR order: row and global column (-1 in empty row blocks)
     nnz = R * nb
     valid_nnz = num_valid * nb
@@ -811,21 +989,28 @@ def routing_scan_kernel(hist_ptr, chunk_base_ptr, counts_ptr, row_start_ptr, scr
 
 @_kernel
 def scatter_rows_kernel(ids_ptr, chunk_base_ptr, row_start_ptr, dest_ptr, x_ptr, out_ptr,
-                        block_rows_ptr,
+                        block_rows_ptr, row_token_ptr,
                         N, E, H, top_k, stride_x, stride_o, cols_per_program, num_chunks,
                         CHUNK: tl.constexpr, E_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
                         COPY: tl.constexpr, BLOCK: tl.constexpr):
     # Program (chunk, j) places the chunk's pairs and copies columns [j * cols_per_program,
     # (j + 1) * cols_per_program) of their tokens: with one program per chunk, the 64 chunks
     # of 8192 tokens (E = 64) left half of an H200's SMs idle and the copy ran at ~2 TB/s.
-    # With COPY, programs num_chunks + rb zero the padding rows of row block rb instead.
+    # Programs num_chunks + rb write -1 as the token of row block rb's padding rows and,
+    # with COPY, zero those rows of the copy. Every padded row gets its token (row_token):
+    # the kernels that gather the rows from the tokens themselves (no copy) read it.
     pid = tl.program_id(0)
     pid_h = tl.program_id(1)
-    if COPY and pid >= num_chunks:
-        h_start = pid_h * cols_per_program
-        _zero_padding_block(out_ptr, pid - num_chunks, h_start,
-                            tl.minimum(h_start + cols_per_program, H), block_rows_ptr,
-                            stride_o, BLOCK, BLOCK_H)
+    if pid >= num_chunks:
+        rb = pid - num_chunks
+        if pid_h == 0:
+            rows = tl.arange(0, BLOCK)
+            tl.store(row_token_ptr + rb * BLOCK + rows, tl.full((BLOCK,), -1, tl.int32),
+                     mask=rows >= tl.load(block_rows_ptr + rb))
+        if COPY:
+            h_start = pid_h * cols_per_program
+            _zero_padding_block(out_ptr, rb, h_start, tl.minimum(h_start + cols_per_program, H),
+                                block_rows_ptr, stride_o, BLOCK, BLOCK_H)
     else:
         offs = pid * CHUNK + tl.arange(0, CHUNK)
         ok = offs < N
@@ -838,10 +1023,11 @@ def scatter_rows_kernel(ids_ptr, chunk_base_ptr, row_start_ptr, dest_ptr, x_ptr,
         base = tl.load(chunk_base_ptr + pid * E + e_safe, mask=ok, other=0) \
             + tl.load(row_start_ptr + e_safe, mask=ok, other=0)
         dest = (base + rank).to(tl.int64)
+        token = (offs // top_k).to(tl.int64)
         if pid_h == 0:
             tl.store(dest_ptr + offs, dest, mask=ok)
+            tl.store(row_token_ptr + dest, token.to(tl.int32), mask=ok)
         if COPY:
-            token = (offs // top_k).to(tl.int64)
             h_start = pid_h * cols_per_program
             h_end = tl.minimum(h_start + cols_per_program, H)
             for h0 in range(h_start, h_end, BLOCK_H):

@@ -16,29 +16,47 @@ from .parallel import COMBINES, check_combine, expert_parallel_forward, is_runti
     reject_input
 from .placement import check_slot_budget, default_slots_per_rank
 from .vexpert_routing import VExpertDispatcher
-from .permute import check_block_size, unpermute_combine
+from .permute import check_block_size, permute_pad, unpermute_combine
 from .router import Router, _check_config, check_tokens
 from .routing import route_and_permute
-
-_ACTIVATIONS = ACTIVATIONS  # the old name, which tests/moe/conftest.py still reads
-_FUSABLE = FUSABLE
 
 PLACEMENTS = ("static", "vexpert")
 
 
-def expert_ffn(x_perm, w1, w2, w3, topo, activation):
+def expert_ffn(x, w1, w2, w3, topo, activation, plan=None, rows=None, keep_rows=True):
     """SDD -> act -> DSD on the padded, expert-sorted rows (plus a GLU gate with w3).
 
     Without GLU the activation is fused into the block-sparse kernels (one pass fewer over
     the [rows, ffn] activations each way); GLU and exact-erf GELU compose the ops instead.
+    x: the padded rows; or with the routing `plan`, the tokens themselves (and `rows` their
+    permuted copy, if the routing made one): see blocksparse.fused_expert_ffn.
     """
-    if w3 is None and activation in _FUSABLE:
-        return bs.fused_expert_ffn(x_perm, w1, w2, topo, activation)
-    act = _ACTIVATIONS[activation]
-    h = act(bs.sdd(x_perm, w1, topo))
+    if w3 is None and activation in FUSABLE:
+        return bs.fused_expert_ffn(x, w1, w2, topo, activation, plan, rows, keep_rows)
+    if plan is not None:  # the composed products read a permuted copy, with autograd
+        x = permute_pad(x, plan)
+    act = ACTIVATIONS[activation]
+    h = act(bs.sdd(x, w1, topo))
     if w3 is not None:
-        h = h * bs.sdd(x_perm, w3, topo)
+        h = h * bs.sdd(x, w3, topo)
     return bs.dsd(h, w2, topo)
+
+
+def local_experts(x, expert_ids, weights, w1, w2, w3, block_size, activation):
+    """sum_j weights[t, j] * FFN_{expert_ids[t, j]}(x[t]) over experts w1 [E, H, F],
+    w2 [E, F, H] (w3: GLU gate) on this rank: routing, block-sparse FFN, combine."""
+    # The fused FFN reads the tokens' rows through the plan (gather_rows) or from a copy the
+    # routing makes without autograd ("backward": for the forward only); either way the
+    # gradient goes to x directly, so no [rows, H] gradient outlives the FFN's backward.
+    gather = bs.KERNEL_CONFIG["gather_rows"]
+    with torch.no_grad():
+        plan, topo, x_perm = route_and_permute(
+            x, expert_ids, w1.shape[0], block_size, w1.shape[2], copy_rows=gather is not True,
+            compact_values=bs.KERNEL_CONFIG["compact_values"])
+    y_perm = expert_ffn(x, w1, w2, w3, topo, activation, plan=plan, rows=x_perm,
+                        keep_rows=gather is False)
+    del x_perm  # ("backward": the copy dies with the forward)
+    return unpermute_combine(y_perm, weights, plan)
 
 
 class DroplessMoE(nn.Module):
@@ -90,8 +108,8 @@ class DroplessMoE(nn.Module):
             agree_on_fields(ctx, {
                 "num_experts": num_experts, "top_k": top_k, "hidden_size": hidden_size,
                 "ffn_hidden_size": ffn_hidden_size, "glu": bool(glu), "block_size": block_size,
-                "activation": sorted(_ACTIVATIONS).index(activation)
-                if activation in _ACTIVATIONS else -1,
+                "activation": sorted(ACTIVATIONS).index(activation)
+                if activation in ACTIVATIONS else -1,
                 "combine": COMBINES.index(combine) if combine in COMBINES else -1,
                 "placement": PLACEMENTS.index(placement) if placement in PLACEMENTS else -1,
                 "slots_per_rank": slots_per_rank or 0,
@@ -147,8 +165,8 @@ class DroplessMoE(nn.Module):
         if not isinstance(ffn_hidden_size, int) or ffn_hidden_size < 1:
             raise ConfigurationError(
                 f"ffn_hidden_size must be a positive int, got {ffn_hidden_size!r}")
-        if activation not in _ACTIVATIONS:
-            raise ConfigurationError(f"activation must be one of {sorted(_ACTIVATIONS)}, "
+        if activation not in ACTIVATIONS:
+            raise ConfigurationError(f"activation must be one of {sorted(ACTIVATIONS)}, "
                                      f"got {activation!r}")
         check_block_size(block_size)
         check_combine(combine, ctx)
@@ -218,10 +236,8 @@ class DroplessMoE(nn.Module):
         return y.reshape(shape)
 
     def _local_experts(self, x, expert_ids, weights):
-        plan, topo, x_perm = route_and_permute(x, expert_ids, self.num_local_experts,
-                                               self.block_size, self.ffn_hidden_size)
-        y_perm = expert_ffn(x_perm, self.w1, self.w2, self.w3, topo, self.activation)
-        return unpermute_combine(y_perm, weights, plan)
+        return local_experts(x, expert_ids, weights, self.w1, self.w2, self.w3,
+                             self.block_size, self.activation)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigurationError, InvalidArgumentError
+from .backend import use_triton
 from .router import expert_histogram
 
 SUPPORTED_BLOCK_SIZES = (16, 32, 64, 128)
@@ -52,6 +53,11 @@ class RoutingPlan:
     num_valid_blocks: torch.Tensor  # [1] int32
     block_rows: torch.Tensor        # [num_rows // block] int32: real (pair) rows of each
                                     # row block, 0 past the end; the rest is padding
+    row_token: torch.Tensor         # [num_rows] int32: the token of each padded row, -1
+                                    # for padding (what a product reads to gather the rows)
+    block_first_row: torch.Tensor   # [num_rows // block] int32: the row of each row block's
+                                    # first row among the pairs sorted by expert without
+                                    # padding (compact values); the pair count past the end
 
     @property
     def num_row_blocks(self) -> int:
@@ -96,12 +102,19 @@ def plan_routing(expert_ids: torch.Tensor, num_experts: int, block_size: int,
                              torch.zeros_like(real))
     num_valid = block_ends[-1:].to(torch.int32) if num_experts > 0 else \
         torch.zeros(1, dtype=torch.int32, device=device)
+    row_token = torch.full((num_rows,), -1, dtype=torch.int32, device=device).scatter_(
+        0, dest, (torch.arange(n, device=device) // max(top_k, 1)).to(torch.int32))
+    first_row = torch.where(owner < num_experts,
+                            starts[owner_safe] + block_ids * block_size
+                            - padded_starts[owner_safe], torch.full_like(block_ids, n)) \
+        if num_experts > 0 else torch.full_like(block_ids, n)
     return RoutingPlan(num_tokens=num_tokens, top_k=top_k, num_experts=num_experts,
                        block_size=block_size, num_rows=num_rows, tokens_per_expert=counts,
                        dest_row=dest.view(num_tokens, top_k),
                        block_expert=block_expert.to(torch.int32),
                        num_valid_blocks=num_valid,
-                       block_rows=block_rows.to(torch.int32))
+                       block_rows=block_rows.to(torch.int32), row_token=row_token,
+                       block_first_row=first_row.to(torch.int32))
 
 
 class _PermutePad(torch.autograd.Function):
@@ -122,17 +135,24 @@ class _PermutePad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (dest_row,) = ctx.saved_tensors
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_out.index_select(0, dest_row[:, 0])
-            for slot in range(1, dest_row.shape[1]):
-                grad_x = grad_x + grad_out.index_select(0, dest_row[:, slot])
+        grad_x = sum_pair_rows(grad_out, dest_row) if ctx.needs_input_grad[0] else None
         return grad_x, None, None
 
 
 def permute_pad(x: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """Expert-sorted, block-padded copy of the tokens (one row per (token, slot) pair)."""
     return _PermutePad.apply(x, plan.dest_row, plan.num_rows)
+
+
+def sum_pair_rows(rows: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_j rows[dest[t, j]] for dest [T, k]: each token's gradient from the
+    gradients of its k permuted rows (one Triton launch on a GPU, k index_selects else)."""
+    if use_triton(rows) and dest.numel() > 0:
+        return gather_sum_rows(rows, dest)
+    out = rows.index_select(0, dest[:, 0])
+    for slot in range(1, dest.shape[1]):
+        out = out + rows.index_select(0, dest[:, slot])
+    return out
 
 
 def gather_sum_rows(rows: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
@@ -190,8 +210,7 @@ class _CombineTriton(torch.autograd.Function):
 
 def unpermute_combine(y: torch.Tensor, weights: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
     """Inverse of permute_pad with the gate weights: out[t] = sum_j w[t, j] * y[dest[t, j]]."""
-    from . import blocksparse as bs
-    if bs._use_triton(y) and plan.num_tokens > 0 and y.stride(1) == 1:
+    if use_triton(y) and plan.num_tokens > 0 and y.stride(1) == 1:
         return _CombineTriton.apply(y, weights.to(y.dtype).contiguous(),
                                     plan.dest_row.contiguous(), plan)
     out = None

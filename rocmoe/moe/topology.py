@@ -13,8 +13,13 @@ blocks of expert e. It is stored BCSR with int32 indices:
 
 Every row block carries ``nb`` blocks, also the ones past the real token count, so every
 size is static; those blocks are empty and the kernels skip them (``block_valid``). Values
-are stored as ``[nnz, block, block]``. ``ffn_hidden_size`` need not be a multiple of the
-block size: it is padded up, and the padding columns hold zeros.
+are stored as ``[nnz, block, block]``, or, in a compact topology (``block_first_row`` set),
+as ``[pairs, nb * block]`` rows without the padding rows: row i of row block r is row
+``block_first_row[r] + i`` for ``i < block_rows[r]`` (an expert's rows are consecutive,
+sorted like its padded rows). That is the memory of a grouped GEMM's [pairs, ffn]
+activations, where the blocks take up to ``E * (block - 1)`` rows more. ``ffn_hidden_size``
+need not be a multiple of the block size: it is padded up, and the padding columns hold
+zeros.
 """
 
 from __future__ import annotations
@@ -47,6 +52,19 @@ class Topology:
     # changes no result). None (a topology built by hand) runs the kernels over whole blocks.
     block_rows: torch.Tensor | None = None
     expert_rows: torch.Tensor | None = None
+    # Compact values (see the module docstring): [R] int32, and the number of pairs.
+    block_first_row: torch.Tensor | None = None
+    num_pairs: int = 0
+
+    @property
+    def compact(self) -> bool:
+        return self.block_first_row is not None
+
+    def values_shape(self) -> tuple[int, ...]:
+        """The shape of this topology's sparse values."""
+        if self.compact:
+            return self.num_pairs, self.ffn_padded
+        return self.nnz, self.block_size, self.block_size
 
     @property
     def nnz(self) -> int:
@@ -71,8 +89,9 @@ class Topology:
         return self.num_rows, self.num_column_blocks * self.block_size
 
 
-def build_topology(plan: RoutingPlan, ffn_size: int) -> Topology:
-    """Build the BCSR/COO/CSC indices of the routed tokens' sparse matrix on the device."""
+def build_topology(plan: RoutingPlan, ffn_size: int, compact: bool = False) -> Topology:
+    """Build the BCSR/COO/CSC indices of the routed tokens' sparse matrix on the device
+    (compact: its values without padding rows)."""
     block = plan.block_size
     nb = -(-ffn_size // block)
     num_rb = plan.num_row_blocks
@@ -100,4 +119,6 @@ def build_topology(plan: RoutingPlan, ffn_size: int) -> Topology:
                     transpose_blocks=transpose_blocks.to(torch.int32),
                     block_expert=plan.block_expert, num_valid_blocks=plan.num_valid_blocks,
                     block_rows=plan.block_rows,
-                    expert_rows=plan.tokens_per_expert.to(torch.int32))
+                    expert_rows=plan.tokens_per_expert.to(torch.int32),
+                    block_first_row=plan.block_first_row if compact else None,
+                    num_pairs=plan.num_tokens * plan.top_k)

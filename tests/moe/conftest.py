@@ -18,8 +18,8 @@ def per_token_reference(layer, x):
     Uses the layer's own router output (ids, weights) and its activation, and the full
     [E, ...] weights of a one-rank layer.
     """
-    from rocmoe.moe.layer import _ACTIVATIONS
-    act = _ACTIVATIONS[layer.activation]
+    from rocmoe.moe.activations import ACTIVATIONS
+    act = ACTIVATIONS[layer.activation]
     ids, weights = layer.router.route(x)
     rows = []
     for t in range(x.shape[0]):

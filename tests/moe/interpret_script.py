@@ -141,10 +141,16 @@ def routing_kernels_equal_torch_ops():
         bs.set_backend("triton")
         got = route_and_permute(x, ids, e, b, f)
         bs.set_backend("auto")
+        # without the copy: the same plan (row_token too), and no rows
+        bs.set_backend("triton")
+        plain = route_and_permute(x, ids, e, b, f, copy_rows=False)
+        bs.set_backend("auto")
+        assert plain[2] is None
         for name in ("tokens_per_expert", "dest_row", "block_expert", "num_valid_blocks",
-                     "block_rows"):
+                     "block_rows", "row_token"):
             a, c = getattr(ref[0], name), getattr(got[0], name)
             assert torch.equal(a.long(), c.long()), (how, name, a, c)
+            assert torch.equal(a.long(), getattr(plain[0], name).long()), (how, name)
         for name in ("row_offsets", "column_indices", "row_indices", "column_offsets",
                      "transpose_blocks"):
             a, c = getattr(ref[1], name), getattr(got[1], name)
@@ -368,8 +374,7 @@ def _ffn_equals_torch_path(topo, x, w1, w2, gy, tol):
     results = []
     for backend in ("torch", "triton"):
         bs.set_backend(backend)
-        b = topo.block_size
-        acts = torch.full((topo.nnz, b, b), float("nan"), dtype=x.dtype)
+        acts = torch.full(topo.values_shape(), float("nan"), dtype=x.dtype)
         grads = bs._sdd(x, w1, topo, act="gelu", act_out=acts)
         xg, w1g, w2g = (t.clone().requires_grad_(True) for t in (x, w1, w2))
         y = bs.fused_expert_ffn(xg, w1g, w2g, topo, "gelu")
@@ -470,6 +475,115 @@ def inference_forward_equals_torch_path():
 
 
 CHECKS["inference"] = inference_forward_equals_torch_path
+
+
+def lean_layer_variants_equal_torch_path_and_each_other():
+    # The memory-lean layer: act_fusion="recompute" (only h kept; the backward SDD turns h
+    # into act(h) in place) and gather_rows (SDD and DSᵀD read the tokens through
+    # plan.row_token: no permuted copy). Each of the four (fusion, gather) combinations
+    # through the kernels equals the torch path, and all four give bitwise the same output
+    # and gradients on the kernels (the same products on the same values, act' rounded
+    # alike): pointer loads in fp32 and descriptors in fp16 (where A and dW1's B operand
+    # are gathered by pointer beside descriptor loads), the inference forward too.
+    torch.manual_seed(0)
+    for tma, dt in ((False, torch.float32), (True, torch.float16)):
+        layer = DroplessMoE(32, 48, 4, 2, block_size=16, dtype=dt)
+        x = torch.randn(23, 32).to(dt)
+        g = torch.randn(23, 32).to(dt)
+        tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+        keys = ("block_n", "block_k", "act_fusion", "gather_rows", "compact_values") + bs.OPS
+        kernel_results = {}
+        # the previous layer, the lean default, and each of the default's keys flipped
+        for fusion, gather, compact in (("store", False, False), ("recompute", True, True),
+                                        ("store", True, True), ("recompute", False, True),
+                                        ("recompute", True, False), ("checkpoint", True, True),
+                                        ("recompute", "backward", True)):
+                with _with_descriptors(keys) as launched:
+                    bs.TMA_IN_INTERPRETER = tma
+                    bs.set_kernel_config(block_n=16, block_k=16, act_fusion=fusion,
+                                         gather_rows=gather, compact_values=compact,
+                                         **{op: {} for op in bs.OPS if op != "dstd"},
+                                         dstd=dict(persistent=2))
+                    runs = []
+                    for backend in ("torch", "triton"):
+                        bs.set_backend(backend)
+                        xg = x.clone().requires_grad_(True)
+                        y = layer(xg)
+                        grads = torch.autograd.grad(y, [xg, layer.w1, layer.w2], g)
+                        with torch.no_grad():
+                            runs.append((y, layer(x)) + grads)
+                    bs.set_backend("auto")
+                    assert ("dstd_persistent_kernel" in launched) == tma, launched
+                for ref, got in zip(*runs):
+                    torch.testing.assert_close(got.float(), ref.float(), **tol)
+                kernel_results[(fusion, gather, compact)] = runs[1]
+        base = kernel_results[("store", False, False)]
+        for variant, got in kernel_results.items():
+            for a, c in zip(base, got):
+                assert torch.equal(a, c), (tma, variant)
+
+
+CHECKS["lean_layer"] = lean_layer_variants_equal_torch_path_and_each_other
+
+
+def compact_values_equal_block_values():
+    # Compact topologies keep the values without padding rows ([pairs, nb * B]): every
+    # product on them (SDD with the forward's act/act' store, DSD with half blocks and
+    # tiles whose boxes reach into the next expert, DSᵀD with an idle expert, the fused
+    # FFN's gradients) equals the torch path, and equals the block layout bitwise once
+    # converted; pointer loads (fp32), descriptors (fp16), the persistent SDD and DSᵀD.
+    g = torch.Generator().manual_seed(13)
+    block = 32
+    counts = [2 * block + 8, block // 2 + 1, block // 2, 0]  # half blocks, an idle expert
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).to(torch.int32)
+    ids = ids[torch.randperm(ids.numel(), generator=g)].view(-1, 1)
+    plan = plan_routing(ids, 4, block)
+    topo_c = build_topology(plan, 2 * block, compact=True)
+    topo_b = build_topology(plan, 2 * block)
+    assert topo_c.values_shape() == (ids.numel(), 2 * block)
+    for tma, dt, persistent in ((False, torch.float32, 0), (True, torch.float16, 0),
+                                (True, torch.float16, 2)):
+        x = _real(torch.randn(topo_c.num_rows, 32, generator=g), topo_c).to(dt)
+        w1 = (torch.randn(4, 32, 2 * block, generator=g) / 6).to(dt)
+        w2 = (torch.randn(4, 2 * block, 32, generator=g) / 8).to(dt)
+        gy = _real(torch.randn(topo_c.num_rows, 32, generator=g), topo_c).to(dt)
+        tol = dict(rtol=1e-4, atol=1e-4) if dt == torch.float32 else dict(rtol=2e-2, atol=3e-2)
+        with _with_descriptors(("block_n", "block_k") + bs.OPS) as launched:
+            bs.TMA_IN_INTERPRETER = tma
+            bs.set_kernel_config(block_n=32, block_k=16,
+                                 **{op: (dict(persistent=persistent)
+                                         if op in ("sdd", "dstd") else {}) for op in bs.OPS})
+            _ffn_equals_torch_path(topo_c, x, w1, w2, gy, tol)
+            bs.set_backend("triton")
+            outs = []
+            for topo in (topo_c, topo_b):
+                acts = torch.full(topo.values_shape(), float("nan"), dtype=dt)
+                grads = bs._sdd(x, w1, topo, act="gelu", act_out=acts)
+                xg, w1g, w2g = (t.clone().requires_grad_(True) for t in (x, w1, w2))
+                y = bs.fused_expert_ffn(xg, w1g, w2g, topo, "gelu")
+                # (the values' real rows: block values also hold act'(0) in padding rows)
+                outs.append([_real_blocks(bs._values_to_blocks(v, topo), topo)
+                             for v in (grads, acts)]
+                            + [y] + list(torch.autograd.grad(y, [xg, w1g, w2g], gy)))
+            bs.set_backend("auto")
+            for a, c in zip(*outs):
+                assert torch.equal(a, c), (tma, persistent)
+            if persistent:
+                assert {"sdd_persistent_kernel", "dstd_persistent_kernel"} <= set(launched)
+        bs.TMA_IN_INTERPRETER = False
+    # more experts than pairs: every row block is used and idle experts come after the
+    # last one (their columns point one row block past the end)
+    ids = torch.tensor([[1], [0]], dtype=torch.int32)
+    plan = plan_routing(ids, 4, 16)
+    topo = build_topology(plan, 32, compact=True)
+    assert int(topo.num_valid_blocks) == topo.num_row_blocks
+    x = _real(torch.randn(topo.num_rows, 16, generator=g), topo)
+    w1, w2 = torch.randn(4, 16, 32, generator=g), torch.randn(4, 32, 16, generator=g)
+    gy = _real(torch.randn(topo.num_rows, 16, generator=g), topo)
+    _ffn_equals_torch_path(topo, x, w1, w2, gy, dict(rtol=1e-4, atol=1e-4))
+
+
+CHECKS["compact_values"] = compact_values_equal_block_values
 
 
 if __name__ == "__main__":

@@ -271,3 +271,111 @@ def test_tail_variant_compiles_with_pointer_loads(name, target):
     compiled = triton.compile(src, target=target, options={"num_warps": 4, "num_stages": 2})
     asm = compiled.asm.get("amdgcn") or compiled.asm["ptx"]
     assert "v_mfma" in asm or "wgmma" in asm
+
+
+@pytest.mark.parametrize("target,asm_key,instruction", TARGETS,
+                         ids=["gfx942", "gfx90a", "sm90"])
+@pytest.mark.parametrize("name,flag", [("sdd_kernel", "GATHER_A"), ("dstd_kernel", "GATHER_B")])
+def test_gathered_operand_compiles_with_matrix_instructions(name, flag, target, asm_key,
+                                                            instruction):
+    # gather_rows: SDD's token operand and dW1's DSᵀD operand read through the row map
+    src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
+                    constexprs=kernels.aot_constexprs(name, **{flag: True}))
+    compiled = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
+    assert instruction in compiled.asm[asm_key], f"{name} for {target} has no {instruction}"
+
+
+@pytest.mark.parametrize("name", ["sdd_kernel", "dstd_kernel", "dstd_persistent_kernel"])
+def test_gathered_operand_beside_descriptors_is_pipelined_on_sm90(name):
+    # On Hopper the gathered rows come by cp.async (16-byte copies, pipelined) while the
+    # other operand keeps its tensor descriptor; nothing spills, shared memory still fits.
+    signature = dict(kernels.aot_signatures("bf16")[name])
+    if name == "sdd_kernel":
+        signature["w_ptr"] = "tensordesc<bf16[64, 256]>"
+        extra = dict(USE_TMA=True, GATHER_A=True, BLOCK_N=256)
+        unit = ["stride_ak"]
+    else:
+        signature["s_ptr"] = "tensordesc<bf16[64, 128]>"
+        signature["b_ptr"] = "*bf16"
+        extra = dict(GATHER_B=True, BLOCK_N=128, **({"USE_TMA": True}
+                                                     if name == "dstd_kernel" else {}))
+        unit = ["stride_bn"]
+    constexprs = kernels.aot_constexprs(name, **extra)
+    for u in unit:
+        signature[u], constexprs[u] = "constexpr", 1
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(signature.items())
+             if t[0] in "*i" and n not in ("nb", "num_n", "num_tiles")}
+    src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs,
+                    attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4 if "dstd" in name else 8,
+                                       "num_stages": 3})
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    assert "cp.async.cg" in ptx and "ld.global.b16" not in ptx
+    assert "async_tma_copy_global_to_local" in ttgir and "wgmma.mma_async" in ptx
+    assert ".local" not in ptx
+    assert compiled.metadata.shared <= 232448
+
+
+@pytest.mark.parametrize("target", [TARGETS[0][0], TARGETS[2][0]], ids=["gfx942", "sm90"])
+@pytest.mark.parametrize("epilogue", ["STORE_PRE", "REWRITE_ACT"])
+def test_recompute_epilogues_compile_with_matrix_instructions(epilogue, target):
+    # act_fusion="recompute": the forward SDD stores h and act(h) (STORE_PRE), the backward
+    # SDD scales by act'(h) and writes act(h) over h (REWRITE_ACT)
+    act = dict(EPILOGUE_STORE_ACT=kernels.ACT_GELU_TANH) if epilogue == "STORE_PRE" \
+        else dict(EPILOGUE_ACT_GRAD=kernels.ACT_GELU_TANH)
+    src = ASTSource(fn=kernels.get("sdd_kernel"), signature=kernels.aot_signatures()["sdd_kernel"],
+                    constexprs=kernels.aot_constexprs("sdd_kernel", **{epilogue: True}, **act))
+    compiled = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
+    asm = compiled.asm.get("amdgcn") or compiled.asm["ptx"]
+    assert "v_mfma" in asm or "wgmma" in asm
+
+
+def test_backward_epilogue_of_recompute_takes_one_special_function_per_element_on_sm90():
+    # REWRITE_ACT computes act(h) and act'(h) from one sigmoid (tanh.approx with FAST_ACT):
+    # the backward pays what the forward of act_fusion="store" paid, no more
+    constexprs = kernels.aot_constexprs("sdd_kernel", FAST_ACT=True, REWRITE_ACT=True,
+                                        EPILOGUE_ACT_GRAD=kernels.ACT_GELU_TANH)
+    src = ASTSource(fn=kernels.get("sdd_kernel"), signature=kernels.aot_signatures()["sdd_kernel"],
+                    constexprs=constexprs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 8, "num_stages": 3}).asm["ptx"]
+    assert ptx.count("tanh.approx.f32") == 128  # 128 x 256 tile over 256 threads
+    assert "ex2.approx" not in ptx
+
+
+@pytest.mark.parametrize("target,asm_key,instruction", TARGETS,
+                         ids=["gfx942", "gfx90a", "sm90"])
+@pytest.mark.parametrize("name", ["sdd_kernel", "dsd_kernel", "dstd_kernel"])
+def test_compact_values_compile_with_matrix_instructions(name, target, asm_key, instruction):
+    # compact_values: the sparse values as [pairs, nb * B] rows (pointer loads and stores)
+    src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
+                    constexprs=kernels.aot_constexprs(name, COMPACT=True, TAIL=True))
+    compiled = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
+    assert instruction in compiled.asm[asm_key], f"{name} for {target} has no {instruction}"
+
+
+COMPACT_TMA = {
+    "dsd_kernel": dict(s_ptr=[128, 64], w_ptr=[64, 256]),
+    "dstd_kernel": dict(s_ptr=[64, 128], b_ptr=[64, 256]),
+    "dstd_persistent_kernel": dict(s_ptr=[64, 128], b_ptr=[64, 256]),
+    "sdd_persistent_kernel": dict(a_ptr=[128, 64], w_ptr=[64, 256]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPACT_TMA))
+def test_compact_values_load_by_descriptor_on_sm90(name):
+    # On Hopper the compact values' tiles come by bulk tensor copies, as the blocks' do,
+    # feeding wgmma, with no pointer copies of the operands left and no spills
+    signature = dict(kernels.aot_signatures("bf16")[name])
+    for arg, box in COMPACT_TMA[name].items():
+        signature[arg] = f"tensordesc<bf16[{box[0]}, {box[1]}]>"
+    extra = {"USE_TMA": True} if "USE_TMA" in signature else {}
+    constexprs = kernels.aot_constexprs(name, COMPACT=True, BLOCK_N=256, **extra)
+    src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8, "num_stages": 3})
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    assert "cp.async.cg" not in ptx and ".local" not in ptx
+    assert compiled.metadata.shared <= 232448

@@ -2,6 +2,8 @@
 
 import json
 
+import torch
+
 from rocmoe.bench import moe as bench_moe
 
 
@@ -43,9 +45,11 @@ def test_benchmark_breakdown_times_the_kernels_of_the_configured_fusion(capsys):
                     "--reps", "1", "--block-size", "16"])
     kernels = {json.loads(line)["kernel"] for line in capsys.readouterr().out.splitlines()
                if '"metric": "kernel"' in line}
-    # act_fusion="store" (the default): the forward SDD writes GELU(h), DSD/DSᵀD run plain
-    assert {"sdd_fwd_store_gelu", "dsd_fwd", "dstd_dw2", "sdd_bwd_scale", "dsd_dx",
-            "dstd_dw1"} == kernels
+    # act_fusion="recompute" with gather_rows (the defaults): the forward SDD reads the
+    # tokens and writes h and GELU(h), the backward SDD turns h into GELU(h), dW1 reads the
+    # tokens, DSD/DSᵀD run plain
+    assert {"sdd_fwd_gathered_store_pre_gelu", "dsd_fwd", "dstd_dw2", "sdd_bwd_rewrite_act",
+            "dsd_dx", "dstd_dw1_gathered"} == kernels
 
 
 def test_interleaved_timing_samples_every_case_each_round_after_its_setup():
@@ -94,3 +98,62 @@ def test_expert_ceiling_dry_run_gives_every_product_three_ways_and_a_consistent_
         assert abs(total[f"{who}_ms"] - parts) < 1e-3 + 1e-3 * parts
     ratio = total["dense_ms"] / total["bmm_ms"]  # (from times rounded to 0.1 us)
     assert abs(total["bmm_over_dense"] - ratio) < 0.02 * ratio
+
+
+def test_layer_benchmark_dry_run_times_memory_and_variants_against_the_grouped_mm_layer(capsys):
+    # `rocmoe bench moe --layer`: the whole layer (router included) against the grouped-GEMM
+    # layer on the same routing; forward + backward, forward alone, peak memory, and every
+    # other memory variant of the fused FFN, each as a ratio to the baseline measured in the
+    # same run
+    rc = bench_moe.main(["--layer", "--device", "cpu", "--shapes", "48,32,32,4,2",
+                         "--routing", "zipf", "--reps", "1", "--variants", "all"])
+    assert rc == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("{")]
+    by_metric = {}
+    for r in records:
+        by_metric.setdefault(r["metric"], []).append(r)
+    for metric in ("layer_fwdbwd_vs_grouped_mm", "layer_fwd_vs_grouped_mm"):
+        (r,) = by_metric[metric]
+        assert "_grouped_mm" in r["baseline"] and r["routing_match"] == 1.0
+        assert r["output_rel_diff_vs_baseline"] < 2e-2  # the two layers compute the same
+        for suffix in ("", "_queued", "_graphs"):
+            ratio = r[f"baseline_ms{suffix}"] / r[f"ours_ms{suffix}"]
+            assert abs(r["ratio" + suffix] - ratio) <= 1e-3 * ratio + 1e-3
+    (mem,) = by_metric["layer_peak_memory_vs_grouped_mm"]
+    assert mem["ours_bytes"] > 0 and mem["baseline_bytes"] > 0
+    assert abs(mem["ratio"] - mem["ours_bytes"] / mem["baseline_bytes"]) < 1e-3
+    from rocmoe.bench.moe_layer import VARIANT_KEYS, VARIANTS
+    variants = {tuple(r[k] for k in VARIANT_KEYS) for r in by_metric["layer_variant"]}
+    default = tuple(by_metric["layer_fwdbwd_vs_grouped_mm"][0][k] for k in VARIANT_KEYS)
+    assert default in VARIANTS and variants == set(VARIANTS) - {default}
+    for r in by_metric["layer_variant"]:
+        assert r["ours_bytes"] > 0 and r["baseline"] == mem["baseline"]
+        ratio = r["baseline_ms_queued"] / r["ours_ms_queued"]
+        assert abs(r["ratio_queued"] - ratio) <= 1e-3 * ratio + 1e-3
+
+
+def test_router_inputs_make_the_router_pick_the_drawn_experts():
+    from rocmoe.bench.moe_layer import router_inputs
+    from rocmoe.moe import Router
+    torch.manual_seed(0)
+    router = Router(64, 16, 2)
+    for kind in ("uniform", "zipf"):
+        x, drawn = router_inputs(router.weight, 2000, 2, kind, torch.Generator().manual_seed(1))
+        ids, _ = router.route(x)
+        assert torch.equal(ids.sort(1).values.long(), drawn.sort(1).values)
+        counts = torch.bincount(ids.reshape(-1).long(), minlength=16).float()
+        skew = counts[:4].sum() / counts[-4:].sum()
+        assert (skew > 3) == (kind == "zipf"), (kind, skew)
+
+
+def test_layer_benchmark_starts_no_case_past_its_budget_and_says_which(capsys):
+    rc = bench_moe.main(["--layer", "--device", "cpu", "--shapes", "48,32,32,4,2;40,32,32,4,2",
+                         "--routing", "uniform", "--reps", "1", "--variants", "none",
+                         "--budget-s", "0"])
+    assert rc == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("{")]
+    assert not [r for r in records if r["metric"] == "layer_fwdbwd_vs_grouped_mm"]
+    (skipped,) = [r for r in records if r["metric"] == "layer_case"]
+    assert [c["shape"] for c in skipped["cases"]] == [[48, 32, 32, 4, 2], [40, 32, 32, 4, 2]]

@@ -5,6 +5,8 @@ import torch
 
 from rocmoe.errors import DTypeError, InvalidArgumentError
 from rocmoe.moe import blocksparse as bs
+from rocmoe.moe.activations import activation_grad
+from rocmoe.moe.backend import triton_available, use_triton
 from rocmoe.moe import build_topology, plan_routing
 
 
@@ -160,7 +162,7 @@ def test_fused_ffn_under_no_grad_writes_only_the_activation(monkeypatch):
 @pytest.mark.parametrize("bad", [dict(blockn=64), dict(act_fusion="both"),
                                  dict(dsd=dict(block_m=64)), dict(dstd=128),
                                  dict(group_m=0), dict(sdd_long=dict(group_m=2.5)),
-                                 dict(backward_streams=3)])
+                                 dict(backward_streams=3), dict(gather_rows="yes")])
 def test_bad_kernel_config_is_rejected_and_changes_nothing(bad):
     from rocmoe.errors import ConfigurationError
     before = dict(bs.KERNEL_CONFIG)
@@ -205,8 +207,8 @@ def test_auto_backend_keeps_float64_gpu_tensors_off_the_triton_kernels():
     bs.set_backend("auto")
     gpu64 = types.SimpleNamespace(is_cuda=True, dtype=torch.float64)
     gpu32 = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
-    assert not bs._use_triton(gpu64)
-    assert bs._use_triton(gpu32) == bs._triton_available()
+    assert not use_triton(gpu64)
+    assert use_triton(gpu32) == triton_available()
 
 
 @pytest.mark.parametrize("act", ["gelu", "silu", "relu"])
@@ -216,6 +218,6 @@ def test_float64_activation_gradient_is_computed_in_float64(act):
     fn = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu, "relu": F.relu}[act]
     h = torch.randn(1000, dtype=torch.float64).requires_grad_(True)
     (want,) = torch.autograd.grad(fn(h).sum(), h)
-    got = bs._act_grad_torch(h.detach(), act)
+    got = activation_grad(h.detach(), act)
     assert got.dtype == torch.float64
     assert (got - want).abs().max().item() < 1e-14

@@ -9,8 +9,22 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
+import contextlib  # noqa: E402
+
+from rocmoe.bench.moe_layer import VARIANT_KEYS, VARIANTS  # noqa: E402
 from rocmoe.moe import DroplessMoE  # noqa: E402
 from rocmoe.moe import blocksparse as bs  # noqa: E402
+
+
+@contextlib.contextmanager
+def _variant(variant):
+    """The fused FFN's memory variant (act_fusion, gather_rows, compact_values) in force."""
+    before = {k: bs.KERNEL_CONFIG[k] for k in VARIANT_KEYS}
+    bs.set_kernel_config(**dict(zip(VARIANT_KEYS, variant)))
+    try:
+        yield
+    finally:
+        bs.set_kernel_config(**before)
 
 
 def _pair(dtype, block, glu=False, hidden=256, ffn=320, experts=8, top_k=2, act="gelu"):
@@ -100,7 +114,8 @@ def test_gpu_routing_kernels_equal_torch_ops(experts, top_k, block):
     ref = route_and_permute(x, ids, experts, block, 200)
     bs.set_backend("auto")
     got = route_and_permute(x, ids, experts, block, 200)
-    for name in ("tokens_per_expert", "dest_row", "block_expert", "num_valid_blocks"):
+    for name in ("tokens_per_expert", "dest_row", "block_expert", "num_valid_blocks",
+                 "block_rows", "row_token", "block_first_row"):
         assert torch.equal(getattr(ref[0], name).long(), getattr(got[0], name).long()), name
     for name in ("row_offsets", "column_indices", "row_indices", "column_offsets",
                  "transpose_blocks"):
@@ -108,8 +123,14 @@ def test_gpu_routing_kernels_equal_torch_ops(experts, top_k, block):
     assert torch.equal(ref[2], got[2])
 
 
-def test_gpu_forward_and_backward_make_no_host_sync():
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v)))
+def test_gpu_forward_and_backward_make_no_host_sync(variant):
     _, gpu = _pair(torch.bfloat16, 128)
+    with _variant(variant):
+        _no_sync_steps(gpu)
+
+
+def _no_sync_steps(gpu):
     x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
     y = gpu(x)                       # warm-up: compiles the Triton kernels
@@ -287,3 +308,87 @@ def test_gpu_backward_on_two_streams_equals_one_stream_bitwise():
         bs.set_kernel_config(backward_streams=before)
     for a, b, c, d in zip(one, two, again, captured):
         assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+
+
+def _layer_step(layer, x, g):
+    xg = x.clone().requires_grad_(True)
+    y = layer(xg)
+    grads = torch.autograd.grad(y, [xg, layer.router.weight, layer.w1, layer.w2], g)
+    with torch.no_grad():
+        inference = layer(x)
+    return (y, inference) + grads
+
+
+@pytest.mark.parametrize("block", [128, 64])
+def test_gpu_memory_variants_equal_the_previous_layer_bitwise(block):
+    # The lean layer (act_fusion="recompute", gather_rows, compact_values) and each of its
+    # keys flipped alone run the same products on the same values as the layer before them
+    # (store, a permuted copy, block values): output, inference output and every gradient
+    # are identical, on experts of several row blocks, half blocks and an idle expert.
+    torch.manual_seed(0)
+    layer = DroplessMoE(512, 1024, 16, 2, block_size=block).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        layer.router.weight[3] = -1.0  # with positive tokens expert 3 stays idle
+    x = torch.rand(3000, 512, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(3000, 512, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for variant in VARIANTS:
+        with _variant(variant):
+            results[variant] = _layer_step(layer, x, g)
+    assert int(layer.tokens_per_expert[3]) == 0
+    previous = results[("store", False, False)]
+    for variant, got in results.items():
+        for name, a, b in zip(("y", "inference", "dx", "drouter", "dw1", "dw2"), previous, got):
+            assert torch.equal(a, b), (variant, name, (a.float() - b.float()).abs().max().item())
+
+
+def test_gpu_lean_layer_equals_cpu_reference_under_each_variant():
+    # every variant also equals the fp64 CPU reference (the default is checked above)
+    cpu, gpu = _pair(torch.bfloat16, 64)
+    x = torch.randn(700, 256, dtype=torch.float64).to(torch.bfloat16).double()
+    g = torch.randn(700, 256, dtype=torch.float64).to(torch.bfloat16).double()
+    xc = x.clone().requires_grad_(True)
+    yc = cpu(xc)
+    (yc * g).sum().backward()
+    for variant in VARIANTS:
+        with _variant(variant):
+            xg = x.to("cuda", torch.bfloat16).requires_grad_(True)
+            gpu.zero_grad()
+            yg = gpu(xg)
+            (yg * g.to("cuda", torch.bfloat16)).sum().backward()
+        assert _rel(yg, yc) < 2e-2 and _rel(xg.grad, xc.grad) < 2e-2, variant
+        assert _rel(gpu.w1.grad, cpu.w1.grad) < 2e-2 and _rel(gpu.w2.grad, cpu.w2.grad) < 2e-2
+
+
+@pytest.mark.parametrize("shape", [(8192, 1024, 4096, 64, 2), (8192, 4096, 1408, 64, 2),
+                                   (4096, 2048, 768, 128, 8)], ids=lambda s: "x".join(map(str, s)))
+def test_gpu_peak_memory_is_at_most_the_grouped_gemm_layers_and_as_counted_on_cpu(shape):
+    # The caching allocator's peak of one forward + backward: the layer needs no more than
+    # the grouped-GEMM layer on the same router, and what the meta-device accounting
+    # (rocmoe.bench.moe_memory, no GPU) predicted, within what the libraries' workspaces
+    # (cuBLAS, CUB's sort) take on top.
+    from rocmoe.bench.memory import peak_bytes
+    from rocmoe.bench.moe_memory import layer_memory
+    from rocmoe.moe.reference import grouped_gemm_moe, uses_grouped_mm
+    tokens, hidden, ffn, experts, top_k = shape
+    torch.manual_seed(0)
+    layer = DroplessMoE(hidden, ffn, experts, top_k).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    params = [x, layer.router.weight, layer.w1, layer.w2]
+    assert uses_grouped_mm(x), "torch._grouped_mm does not run here: no baseline"
+
+    def ours():
+        torch.autograd.grad(layer(x), params, gy)
+
+    def theirs():
+        ids, weights = layer.router.route(x)
+        torch.autograd.grad(grouped_gemm_moe(x, ids, weights, layer.w1, layer.w2), params, gy)
+
+    for fn in (ours, theirs):  # warm-up: compiles, and cuBLAS / CUB workspaces exist
+        fn()
+    mine, base = peak_bytes(ours), peak_bytes(theirs)
+    counted = layer_memory(shape, tuple(bs.KERNEL_CONFIG[k] for k in VARIANT_KEYS))
+    assert mine <= base, (mine / base, mine, base)
+    for measured, predicted in ((mine, counted[0].peak), (base, counted[1].peak)):
+        assert abs(measured - predicted) <= 0.03 * predicted, (measured, predicted)

@@ -223,3 +223,41 @@ def test_forward_and_backward_code_has_no_host_reads():
                                 and sub.func.attr in ("item", "cpu", "tolist", "numpy")):
                             found.append(f"line {sub.lineno}: .{sub.func.attr}()")
         assert not found, f"{name} reads device values on the host: {found}"
+
+
+@pytest.mark.parametrize("fusion,gather", [("recompute", True), ("recompute", False),
+                                           ("store", True), ("load", True),
+                                           ("checkpoint", True), ("recompute", "backward"),
+                                           ("checkpoint", "backward")])
+def test_memory_variants_equal_per_token_loop(reference, fusion, gather):
+    # act_fusion "recompute" (only h kept for the backward) and gather_rows (no permuted
+    # copy of the tokens): the layer and its gradients are the dropless contract still
+    layer = _layer(block_size=16)
+    x = torch.randn(29, 24, requires_grad=True)
+    g = torch.randn(29, 24)
+    before = {k: bs.KERNEL_CONFIG[k] for k in ("act_fusion", "gather_rows")}
+    bs.set_kernel_config(act_fusion=fusion, gather_rows=gather)
+    try:
+        y = layer(x)
+        got = _grads(layer, x, y, g)
+    finally:
+        bs.set_kernel_config(**before)
+    ref = reference(layer, x)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, _grads(layer, x, ref, g)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_recompute_fusion_refuses_a_second_backward_through_one_graph():
+    # the first backward turns the kept h into act(h): a second one would be wrong silently
+    layer = _layer(block_size=16)
+    x = torch.randn(9, 24, requires_grad=True)
+    before = bs.KERNEL_CONFIG["act_fusion"]
+    bs.set_kernel_config(act_fusion="recompute")
+    try:
+        y = layer(x).sum()
+        torch.autograd.grad(y, [x], retain_graph=True)
+        with pytest.raises(ConfigurationError, match="retain_graph"):
+            torch.autograd.grad(y, [x])
+    finally:
+        bs.set_kernel_config(act_fusion=before)
