@@ -269,10 +269,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     with rocmoe.init(backend=args.backend) as ctx:
         group = ProcessGroup.of_context(ctx)
-        try:
-            return train(args, ctx, group)
-        finally:
-            group.close()
+        # on an error the other ranks may be inside a collective: no collective clean-up then
+        status = train(args, ctx, group)
+        group.close()
+        return status
 
 
 def evaluate(model, data, args, ctx, group) -> dict:
@@ -394,7 +394,7 @@ def train(args, ctx, group) -> int:
                 totals = group.allreduce_(np.array([float(loss.detach()),
                                                     float(stop.received is not None)]),
                                           "iteration metrics")
-                mean_loss = totals[0] / world
+                mean_loss = float(totals[0]) / world
                 interval_time += time.perf_counter() - t0
                 iv = state["interval"]
                 iv["loss"] += mean_loss * len(targets)

@@ -188,12 +188,14 @@ def main(argv=None) -> int:
     group = ProcessGroup.of_context(ctx) if ctx is not None else ProcessGroup.world()
     if ctx is None and group.world_size > 1:
         raise SystemExit("--backend none runs one process; start several ranks with a backend")
-    try:
+    if ctx is None:
         return train(args, ctx, group)
-    finally:
+    # on an error the other ranks may be inside a collective: no collective clean-up then
+    # (leaving the context on an exception releases this rank's heap only)
+    with ctx:
+        status = train(args, ctx, group)
         group.close()
-        if ctx is not None:
-            ctx.finalize()
+    return status
 
 
 def train(args, ctx, group) -> int:
@@ -288,7 +290,8 @@ def train(args, ctx, group) -> int:
             if args.stop_after_step is not None and step == args.stop_after_step:
                 stop.request("stop-after-step")
             totals = step_totals(loss, aux, stop.received is not None, moe, group)
-            mean_loss, mean_aux, stop_votes = totals[0] / world, totals[1] / world, totals[2]
+            mean_loss, mean_aux = float(totals[0]) / world, float(totals[1]) / world
+            stop_votes = float(totals[2])
             per_expert, per_rank, ratio = routing_stats(moe, totals[3:], world)
             speed = tokens_per_step / step_s
             if step - start_step > 3:

@@ -140,9 +140,17 @@ def save_checkpoint(directory, step: int, shard: dict, group: ProcessGroup, conf
     digest = hashlib.sha256(data).hexdigest()
     problem = None
     try:
-        write_atomic(path / shard_name(group.rank), data)
-    except OSError as exc:
-        problem = exc
+        # loads read shards with weights_only=True (no code runs from a checkpoint): a shard
+        # holding anything but tensors and plain values would save fine and never load
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - the unpickler's own error says what it met
+        problem = CheckpointError(f"rank {group.rank}'s shard holds something other than "
+                                  f"tensors and plain Python values: {exc}")
+    if problem is None:
+        try:
+            write_atomic(path / shard_name(group.rank), data)
+        except OSError as exc:
+            problem = exc
     words = np.concatenate([[0 if problem is None else 1, len(data)],
                             np.frombuffer(bytes.fromhex(digest), np.int64)]).astype(np.int64)
     table = group.allgather(words, "checkpoint save (shards)")

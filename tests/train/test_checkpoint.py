@@ -113,6 +113,19 @@ def test_a_rank_that_cannot_write_fails_the_save_everywhere_and_no_manifest_is_w
     assert ckpt.latest_checkpoint(tmp_path) is None
 
 
+def test_a_shard_that_could_not_be_loaded_safely_is_refused_at_save_time(tmp_path):
+    def save(g):
+        shard = shard_of(g.rank)
+        if g.rank == 0:
+            shard["data"]["loss"] = np.float64(0.5)  # a numpy scalar: not weights_only-safe
+        return ckpt.save_checkpoint(tmp_path, 3, shard, g, CONFIG)
+    results = on_ranks(2, save)
+    assert all(isinstance(r, CheckpointError) for r in results), results
+    assert "ranks [0] could not write" in str(results[1])
+    assert "other than tensors and plain Python values" in str(results[0])
+    assert ckpt.latest_checkpoint(tmp_path) is None
+
+
 def test_a_missing_shard_is_refused_on_every_rank(tmp_path):
     save_two_ranks(tmp_path)
     (tmp_path / "step-00000007" / "rank-00001.pt").unlink()
