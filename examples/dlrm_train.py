@@ -66,25 +66,22 @@ RESUME_KEYS = ("arch_sparse_feature_size", "arch_embedding_size", "arch_mlp_bot"
 
 
 # -- dlrm's argument types ----------------------------------------------------------------
-def dash_separated_ints(value: str) -> str:
-    """dlrm keeps the text ("4-3-2") and splits it later; it only checks it here."""
-    for part in value.split("-"):
-        try:
-            int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{value} is not a valid dash separated list of ints") from None
-    return value
+def dash_separated(kind, name: str):
+    """dlrm's dash-separated list type: it keeps the text ("4-3-2") and splits it later,
+    checking here only that every part is a `kind`."""
+    def check(value: str) -> str:
+        for part in value.split("-"):
+            try:
+                kind(part)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{value} is not a valid dash separated list of {name}") from None
+        return value
+    return check
 
 
-def dash_separated_floats(value: str) -> str:
-    for part in value.split("-"):
-        try:
-            float(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{value} is not a valid dash separated list of floats") from None
-    return value
+dash_separated_ints = dash_separated(int, "ints")
+dash_separated_floats = dash_separated(float, "floats")
 
 
 def ints(text: str) -> list[int]:
@@ -321,16 +318,9 @@ def train(args, ctx, group) -> int:
     # everything a resumed run needs to continue as if it had not stopped
     state = {"epoch": 0, "iteration": 0, "position": None, "step": 0,
              "interval": {"loss": 0.0, "samples": 0, "iterations": 0}}
-    resumed_from = None
-    if args.checkpoint_dir and args.resume != "never":
-        path = ckpt.latest_checkpoint(args.checkpoint_dir) if args.resume == "auto" else args.resume
-        if path is not None:
-            shard = ckpt.load_checkpoint(path, group, run_config)
-            model.load_state_dict(shard["model"])
-            opt.load_state_dict(shard["optimizer"])
-            ckpt.set_rng_state(shard["rng"])
-            state = shard["data"]
-            resumed_from = str(path)
+    saved, resumed_from = ckpt.resume_training(args.checkpoint_dir, args.resume, group,
+                                               run_config, model, opt)
+    state = saved or state
 
     log = RunLog(rank, "dlrm_train", args.jsonl, append=resumed_from is not None,
                  total=data.num_batches * args.nepochs, initial=state["step"],
@@ -346,7 +336,7 @@ def train(args, ctx, group) -> int:
                nepochs=args.nepochs, mini_batch_size=args.mini_batch_size,
                loss_function=args.loss_function, start_iteration=state["step"])
     if resumed_from:
-        log.record("resume", iteration=state["step"], path=resumed_from)
+        log.record("resume", iteration=state["step"], path=str(resumed_from))
         log.text(f"resumed from {resumed_from} at iteration {state['step']}")
 
     saved = {"step": None}
@@ -356,8 +346,7 @@ def train(args, ctx, group) -> int:
             return
         saved["step"] = state["step"]
         t0 = time.perf_counter()
-        shard = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                 "rng": ckpt.rng_state(), "data": state}
+        shard = ckpt.training_shard(model, opt, state)
         path = ckpt.save_checkpoint(args.checkpoint_dir, state["step"], shard, group,
                                     run_config, keep=args.keep_checkpoints)
         log.record("checkpoint", step=state["step"], path=str(path),

@@ -224,15 +224,9 @@ def train(args, ctx, group) -> int:
                                             rank, world, args.seed)
     run_config = {k: (config.to_dict() if k == "model" else getattr(args, k)) for k in RESUME_KEYS}
 
-    start_step, resumed_from = 0, None
-    if args.checkpoint_dir and args.resume != "never":
-        path = ckpt.latest_checkpoint(args.checkpoint_dir) if args.resume == "auto" else args.resume
-        if path is not None:
-            shard = ckpt.load_checkpoint(path, group, run_config)
-            model.load_state_dict(shard["model"])
-            opt.load_state_dict(shard["optimizer"])
-            ckpt.set_rng_state(shard["rng"])
-            start_step, resumed_from = int(shard["data"]["step"]), str(path)
+    position, resumed_from = ckpt.resume_training(args.checkpoint_dir, args.resume, group,
+                                                  run_config, model, opt)
+    start_step = int(position["step"]) if position else 0
 
     moe = model.moe_layers()
     combine = None
@@ -248,13 +242,12 @@ def train(args, ctx, group) -> int:
                corpus=corpus.describe(), unigram_entropy_bits=entropy, combine=combine,
                start_step=start_step)
     if resumed_from:
-        log.record("resume", step=start_step, path=resumed_from)
+        log.record("resume", step=start_step, path=str(resumed_from))
         log.text(f"resumed from {resumed_from} at step {start_step}")
 
     def save(step: int) -> None:
         t0 = time.perf_counter()
-        shard = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                 "rng": ckpt.rng_state(), "data": {"step": step}}
+        shard = ckpt.training_shard(model, opt, {"step": step})
         path = ckpt.save_checkpoint(args.checkpoint_dir, step, shard, group, run_config,
                                     keep=args.keep_checkpoints)
         log.record("checkpoint", step=step, path=str(path),

@@ -182,6 +182,35 @@ def _prune(directory, newest: int, keep: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+# -- a training run's shard -------------------------------------------------------------------
+def training_shard(model, optimizer, data: dict) -> dict:
+    """What a rank saves: its module's state_dict (anything a layer keeps there, e.g. an
+    expert placement, comes along), its optimizer state, every RNG and the data position."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "rng": rng_state(), "data": data}
+
+
+def resume_training(directory, resume: str, group: ProcessGroup, config: dict, model,
+                    optimizer):
+    """Collective, for ``--resume``: "auto" (the newest complete checkpoint in `directory`,
+    a fresh start when there is none), "never", or a step directory. Restores the model,
+    the optimizer and the RNGs; returns (the saved data position, the path), or (None, None)
+    for a fresh start."""
+    if resume == "never":
+        return None, None
+    if resume == "auto":
+        path = latest_checkpoint(directory) if directory else None
+        if path is None:
+            return None, None
+    else:
+        path = Path(resume)
+    shard = load_checkpoint(path, group, config)
+    model.load_state_dict(shard["model"])
+    optimizer.load_state_dict(shard["optimizer"])
+    set_rng_state(shard["rng"])
+    return shard["data"], path
+
+
 # -- loading ---------------------------------------------------------------------------------
 def _config_differences(saved: dict, config: dict) -> list[str]:
     keys = sorted(set(saved) | set(config))

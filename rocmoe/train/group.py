@@ -13,36 +13,17 @@ is then the identity. That is also how a single-GPU run works on a machine witho
 
 from __future__ import annotations
 
-import atexit
 import os
-import sys
 import time
 
 import numpy as np
 
+from ..collective import abort_job_at_exit
 from ..errors import CommTimeoutError, ContextError, InvalidArgumentError
 
 # environment variables that MPI launchers (mpiexec, srun) set in every rank
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_NUM_TASKS",
                   "MPI_LOCALNRANKS")
-
-# communicators whose collective timed out: MPI_Finalize could then wait forever on the
-# pending request or on a stuck peer, so the process aborts the job at exit instead
-_timed_out = []
-
-
-def _abort_after_timeout() -> None:
-    if _timed_out:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            _timed_out[0].Abort(3)
-        finally:
-            os._exit(3)
-
-
-atexit.register(_abort_after_timeout)
-
 
 def launched_by_mpi() -> bool:
     return any(name in os.environ for name in _LAUNCHER_VARS)
@@ -97,7 +78,7 @@ class ProcessGroup:
         while not request.Test():
             if time.monotonic() > deadline:
                 self.broken = True
-                _timed_out.append(self.comm)
+                abort_job_at_exit(self.comm)  # the pending request would hang MPI_Finalize
                 raise CommTimeoutError(
                     f"rank {self.rank}: {what} did not complete within {self.timeout_s:g} s: "
                     f"at least one of the {self.world_size} ranks never joined (dead, stuck, "

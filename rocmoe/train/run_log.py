@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 
 
 def _plain(value):
-    """JSON-safe: NaN and infinities become null (json.dumps would write invalid JSON)."""
+    """JSON-safe: NaN and infinities become null (json.dumps would write invalid JSON), paths
+    their text."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
     return value
 
 
