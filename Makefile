@@ -6,6 +6,8 @@ PIP ?= $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
 RANKS ?= 4
 PYTEST_ARGS ?=
+# where `make demo` writes its runs' JSON lines and pictures
+DEMO_OUT ?= build/demo
 
 # Open MPI refuses to run as root unless told; containers and CI run as root.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -31,7 +33,9 @@ $(STAMP): $(NATIVE_SOURCES) $(PACKAGE_DIRS)
 build: setup
 
 demo: setup
-	mpiexec -n $(RANKS) --oversubscribe $(PYTHON) examples/demo.py
+	mpiexec -n $(RANKS) --oversubscribe $(PYTHON) examples/demo.py --out $(DEMO_OUT)
+	$(PYTHON) -m rocmoe.cli plot $(DEMO_OUT)/dlrm_train.jsonl $(DEMO_OUT)/moe_train.jsonl
+	@echo "make demo: the pictures are in $(DEMO_OUT)/ (open $(DEMO_OUT)/moe_train_loss.png)"
 
 test: setup
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests

@@ -3,13 +3,17 @@
 1. Runtime: every rank allocates symmetric tensors, then passes a block around the ring by
    puts and epoch-valued signals (world_size hops, so each block visits every rank and comes
    home), checking what it holds after every hop. Rank 0 prints the verified result as JSON.
-2. DLRM: a few training steps with the fused Embedding+All-to-All (examples/dlrm_train.py).
-3. MoE: a few training steps of the expert-parallel dropless MoE (examples/moe_train.py).
-The job exits non-zero if any part fails to verify or to learn.
+2. DLRM: one epoch over a generated Criteo-format click log (rank 0 writes it; a few lines
+   malformed and skipped) with the fused Embedding+All-to-All (examples/dlrm_train.py).
+3. GPT-MoE: --moe-steps steps on the standard library's bytes, expert-parallel
+   (examples/moe_train.py).
+Both write their JSON lines to --out (default build/demo), for `rocmoe plot`. The job exits
+non-zero if any part fails to verify or to learn.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -20,6 +24,13 @@ import torch
 import rocmoe
 
 ELEMENTS = 1 << 16
+parser = argparse.ArgumentParser(description="rocmoe's demo job")
+parser.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "build" / "demo"))
+parser.add_argument("--moe-steps", type=int, default=200)
+parser.add_argument("--criteo-lines", type=int, default=8000)
+demo = parser.parse_args()
+out = Path(demo.out)
+clicks = out / "clicks.tsv"
 
 with rocmoe.init() as ctx:
     rank, world = ctx.rank, ctx.world_size
@@ -56,10 +67,22 @@ with rocmoe.init() as ctx:
         }))
     if not results.all():
         raise SystemExit(1)
+    if rank == 0:
+        from rocmoe.data.criteo import write_synthetic_criteo
+        out.mkdir(parents=True, exist_ok=True)
+        write_synthetic_criteo(clicks, demo.criteo_lines, seed=1, bad_lines=(5, 17, 300))
+    ctx.barrier()  # the file is complete before any rank reads it
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dlrm_train  # noqa: E402  (the examples beside this file)
 import moe_train  # noqa: E402
 
-status = dlrm_train.main(["--steps", "20"]) or moe_train.main(["--steps", "25"])
+status = dlrm_train.main([
+    "--data-generation", "dataset", "--raw-data-file", str(clicks), "--max-ind-range", "1000",
+    "--arch-sparse-feature-size", "8", "--arch-mlp-bot", "13-32-8", "--arch-mlp-top", "32-1",
+    "--loss-function", "bce", "--optimizer", "adagrad", "--learning-rate", "0.05",
+    "--mini-batch-size", "64", "--print-freq", "20", "--test-freq", "50", "--skip-bad-lines",
+    "--jsonl", str(out / "dlrm_train.jsonl")])
+status = status or moe_train.main(["--steps", str(demo.moe_steps), "--eval-every", "50",
+                                   "--jsonl", str(out / "moe_train.jsonl")])
 raise SystemExit(status)

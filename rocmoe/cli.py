@@ -1,8 +1,9 @@
-"""The `rocmoe` command: `info`, `doctor` and `bench`.
+"""The `rocmoe` command: `info`, `doctor`, `bench` and `plot`.
 
     rocmoe info [--json]           what this build and this machine offer
     rocmoe doctor [--clean]        checks before a job; removes crashed jobs' shm segments
     rocmoe bench NAME [ARGS...]    runs rocmoe.bench.NAME.main(ARGS) (heap, fused, moe, ipc, vexpert)
+    rocmoe plot RUN.jsonl [--out DIR]   PNGs of a training run's JSON lines (matplotlib)
 """
 
 from __future__ import annotations
@@ -208,6 +209,18 @@ def cmd_bench(args) -> int:
     return int(rc or 0)
 
 
+# -- plot ----------------------------------------------------------------------------------
+def cmd_plot(args) -> int:
+    from .plot import plot_run
+    for run in args.runs:
+        if not os.path.isfile(run):
+            raise errors.InvalidArgumentError(f"{run} is not a file (a run's JSON lines)")
+    for run in args.runs:
+        for png in plot_run(run, args.out):
+            print(png)
+    return 0
+
+
 # -- entry point -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rocmoe", description=__doc__.split("\n")[0],
@@ -237,6 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME", help=", ".join(BENCHMARKS))
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("plot", help="PNG pictures of a training run's JSON lines",
+                       description="Loss curves, tokens per expert / per rank with the balance "
+                                   "ratio, and step-time parts of examples/moe_train.py and "
+                                   "examples/dlrm_train.py runs (needs matplotlib).")
+    p.add_argument("runs", nargs="+", metavar="RUN.jsonl")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where the PNGs go (default: beside each file)")
+    p.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -43,6 +43,12 @@ def _abort_broken_jobs() -> None:
 atexit.register(_abort_broken_jobs)
 
 
+def abort_job_at_exit(comm) -> None:
+    """A collective on `comm` timed out: end the whole job (MPI Abort) when this process
+    exits, instead of letting MPI_Finalize wait for the peer that never came."""
+    _broken_comms.append(comm)
+
+
 class SingleProcessComm:
     """Stands in for an MPI communicator when one process runs without mpiexec."""
 
@@ -87,7 +93,7 @@ class ControlChannel:
         while not request.Test():
             if time.monotonic() > deadline:
                 self.broken = True
-                _broken_comms.append(self.comm)
+                abort_job_at_exit(self.comm)
                 raise errors.CommTimeoutError(
                     f"rank {self.rank}: {what} did not complete within {self.timeout_s:g} s: at "
                     f"least one of the {self.size} ranks never joined (dead, stuck, or taking a "

@@ -90,5 +90,14 @@ class CollectiveMismatchError(CommError):
     """Ranks entered different collectives, or the same one with different arguments."""
 
 
+# --- training runs ------------------------------------------------------------
+class CheckpointError(RocmoeError, RuntimeError):
+    """A checkpoint is incomplete, corrupt, or from another run (world size, configuration)."""
+
+
+class DataFormatError(RocmoeError, ValueError):
+    """An input data file has a malformed record (the message names the file and line)."""
+
+
 __all__ = [name for name, obj in globals().items()
            if isinstance(obj, type) and issubclass(obj, RocmoeError)]

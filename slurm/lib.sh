@@ -42,3 +42,29 @@ rocmoe_banner() {
     echo "rocmoe job ${SLURM_JOB_ID:-?}: ${SLURM_NNODES:-1} node(s) [${SLURM_JOB_NODELIST:-$(hostname -s)}]," \
          "${SLURM_NTASKS:-?} tasks; program: ${PROGRAM[*]}"
 }
+
+# Run the launcher ("$@": mpiexec ... or srun ...) so that the job survives its time limit and
+# preemption: the launcher runs in the background, so this shell stays alive to hear the
+# signals Slurm sends it (--signal=B:USR1@<seconds> reaches the batch shell only), and
+# forwards USR1 and TERM to the launcher, which passes them on to every rank (mpiexec and srun
+# both do). The examples then finish their step, write a checkpoint and exit 75
+# (ROCMOE_REQUEUE_EXIT); this function answers that with `scontrol requeue`, and the
+# requeued job resumes from the checkpoint (`--resume auto`). Any other status is returned.
+rocmoe_run_requeueable() {
+    "$@" &
+    local child=$! rc=0
+    trap 'kill -USR1 "$child" 2>/dev/null || true' USR1
+    trap 'kill -TERM "$child" 2>/dev/null || true' TERM
+    while :; do
+        # a trapped signal interrupts `wait` (status > 128) while the launcher still runs
+        wait "$child" && rc=0 || rc=$?
+        kill -0 "$child" 2>/dev/null || break
+    done
+    trap - USR1 TERM
+    if [ "$rc" = "${ROCMOE_REQUEUE_EXIT:-75}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+        echo "rocmoe: the program stopped for a requeue (exit $rc); scontrol requeue $SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID" || return "$rc"
+        return 0
+    fi
+    return "$rc"
+}

@@ -1,5 +1,6 @@
 """Slurm: the local template runs a 2-rank rocmoe ring under a real Slurm, failures propagate,
-and rocmoe-launch binds each local rank to its GPU.
+a training job requeued mid-run finishes as if it had never stopped, and rocmoe-launch binds
+each local rank to its GPU.
 
 The cluster tests need a running Slurm (CI: `slurm/local-cluster.sh start`); they skip when
 there is none, unless ROCMOE_REQUIRE_ALL=1.
@@ -7,9 +8,12 @@ there is none, unless ROCMOE_REQUIRE_ALL=1.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ import importlib.util as _ilu
 from pathlib import Path as _Path
 import rocmoe_testing as _helpers  # noqa: E402  (tests/ is on pytest's pythonpath)
 REPO, REQUIRE_ALL, mpi_env = _helpers.REPO, _helpers.REQUIRE_ALL, _helpers.mpi_env
+run_mpi = _helpers.run_mpi
 
 SLURM = REPO / "slurm"
 JOB_TIMEOUT_S = 300
@@ -108,6 +113,106 @@ def test_local_template_passes_program_and_arguments_and_fails_with_the_program(
         "rank 0 arg two words", "rank 1 arg two words"]
 
 
+# -- requeue ---------------------------------------------------------------------------------
+MOE_ARGS = ["--layers", "2", "--steps", "80", "--checkpoint-every", "5", "--eval-every", "40",
+            "--max-files", "300", "--threads", "1", "--no-progress"]
+
+
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+
+
+def job_fields(env: dict, job: str) -> dict:
+    proc = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True,
+                          text=True, timeout=30)
+    fields = {}
+    for word in proc.stdout.split():
+        key, _, value = word.partition("=")
+        fields.setdefault(key, value)
+    return fields
+
+
+def wait_for(what: str, condition, env: dict, job: str, timeout: float = 180.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = job_fields(env, job)
+        if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
+            # a requeued job waits out Slurm's credential lifetime (120 s) first: not here
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env,
+                           timeout=30)
+        if condition(fields):
+            return fields
+        if fields.get("JobState") in FINAL_STATES:
+            pytest.fail(f"Slurm job {job} ended ({fields.get('JobState')}) before {what}")
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], env=env, timeout=30)
+    pytest.fail(f"Slurm job {job}: {what} did not happen within {timeout} s (last: {fields})")
+
+
+def newest_checkpoint_step(directory: Path) -> int:
+    steps = [int(p.parent.name.split("-")[1]) for p in directory.glob("step-*/manifest.json")]
+    return max(steps, default=0)
+
+
+def last_per_step(path: Path, event: str) -> dict:
+    found = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record["event"] == event:
+            found[record["step"]] = record
+    return found
+
+
+@pytest.mark.slurm
+@pytest.mark.mpi
+def test_a_training_job_requeued_twice_mid_run_finishes_as_the_uninterrupted_run(slurm_env,
+                                                                                 tmp_path):
+    program = [sys.executable, str(REPO / "examples" / "moe_train.py"), *MOE_ARGS]
+    reference = run_mpi(REPO / "examples" / "moe_train.py", 2, *MOE_ARGS, "--jsonl",
+                        tmp_path / "reference.jsonl", timeout=300)
+    assert reference.returncode == 0, reference.stdout[-3000:]
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run.jsonl"
+    env = dict(slurm_env, PATH=os.pathsep.join([str(Path(sys.executable).parent),
+                                                slurm_env.get("PATH", "")]))
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--output={tmp_path / 'job-%j.out'}", f"--chdir={REPO}",
+         str(SLURM / "local.sbatch"), *program, "--checkpoint-dir", str(ckpt), "--jsonl", str(run)],
+        env=env, capture_output=True, text=True, timeout=60)
+    job = submitted.stdout.strip().split(";")[0]
+    assert job.isdigit(), submitted.stderr
+    try:
+        # 1. the time-limit warning (--signal=B:USR1@N): the batch shell forwards it, the ranks
+        #    checkpoint and exit 75, the template requeues the job itself
+        wait_for("a first checkpoint", lambda f: f.get("JobState") == "RUNNING"
+                 and newest_checkpoint_step(ckpt) >= 5, env, job)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True,
+                       timeout=30)
+        wait_for("the self-requeue", lambda f: f.get("Restarts") == "1", env, job)
+        first_stop = newest_checkpoint_step(ckpt)
+        # 2. a requeue from outside (preemption, an operator): Slurm kills the job; it resumes
+        #    from its newest complete checkpoint
+        wait_for("progress after the resume", lambda f: f.get("JobState") == "RUNNING"
+                 and newest_checkpoint_step(ckpt) > first_stop, env, job)
+        subprocess.run(["scontrol", "requeue", job], env=env, check=True, timeout=30)
+        wait_for("the requeue", lambda f: f.get("Restarts") == "2", env, job)
+        done = wait_for("the end of the job", lambda f: f.get("JobState") in FINAL_STATES, env,
+                        job, timeout=300)
+    finally:
+        subprocess.run(["scancel", job], env=env, timeout=30)
+    text = (tmp_path / f"job-{job}.out").read_text()
+    assert done["JobState"] == "COMPLETED", text[-3000:]
+    assert "stopped for a requeue (exit 75)" in text
+    events = [json.loads(line) for line in run.read_text().splitlines()]
+    assert [e["signal"] for e in events if e["event"] == "stopped"] == ["SIGUSR1"]
+    resumes = [e["step"] for e in events if e["event"] == "resume"]
+    assert len(resumes) == 2 and resumes[0] == first_stop < resumes[1] < 80
+    want = last_per_step(tmp_path / "reference.jsonl", "train")
+    got = last_per_step(run, "train")
+    assert {s: r["loss"] for s, r in got.items()} == {s: r["loss"] for s, r in want.items()}
+    summary = lambda path: next(json.loads(l) for l in path.read_text().splitlines()  # noqa: E731
+                                if '"summary"' in l)
+    assert summary(run)["params_sha256"] == summary(tmp_path / "reference.jsonl")["params_sha256"]
+
+
 # -- rocmoe-launch (no Slurm needed: it only reads the environment) ---------------------------
 def launch(extra: dict, *program: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items()
@@ -163,8 +268,10 @@ def test_templates_are_valid_bash_with_their_platform_settings(template, needles
     path = SLURM / template
     assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
     text = path.read_text()
-    for needle in needles:
+    for needle in needles + ["#SBATCH --requeue", "#SBATCH --signal=B:USR1@",
+                             "#SBATCH --open-mode=append", "rocmoe_run_requeueable "]:
         assert needle in text, (template, needle)
+
 
 
 def test_gpu_templates_refuse_to_run_without_a_program(tmp_path):

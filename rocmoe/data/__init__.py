@@ -1,0 +1,1 @@
+"""Data for the examples: a byte corpus of the standard library and Criteo-format click logs."""

@@ -1,0 +1,123 @@
+"""DLRM (facebookresearch/dlrm's architecture) with table-wise model-parallel embeddings.
+
+bottom MLP (dense features) -> interaction with the embedding bags -> top MLP -> sigmoid.
+Rank r holds a contiguous range of the embedding tables and looks them up for the whole
+global batch; ``rocmoe.ops.embedding_all_to_all`` returns this rank's samples with every
+table (the fused lookup + all-to-all). The MLPs are replicated (data-parallel).
+
+Sizes follow dlrm's flags: ``bottom_mlp`` includes its input width ("13-512-256-64-16"),
+``top_mlp`` does not: its input is the interaction's width, computed here as dlrm does
+(``dot``: the dense vector plus the strictly lower triangle of the pairwise dot products of
+[dense, table 0, table 1, ...], the diagonal too with ``interaction_itself``; ``cat``: the
+concatenation of all). ReLU after every layer, sigmoid after the top MLP's last.
+
+Initialisation as dlrm's (weights N(0, sqrt(2 / (in + out))), biases N(0, sqrt(1 / out)),
+tables U(-sqrt(1 / rows), sqrt(1 / rows))), each drawn from a generator keyed by the seed and
+the layer or global table number: the model is the same on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..errors import ConfigurationError
+
+
+def table_range(rank: int, world: int, num_tables: int) -> range:
+    """Rank `rank`'s tables: contiguous ranges, the first ``num_tables % world`` ranks one
+    more."""
+    base, extra = divmod(num_tables, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def interaction_width(op: str, num_tables: int, dim: int, itself: bool = False) -> int:
+    features = num_tables + 1
+    if op == "dot":
+        pairs = features * (features + 1) // 2 if itself else features * (features - 1) // 2
+        return pairs + dim
+    if op == "cat":
+        return features * dim
+    raise ConfigurationError(f"--arch-interaction-op must be dot or cat, got {op!r}")
+
+
+def check_architecture(sparse_feature_size: int, bottom_mlp, top_mlp, num_tables: int) -> None:
+    """dlrm's consistency checks, as RocmoeErrors."""
+    if len(bottom_mlp) < 2 or len(top_mlp) < 1 or min(list(bottom_mlp) + list(top_mlp)) < 1:
+        raise ConfigurationError(
+            f"--arch-mlp-bot needs at least input-output widths and --arch-mlp-top at least one "
+            f"width, all positive; got {bottom_mlp} and {top_mlp}")
+    if sparse_feature_size != bottom_mlp[-1]:
+        raise ConfigurationError(
+            f"--arch-sparse-feature-size {sparse_feature_size} does not match the last width of "
+            f"--arch-mlp-bot ({bottom_mlp[-1]}): the dense vector and the embeddings interact")
+    if num_tables < 1:
+        raise ConfigurationError("DLRM needs at least one embedding table")
+
+
+def _mlp(widths, seed: int, salt: int, sigmoid_last: bool) -> nn.Sequential:
+    layers = []
+    for i, (n, m) in enumerate(zip(widths[:-1], widths[1:])):
+        linear = nn.Linear(n, m)
+        g = torch.Generator().manual_seed(int(seed) * 7919 + salt * 1000 + i)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(m, n, generator=g) * math.sqrt(2.0 / (m + n)))
+            linear.bias.copy_(torch.randn(m, generator=g) * math.sqrt(1.0 / m))
+        last = i == len(widths) - 2
+        layers += [linear, nn.Sigmoid() if (last and sigmoid_last) else nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    def __init__(self, sparse_feature_size: int, embedding_sizes, bottom_mlp, top_mlp,
+                 interaction: str = "dot", interaction_itself: bool = False, ctx=None,
+                 rank: int = 0, world_size: int = 1, seed: int = 0):
+        super().__init__()
+        num_tables = len(embedding_sizes)
+        check_architecture(sparse_feature_size, bottom_mlp, top_mlp, num_tables)
+        self.interaction, self.itself = interaction, interaction_itself
+        self.ctx = ctx
+        self.embedding_sizes = [int(n) for n in embedding_sizes]
+        self.my_tables = table_range(rank, world_size, num_tables)
+        width = interaction_width(interaction, num_tables, sparse_feature_size, interaction_itself)
+        self.bottom = _mlp(list(bottom_mlp), seed, 1, sigmoid_last=False)
+        self.top = _mlp([width] + list(top_mlp), seed, 2, sigmoid_last=True)
+        tables = []
+        for t in self.my_tables:
+            rows = self.embedding_sizes[t]
+            g = torch.Generator().manual_seed(int(seed) * 104_729 + t + 1)
+            bound = math.sqrt(1.0 / rows)
+            tables.append(nn.Parameter(
+                (torch.rand(rows, sparse_feature_size, generator=g) * 2 - 1) * bound))
+        self.tables = nn.ParameterList(tables)
+        pairs = num_tables + 1
+        offset = 1 if interaction_itself else 0
+        # dlrm's order: for i, for j < i (+ the diagonal with `itself`)
+        li = [i for i in range(pairs) for _ in range(i + offset)]
+        lj = [j for i in range(pairs) for j in range(i + offset)]
+        self.register_buffer("pair_i", torch.tensor(li, dtype=torch.int64), persistent=False)
+        self.register_buffer("pair_j", torch.tensor(lj, dtype=torch.int64), persistent=False)
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        """The rank-local parameters (this rank's tables); the MLPs are replicated."""
+        return list(self.tables)
+
+    def interact(self, x: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """x [b, D], embedded [b, T, D] -> the top MLP's input."""
+        if self.interaction == "cat":
+            return torch.cat([x, embedded.reshape(x.shape[0], -1)], 1)
+        feats = torch.cat([x.unsqueeze(1), embedded], 1)           # [b, 1 + T, D]
+        dots = torch.bmm(feats, feats.transpose(1, 2))
+        return torch.cat([x, dots[:, self.pair_i, self.pair_j]], 1)
+
+    def forward(self, dense_local: torch.Tensor, indices, offsets) -> torch.Tensor:
+        """dense_local: this rank's samples [b, F]; indices / offsets: this rank's tables'
+        lookups over the whole global batch. Returns click probabilities [b]."""
+        from .. import ops
+        x = self.bottom(dense_local)
+        embedded = ops.embedding_all_to_all(list(self.tables), list(indices), list(offsets),
+                                            ctx=self.ctx)
+        return self.top(self.interact(x, embedded)).squeeze(1)
