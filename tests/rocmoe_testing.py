@@ -1,11 +1,13 @@
 """Shared test helpers (import as `from rocmoe_testing import ...`).
 
-Tests that need an external tool (mpiexec, hipcc, clang-19, nvcc, Slurm) skip when it is
-missing, unless ROCMOE_REQUIRE_ALL=1 (CI), where a missing tool is a failure.
+Tests that need an external tool (mpiexec, hipcc, clang-19, nvcc, Slurm) or an optional
+Python module (Triton) skip when it is missing, unless ROCMOE_REQUIRE_ALL=1 (CI), where a
+missing tool or module is a failure: `require_tool`, `require_module`, `skip_or_fail`.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import subprocess
@@ -19,15 +21,31 @@ TESTS = REPO / "tests"
 REQUIRE_ALL = os.environ.get("ROCMOE_REQUIRE_ALL") == "1"
 
 
+def skip_or_fail(message: str) -> None:
+    """Skip with `message`; under ROCMOE_REQUIRE_ALL=1, where everything must run, fail."""
+    if REQUIRE_ALL:
+        pytest.fail(message + " and ROCMOE_REQUIRE_ALL=1")
+    pytest.skip(message)
+
+
 def require_tool(name: str, why: str = "") -> str:
     """Path of executable `name`, or skip (fail under ROCMOE_REQUIRE_ALL=1)."""
     path = shutil.which(name)
     if path is None:
-        message = f"{name} is not installed" + (f" ({why})" if why else "")
-        if REQUIRE_ALL:
-            pytest.fail(message + " and ROCMOE_REQUIRE_ALL=1")
-        pytest.skip(message)
+        skip_or_fail(f"{name} is not installed" + (f" ({why})" if why else ""))
     return path
+
+
+def require_module(name: str, why: str = ""):
+    """Module `name`, imported, or skip (fail under ROCMOE_REQUIRE_ALL=1); at module level,
+    the whole file is skipped. Unlike pytest.importorskip it does not let CI skip."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        message = f"Python module {name} cannot be imported ({exc})" + (f": {why}" if why else "")
+    if REQUIRE_ALL:
+        pytest.fail(message + " and ROCMOE_REQUIRE_ALL=1", pytrace=False)
+    pytest.skip(message, allow_module_level=True)
 
 
 def mpi_env(**extra) -> dict:

@@ -5,19 +5,15 @@ The GEMM must use the matrix units (``v_mfma`` on AMD, ``wgmma`` on sm_90), and 
 signalling must be there: a system-scope release store (or exchange) in the assembly.
 """
 
-import os
 import re
 
 import pytest
 
-try:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("ROCMOE_REQUIRE_ALL") == "1":
-        raise
-    pytest.skip("triton is not installed", allow_module_level=True)
+from rocmoe_testing import require_module
+
+triton = require_module("triton", "ahead-of-time builds of the GEMM+All-to-All kernel")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 from rocmoe.ops import triton_gemm_a2a as kernels  # noqa: E402
 

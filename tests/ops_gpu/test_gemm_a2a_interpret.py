@@ -5,10 +5,10 @@ bounded waits as on a GPU (no GPU needed, runs in CI)."""
 
 import pytest
 
-pytest.importorskip("triton")
+from gpu_testing import SCRIPT
+from rocmoe_testing import mpi_env, require_module, run_mpi
 
-from gpu_testing import SCRIPT  # noqa: E402
-from rocmoe_testing import mpi_env, run_mpi  # noqa: E402
+require_module("triton", "the Triton interpreter runs the GEMM+All-to-All kernel on CPU")
 
 pytestmark = [pytest.mark.triton_interpret, pytest.mark.mpi]
 
