@@ -33,8 +33,10 @@ build: setup
 demo: setup
 	mpiexec -n $(RANKS) --oversubscribe $(PYTHON) examples/demo.py
 
+# -rs: every skip is listed with its reason (under ROCMOE_REQUIRE_ALL=1 only GPU tests and the
+# rocSHMEM compile may skip: tests/skip_policy.py)
 test: setup
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
+	$(PYTHON) -m pytest -q -rs $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf build rocmoe/*.so
