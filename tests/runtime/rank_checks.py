@@ -163,18 +163,24 @@ if scenario == "suite":
     print(f"DONE {rank}", flush=True)
 
 elif scenario == "dead_rank":
+    # rank 1 dies while rank 0 waits for its signal; the launcher is told to let rank 0 run
+    # on, so rank 0's own error is what ends its wait: PeerDeadError from the liveness check,
+    # long before the wait's bound (WAIT_S) would give CommTimeoutError.
     ctx = rocmoe.init(heap_size=1 << 20, timeout_s=float(os.environ.get("WAIT_S", "10")))
     rank = ctx.rank
     flags = ctx.zeros((1,), torch.int64)
     if rank == 1:
-        os._exit(17)  # dies without a word
+        os._exit(17)  # dies without a word, never signalling
     start = time.monotonic()
     try:
         ctx.wait_until(flags, 0, 1, peer=1)
         report("dead_rank", False, "wait returned")
-    except (rocmoe.PeerDeadError, rocmoe.CommTimeoutError) as exc:
-        report("dead_rank", True, f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}")
-        raise SystemExit(5)
+    except rocmoe.RocmoeError as exc:
+        report("dead_rank", True,
+               f"{type(exc).__name__} after {time.monotonic() - start:.2f}s: {exc}")
+    ctx._release()  # no finalize: its barrier would wait for the dead rank
+    sys.stdout.flush()
+    os._exit(5)
 
 elif scenario == "absent_rank":
     # rank 1 never joins the barrier (stuck elsewhere): the others time out, no hang
