@@ -236,22 +236,39 @@ def check_repeat():
     report(all(e >= 100 for e in epochs.values()), f"epochs advanced once per call {epochs}")
 
 
+def _heap_state():
+    h = ctx.heap
+    return h.free_bytes, h.largest_free_block, h.live_allocations
+
+
 def _snapshot(op):
     ws = workspace(ctx, op)
-    return (ws.epoch, None if ws.buffer is None else ws.buffer.clone(),
+    return (ws.epoch, _heap_state(), None if ws.buffer is None else ws.buffer.clone(),
             None if ws.signals is None else ws.signals.clone())
 
 
 def _same(a, b):
-    return a[0] == b[0] and all((x is None and y is None) or (x is not None and y is not None
-                                                             and torch.equal(x, y))
-                                for x, y in zip(a[1:], b[1:]))
+    return a[:2] == b[:2] and all((x is None and y is None) or (x is not None and y is not None
+                                                               and torch.equal(x, y))
+                                  for x, y in zip(a[2:], b[2:]))
+
+
+def _changes(a, b):
+    what = []
+    if a[0] != b[0]:
+        what.append(f"epoch {a[0]} -> {b[0]}")
+    if a[1] != b[1]:
+        what.append(f"heap (free, largest free block, live) {a[1]} -> {b[1]}")
+    if not _same((0, 0) + a[2:], (0, 0) + b[2:]):
+        what.append("workspace contents changed")
+    return "; ".join(what)
 
 
 def expect_error(what: str, op: str, call, bad_rank: int, then):
     """`call(bad)` on every rank (bad is True on `bad_rank` only) must raise a RocmoeError on
-    every rank, leave every workspace untouched (nothing was put to any peer), and a valid
-    call (`then`) must work afterwards."""
+    every rank, leave every workspace untouched (nothing was put to any peer) and the heap as
+    it was (free bytes, largest free block, allocations), and a valid call (`then`) must work
+    afterwards."""
     then()  # workspaces exist and hold a previous call's data
     before = _snapshot(op)
     try:
@@ -261,7 +278,7 @@ def expect_error(what: str, op: str, call, bad_rank: int, then):
         after = _snapshot(op)
         # every rank checks its own workspace: together that is "nothing reached any peer"
         report(_same(before, after), f"error {what}: {type(exc).__name__}: {text}",
-               "" if _same(before, after) else "workspace changed")
+               _changes(before, after))
     except Exception as exc:  # noqa: BLE001 - must be a RocmoeError
         report(False, f"error {what}", f"raised {type(exc).__name__}: {exc}")
     else:

@@ -101,25 +101,67 @@ if scenario == "suite":
 
     check("free_reuses_memory", free_reuses_memory)
 
+    # A fragmented heap (a hole between two live blocks), so that the free bytes and the
+    # largest free block differ: a failed call that kept or freed the wrong block shows in
+    # one of them.
+    fragments = [ctx.empty((n,), torch.float32) for n in (5000, 3000, 7000)]
+    ctx.free(fragments.pop(1))
+
+    def heap_state():
+        h = ctx.heap
+        return (h.free_bytes, h.largest_free_block, h.live_allocations)
+
+    def leaves_heap_as_it_was(name, cls, fn):
+        """fn() raises `cls` on this rank, and afterwards the heap is exactly as before:
+        reported as the check `name` and the check `heap_unchanged_after_<name>`."""
+        before = heap_state()
+        expect_error(name, cls, fn)
+        after = heap_state()
+        report(f"heap_unchanged_after_{name}", after == before,
+               f"(free, largest free block, live) {before} -> {after}")
+
     def expect_mismatch(name, fn):
         if world == 1:
-            fn()  # one rank cannot disagree with itself: the call must simply work
+            allocated = fn()  # one rank cannot disagree with itself: the call must simply work
+            for t in allocated:
+                ctx.free(t)
             report(name, True, "single rank: nothing to mismatch")
+            report(f"heap_unchanged_after_{name}", True, "single rank: nothing to roll back")
         else:
-            expect_error(name, rocmoe.HeapMismatchError, fn)
+            leaves_heap_as_it_was(name, rocmoe.HeapMismatchError, fn)
 
-    expect_mismatch("size_mismatch", lambda: ctx.empty((10 + rank,), torch.float32))
+    expect_mismatch("size_mismatch", lambda: [ctx.empty((10 + rank,), torch.float32)])
     expect_mismatch("dtype_mismatch",
-                    lambda: ctx.empty((4,), torch.float32 if rank == 0 else torch.int32))
+                    lambda: [ctx.empty((4,), torch.float32 if rank == 0 else torch.int32)])
+
+    held = ctx.empty((4,), torch.float32)
 
     def order_mismatch():
-        # rank 0 frees while the others allocate: the same collective slot, different calls
-        t = ctx.empty((4,), torch.float32)
+        # rank 0 frees while the others allocate: the same collective slot, different calls;
+        # nobody may free `held` or keep the new block
         if rank == 0:
-            ctx.free(t)
-        else:
-            ctx.empty((4,), torch.float32)
+            ctx.free(held)
+            return []
+        return [ctx.empty((4,), torch.float32)]
     expect_mismatch("order_mismatch", order_mismatch)
+    if world > 1:
+        ctx.free(held)  # on one rank the free above already did it
+
+    other = [ctx.empty((64,), torch.float32), ctx.empty((64,), torch.float32)]
+
+    def free_mismatch():
+        ctx.free(other[rank % 2])  # ranks free different allocations: nothing is freed
+        return []
+    expect_mismatch("free_mismatch", free_mismatch)
+    for t in other[1:] if world == 1 else other:  # one rank alone freed other[0] above
+        ctx.free(t)
+
+    def shape_invalid_on_one_rank():
+        # the last rank's shape is invalid: it raises its own error, the others (which had
+        # already allocated locally) roll back and raise InvalidArgumentError naming it
+        return ctx.empty((-1,) if rank == world - 1 else (16,), torch.float32)
+    leaves_heap_as_it_was("shape_invalid_on_one_rank", rocmoe.InvalidArgumentError,
+                          shape_invalid_on_one_rank)
 
     def heap_intact_after_errors():
         # after every error above, allocation still works and stays symmetric
@@ -130,8 +172,8 @@ if scenario == "suite":
 
     check("heap_intact_after_errors", heap_intact_after_errors)
 
-    expect_error("heap_exhausted", rocmoe.HeapExhaustedError,
-                 lambda: ctx.empty((1 << 23,), torch.float32))
+    leaves_heap_as_it_was("heap_exhausted", rocmoe.HeapExhaustedError,
+                          lambda: ctx.empty((1 << 23,), torch.float32))
 
     def _wait_never_signalled():
         flags = ctx.zeros((1,), torch.int64)
@@ -155,7 +197,9 @@ if scenario == "suite":
 
     expect_error("put_too_large", rocmoe.InvalidArgumentError, _put_too_large)
 
-    expect_error("bad_dtype", rocmoe.DTypeError, lambda: ctx.empty((4,), "float"))
+    leaves_heap_as_it_was("bad_dtype", rocmoe.DTypeError, lambda: ctx.empty((4,), "float"))
+    for t in fragments:
+        ctx.free(t)
 
     ctx.finalize()
     expect_error("use_after_finalize", rocmoe.ContextError, lambda: ctx.empty((4,), torch.float32))

@@ -79,6 +79,26 @@ def test_order_mismatch_raises_heap_mismatch_on_every_rank(suite):
                          r"HeapMismatchError" if suite[0] > 1 else "single rank")
 
 
+def test_free_of_different_tensors_raises_heap_mismatch_on_every_rank(suite):
+    assert_on_every_rank(suite, "free_mismatch",
+                         r"HeapMismatchError: ranks freed different" if suite[0] > 1
+                         else "single rank")
+
+
+def test_invalid_shape_on_one_rank_raises_on_every_rank(suite):
+    assert_on_every_rank(suite, "shape_invalid_on_one_rank", r"InvalidArgumentError")
+
+
+FAILED_HEAP_CALLS = ["size_mismatch", "dtype_mismatch", "order_mismatch", "free_mismatch",
+                     "shape_invalid_on_one_rank", "heap_exhausted", "bad_dtype"]
+
+
+@pytest.mark.parametrize("name", FAILED_HEAP_CALLS)
+def test_failed_heap_call_leaves_free_bytes_largest_block_and_allocations_unchanged(suite, name):
+    # the rollback promise: a call that raised on any rank changed no rank's heap
+    assert_on_every_rank(suite, f"heap_unchanged_after_{name}")
+
+
 def test_heap_stays_symmetric_after_errors(suite):
     assert_on_every_rank(suite, "heap_intact_after_errors")
 
