@@ -6,6 +6,7 @@ one failure does not hide the others; the other scenarios end the job on purpose
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 import time
@@ -44,6 +45,13 @@ if scenario == "suite":
     ctx = rocmoe.init(heap_size=1 << 22)
     rank, world = ctx.rank, ctx.world_size
     nxt, prv = (rank + 1) % world, (rank - 1) % world
+
+    def segments_unlinked_after_init():
+        ctx.barrier()  # every rank is past rocmoe.init, i.e. has unlinked its own segment
+        left = sorted(glob.glob(f"/dev/shm/rocmoe.{ctx.job_tag}.*"))
+        return not left, f"left in /dev/shm: {left}"
+
+    check("segments_unlinked_after_init", segments_unlinked_after_init)
 
     def ring_exchange():
         data = ctx.zeros((1000,), torch.float64)

@@ -44,6 +44,10 @@ def test_job_finishes_cleanly(suite):
     assert len(re.findall(r"^DONE \d+$", proc.stdout, re.M)) == n
 
 
+def test_no_host_segment_of_the_job_is_left_in_dev_shm_after_init(suite):
+    assert_on_every_rank(suite, "segments_unlinked_after_init")
+
+
 def test_ring_exchange_by_put_and_signal_delivers_data(suite):
     assert_on_every_rank(suite, "ring_exchange")
 
