@@ -68,6 +68,56 @@ if scenario == "suite":
 
     check("ring_exchange", ring_exchange)
 
+    def signal_adds_from_every_rank_sum_exactly():
+        # every rank adds to one slot (rank 0's) for the same 0.3 s: the sum must be exact
+        # across processes. How many adds fit depends on the machine, so the ranks count
+        # theirs. (A lost update needs two adds at the same instant, which Python's pace
+        # makes rare: test_signal_add_atomic.py checks atomicity with tight C loops.)
+        slots = ctx.zeros((1,), torch.int64)
+        done = 0
+        stop = time.monotonic() + 0.3
+        while time.monotonic() < stop:
+            ctx.signal_add(slots, 0, rank + 1, peer=0)
+            done += 1
+        adds = ctx.allgather_ints([done])[:, 0]
+        want = int(sum((r + 1) * int(n) for r, n in enumerate(adds)))
+        seen = ctx.wait_until(slots, 0, want, ">=", timeout_s=5) if rank == 0 else None
+        ctx.barrier()
+        final = int(ctx.peer(slots, 0)[0])
+        ctx.barrier()
+        ctx.free(slots)
+        return final == want, (f"{int(adds.sum())} adds into rank 0's slot; want {want}, "
+                               f"wait saw {seen}, slot holds {final}")
+
+    check("signal_add_sums", signal_adds_from_every_rank_sum_exactly)
+
+    # for each comparison against 10: a value that must keep the wait waiting, and a value
+    # that must release it, both at the boundary
+    COMPARISON_CASES = {"==": ("eq", 9, 10), "!=": ("ne", 10, 11), ">": ("gt", 10, 11),
+                        ">=": ("ge", 9, 10), "<": ("lt", 10, 9), "<=": ("le", 11, 10)}
+
+    def comparison_waits_then_releases(cmp, hold, release):
+        slots = ctx.zeros((1,), torch.int64)
+        ctx.signal_set(slots, 0, hold, peer=rank)
+        try:
+            ctx.wait_until(slots, 0, 10, cmp, timeout_s=0.05, peer=prv)
+            waited = f"returned although the slot held {hold}"
+        except rocmoe.CommTimeoutError:
+            waited = ""
+        ctx.barrier()  # every rank has seen its wait hold before anyone releases
+        ctx.signal_set(slots, 0, release, peer=nxt)
+        try:
+            seen = ctx.wait_until(slots, 0, 10, cmp, timeout_s=20, peer=prv)
+        except rocmoe.CommTimeoutError as exc:
+            seen = f"not released: {exc}"
+        ctx.barrier()
+        ctx.free(slots)
+        ok = not waited and seen == release
+        return ok, waited or f"slot {hold}: waited; slot {release}: released, saw {seen}"
+
+    for cmp, (label, hold, release) in COMPARISON_CASES.items():
+        check(f"wait_until_{label}", lambda: comparison_waits_then_releases(cmp, hold, release))
+
     def peer_view_aliases_peer_memory():
         t = ctx.zeros((8,), torch.int32)
         t.fill_(rank)

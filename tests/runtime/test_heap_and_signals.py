@@ -52,6 +52,15 @@ def test_ring_exchange_by_put_and_signal_delivers_data(suite):
     assert_on_every_rank(suite, "ring_exchange")
 
 
+def test_signal_adds_from_every_rank_at_once_sum_exactly(suite):
+    assert_on_every_rank(suite, "signal_add_sums")
+
+
+@pytest.mark.parametrize("label", ["eq", "ne", "gt", "ge", "lt", "le"])
+def test_every_wait_until_comparison_waits_while_false_and_releases_when_true(suite, label):
+    assert_on_every_rank(suite, f"wait_until_{label}")
+
+
 def test_peer_view_aliases_the_peers_memory(suite):
     assert_on_every_rank(suite, "peer_view")
 
