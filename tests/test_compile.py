@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+import amd_isa
 from rocmoe_testing import REPO, REQUIRE_ALL, require_tool
 
 pytestmark = pytest.mark.compile
@@ -278,6 +279,62 @@ def test_source_compiles(compile_pool, source_id, toolchain):
     if status == "skip":
         pytest.skip(output)
     assert status == 0, f"{source_id} does not compile with {toolchain}:\n{' '.join(cmd)}\n{output}"
+
+
+# -- the release sequence of a HIP signal on CDNA ---------------------------------------------
+
+SIGNAL_PROBE = r"""
+#include "rocmoe/shmem.h"
+// A data store, then the facade's signal to a peer: what every HIP kernel of rocmoe does at
+// the end of a slice. The data are 32-bit, so the 64-bit stores are the flags.
+namespace sh = rocmoe::shmem;
+__global__ void rocmoe_signal_set_probe(sh::Team team, uint32_t *data, uint64_t *sig, int pe) {
+    data[threadIdx.x] = threadIdx.x;
+    if (threadIdx.x == 0) sh::signal_set(team, sig, 1, pe);
+}
+__global__ void rocmoe_signal_add_probe(sh::Team team, uint32_t *data, uint64_t *sig, int pe) {
+    data[threadIdx.x] = threadIdx.x;
+    if (threadIdx.x == 0) sh::signal_add(team, sig, 1, pe);
+}
+"""
+HIP_FLAG_STORE = r"^(global|flat)_(store_dwordx2|atomic_add_x2) "
+
+
+@pytest.fixture(scope="module")
+def signal_probe_isa(tmp_path_factory):
+    """clang-19's gfx942 and gfx90a assembly of SIGNAL_PROBE."""
+    clang = require_tool("clang-19", "AMD device ISA")
+    work = tmp_path_factory.mktemp("signal_probe")
+    src = work / "signal_probe.hip"
+    src.write_text(SIGNAL_PROBE)
+    listings = {}
+    for arch in ("gfx942", "gfx90a"):
+        out = work / f"signal_probe.{arch}.s"
+        subprocess.run([clang, "-std=c++17", "-x", "hip", f"--offload-arch={arch}", "-nogpulib",
+                        "--cuda-device-only", "-S", "-O1", "-D__HIP_PLATFORM_AMD__",
+                        f"-I{INCLUDE}", f"-I{SRC}", "-DROCMOE_HAVE_GPU", "-DROCMOE_PLATFORM_IS_HIP",
+                        str(src), "-o", str(out)], check=True, timeout=TIMEOUT_S)
+        listings[arch] = out.read_text()
+    return listings
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_hip_signal_writes_back_l2_at_system_scope_right_before_the_flag(signal_probe_isa, arch):
+    # signal_set and signal_add (platform.h's system-scope release): the system-scope L2
+    # write-back, then the flag, nothing stored in between (tests/amd_isa.py)
+    problems = amd_isa.release_problems(signal_probe_isa[arch], arch, HIP_FLAG_STORE,
+                                        wait=False)
+    assert not problems, "\n".join(problems)
+    assert len(amd_isa.flag_stores(signal_probe_isa[arch], HIP_FLAG_STORE)) == 2
+
+
+@pytest.mark.xfail(strict=True, reason=amd_isa.WAIT_DROPPED_BY + " (clang-19 does): the flag "
+                   "can overtake the write-back; needs platform.h to wait itself or a fixed "
+                   "compiler")
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_hip_signal_waits_for_the_write_back_before_the_flag(signal_probe_isa, arch):
+    problems = amd_isa.release_problems(signal_probe_isa[arch], arch, HIP_FLAG_STORE)
+    assert not problems, "\n".join(problems)
 
 
 # -- full CMake builds ---------------------------------------------------------------------

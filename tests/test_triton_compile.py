@@ -2,13 +2,15 @@
 
 No GPU needed: ``triton.compile`` with an explicit ``GPUTarget`` runs the whole compiler.
 The GEMM must use the matrix units (``v_mfma`` on AMD, ``wgmma`` on sm_90), and the
-signalling must be there: a system-scope release store (or exchange) in the assembly.
+signalling must be there: a system-scope release store (or exchange) in the assembly; on
+gfx942 and gfx90a the whole release sequence before each flag store (tests/amd_isa.py).
 """
 
 import re
 
 import pytest
 
+import amd_isa
 from rocmoe_testing import require_module
 
 triton = require_module("triton", "ahead-of-time builds of the GEMM+All-to-All kernel")
@@ -63,6 +65,36 @@ def test_grouped_gemm_a2a_uses_matrix_instructions(target_key):
 def test_gemm_a2a_signal_is_system_scope_release_on_sm90():
     ptx = _compile("gemm_a2a_kernel", "sm90").asm["ptx"]
     assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"
+
+
+# the epoch signal is a 64-bit exchange into the peer's slot (tl.atomic_xchg of an int64)
+SIGNAL_STORE = r"^(global|flat)_atomic_swap_x2 "
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+@pytest.mark.parametrize("groups_p2", [0, 8])
+def test_gemm_a2a_signal_is_a_system_scope_release_on_amd(arch, groups_p2):
+    # the tiles are in the peer's heap before its flag says so: L2 written back to system
+    # scope and waited for, right before the flag store (tests/amd_isa.py)
+    asm = _compile("gemm_a2a_kernel", arch, groups_p2=groups_p2).asm["amdgcn"]
+    problems = amd_isa.release_problems(asm, arch, SIGNAL_STORE)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_protocol_kernel_signal_is_a_system_scope_release_on_amd(arch):
+    asm = _compile("signal_peers_kernel", arch).asm["amdgcn"]
+    problems = amd_isa.release_problems(asm, arch, SIGNAL_STORE)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_gemm_a2a_without_signal_writes_back_nothing_at_system_scope_on_amd(arch):
+    # SIGNAL=False: no flag, so no system-scope write-back either (the check above would
+    # otherwise pass on a kernel that writes back everywhere)
+    code = amd_isa.instructions(_compile("gemm_a2a_kernel", arch, signal=False).asm["amdgcn"])
+    assert amd_isa.SYSTEM_WRITEBACK[arch] not in code
+    assert not amd_isa.flag_stores("\n".join(code), SIGNAL_STORE)
 
 
 def test_gemm_a2a_without_signal_has_no_system_scope_atomic_on_sm90():
