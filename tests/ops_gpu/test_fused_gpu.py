@@ -11,7 +11,7 @@ from rocmoe_testing import mpi_env, run_mpi
 
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
 
-OPS = ["gemm", "embedding", "gemv"]
+OPS = ["gemm", "gemm_grouped", "embedding", "gemv"]  # gemm_grouped: the MoE combine
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 4])
