@@ -82,6 +82,13 @@ def _random_blocks(topo, counts, g):
     return s
 
 
+def _sparse_case(case, seed):
+    """A topology of CASES[case], its counts, a generator and block values for it."""
+    topo, counts = _case(CASES[case])
+    g = torch.Generator().manual_seed(seed)
+    return topo, counts, g, _random_blocks(topo, counts, g)
+
+
 def _expert_dense(s, first, padded, nb, ffn):
     """Expert's [padded, ffn] part of S, assembled from its row blocks by the layout rule."""
     parts = []
@@ -107,10 +114,8 @@ def test_sdd_blocks_of_each_expert_are_its_rows_times_its_weight(case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_dsd_rows_of_each_expert_are_its_block_rows_times_its_weight(case):
-    topo, counts = _case(CASES[case])
-    g = torch.Generator().manual_seed(2)
+    topo, counts, g, s = _sparse_case(case, seed=2)
     f, nb = topo.ffn_size, topo.blocks_per_expert
-    s = _random_blocks(topo, counts, g)
     w = torch.randn(len(counts), f, 9, generator=g, dtype=torch.float64)
     out = bs.dsd(s, w, topo)
     assert out.shape == (topo.num_rows, 9)
@@ -121,10 +126,8 @@ def test_dsd_rows_of_each_expert_are_its_block_rows_times_its_weight(case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_dstd_of_each_expert_is_its_block_rows_transposed_times_its_rows(case):
-    topo, counts = _case(CASES[case])
-    g = torch.Generator().manual_seed(3)
+    topo, counts, g, s = _sparse_case(case, seed=3)
     f, nb = topo.ffn_size, topo.blocks_per_expert
-    s = _random_blocks(topo, counts, g)
     b = torch.randn(topo.num_rows, 7, generator=g, dtype=torch.float64)
     b[~_real_rows_mask(topo.num_rows, counts)] = 0
     out = bs.dstd(s, b, topo)
@@ -136,10 +139,8 @@ def test_dstd_of_each_expert_is_its_block_rows_transposed_times_its_rows(case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ddst_columns_of_each_expert_are_its_weight_times_its_block_rows_transposed(case):
-    topo, counts = _case(CASES[case])
-    g = torch.Generator().manual_seed(4)
+    topo, counts, g, s = _sparse_case(case, seed=4)
     f, nb = topo.ffn_size, topo.blocks_per_expert
-    s = _random_blocks(topo, counts, g)
     w = torch.randn(len(counts), 5, f, generator=g, dtype=torch.float64)
     out = bs.ddst(w, s, topo)
     assert out.shape == (5, topo.num_rows)
