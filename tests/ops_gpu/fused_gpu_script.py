@@ -11,6 +11,7 @@ rank can regenerate (seeded per call), prints "RANK r OK <op>" and exits 0, or r
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -162,6 +163,10 @@ def check_gemm_timeout(arena, device, dtype, calls, rank, world):
             print(f"RANK {rank} TIMEOUT {exc}", flush=True)
             return
         raise AssertionError("rank 0 did not time out")
+    # The others reach the closing barrier at once; bounded by the same timeout as rank 0's
+    # wait, it would expire just as rank 0 arrives (on a loaded machine, first). Let rank 0's
+    # wait run out before they start theirs.
+    time.sleep(float(os.environ.get("ROCMOE_TIMEOUT_S", 30)))
 
 
 def check_bad_counts(arena, device, dtype, calls, rank, world):
