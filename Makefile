@@ -37,8 +37,10 @@ demo: setup
 	$(PYTHON) -m rocmoe.cli plot $(DEMO_OUT)/dlrm_train.jsonl $(DEMO_OUT)/moe_train.jsonl
 	@echo "make demo: the pictures are in $(DEMO_OUT)/ (open $(DEMO_OUT)/moe_train_loss.png)"
 
+# -rs: every skip is listed with its reason (under ROCMOE_REQUIRE_ALL=1 only GPU tests and the
+# rocSHMEM compile may skip: tests/skip_policy.py)
 test: setup
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS) tests
+	$(PYTHON) -m pytest -q -rs $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf build rocmoe/*.so

@@ -9,7 +9,10 @@
 # GPU, fused gemm_all_to_all combine and all-to-all, vs the one-rank layer), fused (rocmoe
 # bench fused_gpu -> $OUT/fused_h200.json), moebench (rocmoe bench moe, all six shapes -> $OUT/moe_h200.json).
 # Everything prints JSON lines; every record carries the baseline measured in the same run.
+# Exits 1 if a check stage (check, moetest, ep) failed; tests/gpu_suite.sh runs every check.
 set -o pipefail
+failed=0
+expect() { if [ "$2" -ne 0 ]; then echo "FAILED: $1 (exit $2)"; failed=1; fi; }
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 STAGES=${1:-build,check,gemv,gemm,moe}
 source benchmarks/device_env.sh
@@ -25,11 +28,17 @@ if has check; then
   for n in 1 2 4; do
     ROCMOE_TIMEOUT_S=10 timeout 90 mpirun -n $n --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
       gemv,embedding,gemm context --calls 4 --dtype fp32,bf16,fp16 > "$OUT/check_$n.log" 2>&1
-    echo "ranks=$n rc=$? $(grep -cE 'RANK .* OK' "$OUT/check_$n.log") OK lines," \
+    rc=$?
+    expect "check at $n ranks" $rc
+    echo "ranks=$n rc=$rc $(grep -cE 'RANK .* OK' "$OUT/check_$n.log") OK lines," \
       "$(grep -cE 'FAIL|Error' "$OUT/check_$n.log") failure lines"
   done
   ROCMOE_TIMEOUT_S=3 timeout 30 mpirun -n 2 --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
-    gemm_timeout torchipc 2>&1 | grep -E "RANK|Error" | head -4
+    gemm_timeout torchipc > "$OUT/timeout_check.log" 2>&1
+  expect "timeout check" $?
+  grep -q "RANK 0 TIMEOUT" "$OUT/timeout_check.log"
+  expect "timeout check: rank 0 reported the timeout" $?
+  grep -E "RANK|Error" "$OUT/timeout_check.log" | head -4
 fi
 if has gemv; then
   stamp "gemv sweep"
@@ -79,8 +88,10 @@ for l in sys.stdin:
 fi
 if has moetest; then
   stamp "moe GPU tests"
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/moe/test_gpu.py \
-    tests/ops_gpu/test_fused_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/moe/test_gpu.py \
+    tests/ops_gpu/test_fused_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  expect "moe GPU tests" $?
+  tail -5 "$OUT/gpu_tests.log"
 fi
 if has ep; then
   stamp "expert-parallel DroplessMoE at 2 and 4 ranks sharing the GPU (ipc heap) vs one rank"
@@ -90,11 +101,15 @@ if has ep; then
     set -- $v; n=$1; shift
     ROCMOE_TIMEOUT_S=20 timeout 150 mpirun -n $n --oversubscribe python3 tests/moe/ep_script.py \
       --ctx runtime --device cuda "$@" > "$OUT/ep.log" 2>&1
-    echo "ranks=$n $* rc=$? $(grep -c EP_OK "$OUT/ep.log") EP_OK," \
-      "$(grep -o 'combine=[a-z_]*' "$OUT/ep.log" | sort | uniq -c | tr -s ' ')," \
-      "$(grep -o 'max_err=[0-9.e+-]*' "$OUT/ep.log" | sort | tail -1)"
-    grep -E "EP_FAIL|Error" "$OUT/ep.log" | head -3
-  done 2>&1 | tee "$OUT/ep_checks.log"
+    rc=$?
+    expect "ep at $n ranks $*" $rc
+    [ "$(grep -c EP_OK "$OUT/ep.log")" -eq "$n" ]
+    expect "ep at $n ranks $*: every rank printed EP_OK" $?
+    { echo "ranks=$n $* rc=$rc $(grep -c EP_OK "$OUT/ep.log") EP_OK," \
+        "$(grep -o 'combine=[a-z_]*' "$OUT/ep.log" | sort | uniq -c | tr -s ' ')," \
+        "$(grep -o 'max_err=[0-9.e+-]*' "$OUT/ep.log" | sort | tail -1)"
+      grep -E "EP_FAIL|Error" "$OUT/ep.log" | head -3; } | tee -a "$OUT/ep_checks.log"
+  done
 fi
 if has fused; then
   stamp "fused ops benchmark"
@@ -121,3 +136,4 @@ for l in sys.stdin:
     else: print(str(r)[:200])"
 fi
 stamp done
+exit $failed

@@ -62,6 +62,11 @@ class SymmetricHeap:
         return int(lib.rocmoe_heap_free_bytes(self._handle))
 
     @property
+    def largest_free_block(self) -> int:
+        """Bytes of the largest free block: the most one allocation can still get."""
+        return int(lib.rocmoe_heap_largest_free(self._handle))
+
+    @property
     def live_allocations(self) -> int:
         return len(self._live)
 

@@ -164,6 +164,7 @@ class Context:
             self.device = torch.device("cuda", device_index)
 
         tag = self._agree_on_job_tag()
+        self.job_tag = tag  # names this job's host segments: /dev/shm/rocmoe.<job_tag>.<rank>
         args = ffi.new("rocmoe_init_args *")
         args.backend = _native.BACKENDS[self.backend]
         args.rank, args.world_size = self.rank, self.world_size

@@ -2,22 +2,20 @@
 
 No GPU needed: ``triton.compile`` with an explicit ``GPUTarget`` runs the whole compiler.
 The GEMM must use the matrix units (``v_mfma`` on AMD, ``wgmma`` on sm_90), and the
-signalling must be there: a system-scope release store (or exchange) in the assembly.
+signalling must be there: a system-scope release store (or exchange) in the assembly; on
+gfx942 and gfx90a the whole release sequence before each flag store (tests/amd_isa.py).
 """
 
-import os
 import re
 
 import pytest
 
-try:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-except ImportError:  # pragma: no cover - depends on the machine
-    if os.environ.get("ROCMOE_REQUIRE_ALL") == "1":
-        raise
-    pytest.skip("triton is not installed", allow_module_level=True)
+import amd_isa
+from rocmoe_testing import require_module
+
+triton = require_module("triton", "ahead-of-time builds of the GEMM+All-to-All kernel")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 from rocmoe.ops import triton_gemm_a2a as kernels  # noqa: E402
 
@@ -76,6 +74,37 @@ def test_grouped_gemm_a2a_uses_matrix_instructions(target_key):
 def test_gemm_a2a_signal_is_system_scope_release_on_sm90():
     ptx = _compile("gemm_a2a_kernel", "sm90").asm["ptx"]
     assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"
+
+
+# the epoch signal is a 64-bit exchange into the peer's slot (tl.atomic_xchg of an int64)
+SIGNAL_STORE = r"^(global|flat)_atomic_swap_x2 "
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+@pytest.mark.parametrize("groups_p2", [1, 8])
+def test_gemm_a2a_signal_is_a_system_scope_release_on_amd(arch, groups_p2):
+    # the tiles are in the peer's heap before its flag says so: L2 written back to system
+    # scope and waited for, right before the flag store (tests/amd_isa.py)
+    asm = _compile("gemm_a2a_kernel", arch, groups_p2=groups_p2).asm["amdgcn"]
+    problems = amd_isa.release_problems(asm, arch, SIGNAL_STORE)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+@pytest.mark.parametrize("name", ["collect_kernel", "abort_kernel"])
+def test_protocol_kernel_signal_is_a_system_scope_release_on_amd(arch, name):
+    asm = _compile(name, arch).asm["amdgcn"]
+    problems = amd_isa.release_problems(asm, arch, SIGNAL_STORE)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_gemm_a2a_local_mode_writes_back_nothing_at_system_scope_on_amd(arch):
+    # world size 1 (no protocol): no flag, so no system-scope write-back either (the check
+    # above would otherwise pass on a kernel that writes back everywhere)
+    code = amd_isa.instructions(_compile("gemm_a2a_kernel", arch, exchange=False).asm["amdgcn"])
+    assert amd_isa.SYSTEM_WRITEBACK[arch] not in code
+    assert not amd_isa.flag_stores("\n".join(code), SIGNAL_STORE)
 
 
 def test_gemm_a2a_local_mode_has_no_system_scope_atomic_on_sm90():

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
+from rocmoe_testing import require_module
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parent / "ipc_script.py"
@@ -108,7 +109,7 @@ def test_ipc_bench_verifies_and_reports_a_ratio(tmp_path):
 
 def test_host_backend_refuses_gpu_kernels():
     # runs everywhere: the ABI exists in every build, and only ipc implements it
-    pytest.importorskip("rocmoe._rocmoe_cffi")
+    require_module("rocmoe._rocmoe_cffi", "the native library's cffi module")
     import rocmoe
     from rocmoe import errors
     from rocmoe._native import check, ffi, lib

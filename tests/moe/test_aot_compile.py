@@ -4,7 +4,9 @@ import os
 
 import pytest
 
-triton = pytest.importorskip("triton")
+from rocmoe_testing import require_module
+
+triton = require_module("triton", "ahead-of-time builds of the MoE kernels")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 

@@ -82,14 +82,23 @@ def test_gpu_float64_layer_runs_the_torch_path_and_equals_cpu_reference():
     assert _rel(gpu.w2.grad, cpu.w2.grad) < 1e-12
 
 
-def test_gpu_glu_layer_equals_cpu_reference():
+def test_gpu_glu_layer_and_gradients_equal_cpu_reference():
+    # the gated FFN (act(x W1) * (x W3)) W2: output and every gradient, W3's included,
+    # against the fp64 torch path on the same (rounded) weights and inputs
+    bs.set_backend("auto")
     cpu, gpu = _pair(torch.bfloat16, 128, glu=True, act="silu")
     x = torch.randn(700, 256, dtype=torch.float64).to(torch.bfloat16).double()
+    g = torch.randn(700, 256, dtype=torch.float64).to(torch.bfloat16).double()
+    xc = x.clone().requires_grad_(True)
     xg = x.to("cuda", torch.bfloat16).requires_grad_(True)
-    yg = gpu(xg)
-    yg.float().sum().backward()
-    assert _rel(yg, cpu(x)) < 2e-2
-    assert torch.isfinite(gpu.w3.grad).all()
+    yc, yg = cpu(xc), gpu(xg)
+    (yc * g).sum().backward()
+    (yg * g.to("cuda", torch.bfloat16)).sum().backward()
+    assert torch.equal(cpu.tokens_per_expert.cpu(), gpu.tokens_per_expert.cpu())
+    assert _rel(yg, yc) < 2e-2
+    assert _rel(xg.grad, xc.grad) < 2e-2
+    for name in ("w1", "w2", "w3"):
+        assert _rel(getattr(gpu, name).grad, getattr(cpu, name).grad) < 2e-2, name
 
 
 def test_gpu_extreme_routing_single_expert_and_single_token():

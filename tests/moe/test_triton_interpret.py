@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+from rocmoe_testing import require_module
+
+require_module("triton", "the Triton interpreter runs the MoE kernels on CPU")
 
 pytestmark = pytest.mark.triton_interpret
 SCRIPT = pathlib.Path(__file__).with_name("interpret_script.py")

@@ -274,21 +274,44 @@ def check_handle_repeat():
         h.close()
 
 
+def _heap_state():
+    h = ctx.heap
+    return h.free_bytes, h.largest_free_block, h.live_allocations
+
+
 def _snapshot(op):
-    """Every fused-op handle of the context: its epoch and its whole symmetric workspace."""
-    return [(h.epoch, h.workspace.clone()) for h in
-            sorted(ctx._handles, key=lambda h: h.workspace_offset) if h.workspace is not None]
+    """The heap's state, and every fused-op handle of the context: its epoch and its whole
+    symmetric workspace."""
+    return (_heap_state(), [(h.epoch, h.workspace.clone()) for h in
+                            sorted(ctx._handles, key=lambda h: h.workspace_offset)
+                            if h.workspace is not None])
 
 
-def _same(a, b):
+def _same_handles(a, b):
     return len(a) == len(b) and all(x[0] == y[0] and torch.equal(x[1], y[1])
                                     for x, y in zip(a, b))
 
 
+def _same(a, b):
+    return a[0] == b[0] and _same_handles(a[1], b[1])
+
+
+def _changes(a, b):
+    what = []
+    if a[0] != b[0]:
+        what.append(f"heap (free, largest free block, live) {a[0]} -> {b[0]}")
+    if [e for e, _ in a[1]] != [e for e, _ in b[1]]:
+        what.append(f"epochs {[e for e, _ in a[1]]} -> {[e for e, _ in b[1]]}")
+    if not _same_handles(a[1], b[1]):
+        what.append("workspace contents changed")
+    return "; ".join(what)
+
+
 def expect_error(what: str, op: str, call, bad_rank: int, then):
     """`call(bad)` on every rank (bad is True on `bad_rank` only) must raise a RocmoeError on
-    every rank, leave every workspace untouched (nothing was put to any peer), and a valid
-    call (`then`) must work afterwards."""
+    every rank, leave every workspace untouched (nothing was put to any peer) and the heap as
+    it was (free bytes, largest free block, allocations), and a valid call (`then`) must work
+    afterwards."""
     then()  # workspaces exist and hold a previous call's data
     # every rank has finished that call, and so has acknowledged it into its sources'
     # workspaces: from here on only the bad call itself could change a workspace
@@ -301,7 +324,7 @@ def expect_error(what: str, op: str, call, bad_rank: int, then):
         after = _snapshot(op)
         # every rank checks its own workspace: together that is "nothing reached any peer"
         report(_same(before, after), f"error {what}: {type(exc).__name__}: {text}",
-               "" if _same(before, after) else "workspace changed")
+               _changes(before, after))
     except Exception as exc:  # noqa: BLE001 - must be a RocmoeError
         report(False, f"error {what}", f"raised {type(exc).__name__}: {exc}")
     else:

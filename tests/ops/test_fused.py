@@ -56,6 +56,7 @@ def test_one_rank_forward_backward_repeat_errors_and_compile_match_the_reference
 def test_two_ranks_forward_backward_repeat_errors_and_compile_match_the_reference():
     out = _run(2, "forward", "backward", "repeat", "errors", "compile")
     assert "error gemm send_counts not summing to M" in out
+    assert out.count("ok epochs advanced once per call (100 calls each)") == 2, out
 
 
 def test_three_ranks_uneven_splits_and_a_rank_without_tables_match_the_reference():

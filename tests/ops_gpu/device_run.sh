@@ -3,8 +3,12 @@
 # every op at 1 rank, benchmark on one GPU, then the multi-rank checks (ranks share the GPU).
 # Usage (on the device machine, repo root): bash tests/ops_gpu/device_run.sh STAGES
 #   STAGES: comma list of build,check1,bench,multi,pytest (default: all)
-# Logs and JSON go to $OUT (or ./device_out).
+# Logs and JSON go to $OUT (or ./device_out). Exits 1 if any check failed (the bench is a
+# measurement, not a check). Every check here is also a pytest GPU test: tests/gpu_suite.sh.
 set -o pipefail
+failed=0
+# `expect NAME STATUS`: a check's outcome; a failed one is named and fails the whole run
+expect() { if [ "$2" -ne 0 ]; then echo "FAILED: $1 (exit $2)"; failed=1; fi; }
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 STAGES=${1:-build,check1,bench,multi}
 source benchmarks/device_env.sh
@@ -21,6 +25,7 @@ if has check1; then
   for arena in torchipc context; do
     ROCMOE_TIMEOUT_S=10 timeout 45 mpirun -n 1 --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
       gemm,gemm_grouped,embedding,gemv $arena --calls 3 --dtype fp32,bf16,fp16 > "$OUT/check1_$arena.log" 2>&1
+    expect "check1 $arena" $?
     grep -E "RANK .* (OK|FAIL)|Error" "$OUT/check1_$arena.log" | head -20
   done
 fi
@@ -34,14 +39,22 @@ if has multi; then
     stamp "check: $n ranks on one GPU, $arena"
     ROCMOE_TIMEOUT_S=15 timeout 40 mpirun -n $n --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
       gemm,gemm_grouped,embedding,gemv $arena --calls 3 --dtype fp32,bf16 > "$OUT/multi_${n}_$arena.log" 2>&1
+    expect "multi $n ranks $arena" $?
     grep -E "RANK .* (OK|FAIL)|Error" "$OUT/multi_${n}_$arena.log" | sort | uniq -c | head -20
   done
   stamp "timeout check"
   ROCMOE_TIMEOUT_S=3 timeout 25 mpirun -n 2 --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
-    gemm_timeout torchipc 2>&1 | grep -E "RANK|Error" | head -5
+    gemm_timeout torchipc > "$OUT/timeout_check.log" 2>&1
+  expect "timeout check" $?
+  grep -q "RANK 0 TIMEOUT" "$OUT/timeout_check.log"
+  expect "timeout check: rank 0 reported the timeout" $?
+  grep -E "RANK|Error" "$OUT/timeout_check.log" | head -5
 fi
 if has pytest; then
   stamp pytest
-  timeout 500 python3 -m pytest -q tests/ops_gpu 2>&1 | tail -20 | tee "$OUT/pytest.log"
+  timeout 500 python3 -m pytest -q -rs tests/ops_gpu > "$OUT/pytest.log" 2>&1
+  expect pytest $?
+  tail -20 "$OUT/pytest.log"
 fi
 stamp done
+exit $failed

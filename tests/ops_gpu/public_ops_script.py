@@ -52,6 +52,7 @@ for dname in names:
         (y * gy.to(dev)).sum().backward()
         (yr * gy).sum().backward()
         report(f"{dname}/gemv/dW#{call}", *close(Wg.grad, Wc.grad, dtype))
+        report(f"{dname}/gemv/dx#{call}", *close(xg.grad, xc.grad, dtype))
 
         # GEMM + all-to-all, uneven splits including empty slices
         counts = torch.randint(0, 40, (world,), generator=g)
@@ -68,6 +69,7 @@ for dname in names:
         (out * go.to(dev)).sum().backward()
         (outr * go).sum().backward()
         report(f"{dname}/gemm/dX#{call}", *close(Xg.grad, Xc.grad, dtype))
+        report(f"{dname}/gemm/dW#{call}", *close(Wmg.grad, Wmc.grad, dtype))
 
         # grouped: W [3, K, N], counts [world, 3] (a group empty on every rank's last slice)
         gcounts = torch.randint(0, 20, (world, 3), generator=g)

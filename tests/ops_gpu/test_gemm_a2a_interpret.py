@@ -6,10 +6,10 @@ in the workspace, counts with the data, acks, status words and bounded waits as 
 
 import pytest
 
-pytest.importorskip("triton")
+from gpu_testing import SCRIPT
+from rocmoe_testing import mpi_env, require_module, run_mpi
 
-from gpu_testing import SCRIPT  # noqa: E402
-from rocmoe_testing import mpi_env, run_mpi  # noqa: E402
+require_module("triton", "the Triton interpreter runs the GEMM+All-to-All kernel on CPU")
 
 pytestmark = [pytest.mark.triton_interpret, pytest.mark.mpi]
 

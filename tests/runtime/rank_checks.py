@@ -6,6 +6,7 @@ one failure does not hide the others; the other scenarios end the job on purpose
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 import time
@@ -45,6 +46,13 @@ if scenario == "suite":
     rank, world = ctx.rank, ctx.world_size
     nxt, prv = (rank + 1) % world, (rank - 1) % world
 
+    def segments_unlinked_after_init():
+        ctx.barrier()  # every rank is past rocmoe.init, i.e. has unlinked its own segment
+        left = sorted(glob.glob(f"/dev/shm/rocmoe.{ctx.job_tag}.*"))
+        return not left, f"left in /dev/shm: {left}"
+
+    check("segments_unlinked_after_init", segments_unlinked_after_init)
+
     def ring_exchange():
         data = ctx.zeros((1000,), torch.float64)
         flags = ctx.zeros((1,), torch.int64)
@@ -59,6 +67,56 @@ if scenario == "suite":
         return ok, f"received from rank {prv}"
 
     check("ring_exchange", ring_exchange)
+
+    def signal_adds_from_every_rank_sum_exactly():
+        # every rank adds to one slot (rank 0's) for the same 0.3 s: the sum must be exact
+        # across processes. How many adds fit depends on the machine, so the ranks count
+        # theirs. (A lost update needs two adds at the same instant, which Python's pace
+        # makes rare: test_signal_add_atomic.py checks atomicity with tight C loops.)
+        slots = ctx.zeros((1,), torch.int64)
+        done = 0
+        stop = time.monotonic() + 0.3
+        while time.monotonic() < stop:
+            ctx.signal_add(slots, 0, rank + 1, peer=0)
+            done += 1
+        adds = ctx.allgather_ints([done])[:, 0]
+        want = int(sum((r + 1) * int(n) for r, n in enumerate(adds)))
+        seen = ctx.wait_until(slots, 0, want, ">=", timeout_s=5) if rank == 0 else None
+        ctx.barrier()
+        final = int(ctx.peer(slots, 0)[0])
+        ctx.barrier()
+        ctx.free(slots)
+        return final == want, (f"{int(adds.sum())} adds into rank 0's slot; want {want}, "
+                               f"wait saw {seen}, slot holds {final}")
+
+    check("signal_add_sums", signal_adds_from_every_rank_sum_exactly)
+
+    # for each comparison against 10: a value that must keep the wait waiting, and a value
+    # that must release it, both at the boundary
+    COMPARISON_CASES = {"==": ("eq", 9, 10), "!=": ("ne", 10, 11), ">": ("gt", 10, 11),
+                        ">=": ("ge", 9, 10), "<": ("lt", 10, 9), "<=": ("le", 11, 10)}
+
+    def comparison_waits_then_releases(cmp, hold, release):
+        slots = ctx.zeros((1,), torch.int64)
+        ctx.signal_set(slots, 0, hold, peer=rank)
+        try:
+            ctx.wait_until(slots, 0, 10, cmp, timeout_s=0.05, peer=prv)
+            waited = f"returned although the slot held {hold}"
+        except rocmoe.CommTimeoutError:
+            waited = ""
+        ctx.barrier()  # every rank has seen its wait hold before anyone releases
+        ctx.signal_set(slots, 0, release, peer=nxt)
+        try:
+            seen = ctx.wait_until(slots, 0, 10, cmp, timeout_s=20, peer=prv)
+        except rocmoe.CommTimeoutError as exc:
+            seen = f"not released: {exc}"
+        ctx.barrier()
+        ctx.free(slots)
+        ok = not waited and seen == release
+        return ok, waited or f"slot {hold}: waited; slot {release}: released, saw {seen}"
+
+    for cmp, (label, hold, release) in COMPARISON_CASES.items():
+        check(f"wait_until_{label}", lambda: comparison_waits_then_releases(cmp, hold, release))
 
     def peer_view_aliases_peer_memory():
         t = ctx.zeros((8,), torch.int32)
@@ -101,25 +159,67 @@ if scenario == "suite":
 
     check("free_reuses_memory", free_reuses_memory)
 
+    # A fragmented heap (a hole between two live blocks), so that the free bytes and the
+    # largest free block differ: a failed call that kept or freed the wrong block shows in
+    # one of them.
+    fragments = [ctx.empty((n,), torch.float32) for n in (5000, 3000, 7000)]
+    ctx.free(fragments.pop(1))
+
+    def heap_state():
+        h = ctx.heap
+        return (h.free_bytes, h.largest_free_block, h.live_allocations)
+
+    def leaves_heap_as_it_was(name, cls, fn):
+        """fn() raises `cls` on this rank, and afterwards the heap is exactly as before:
+        reported as the check `name` and the check `heap_unchanged_after_<name>`."""
+        before = heap_state()
+        expect_error(name, cls, fn)
+        after = heap_state()
+        report(f"heap_unchanged_after_{name}", after == before,
+               f"(free, largest free block, live) {before} -> {after}")
+
     def expect_mismatch(name, fn):
         if world == 1:
-            fn()  # one rank cannot disagree with itself: the call must simply work
+            allocated = fn()  # one rank cannot disagree with itself: the call must simply work
+            for t in allocated:
+                ctx.free(t)
             report(name, True, "single rank: nothing to mismatch")
+            report(f"heap_unchanged_after_{name}", True, "single rank: nothing to roll back")
         else:
-            expect_error(name, rocmoe.HeapMismatchError, fn)
+            leaves_heap_as_it_was(name, rocmoe.HeapMismatchError, fn)
 
-    expect_mismatch("size_mismatch", lambda: ctx.empty((10 + rank,), torch.float32))
+    expect_mismatch("size_mismatch", lambda: [ctx.empty((10 + rank,), torch.float32)])
     expect_mismatch("dtype_mismatch",
-                    lambda: ctx.empty((4,), torch.float32 if rank == 0 else torch.int32))
+                    lambda: [ctx.empty((4,), torch.float32 if rank == 0 else torch.int32)])
+
+    held = ctx.empty((4,), torch.float32)
 
     def order_mismatch():
-        # rank 0 frees while the others allocate: the same collective slot, different calls
-        t = ctx.empty((4,), torch.float32)
+        # rank 0 frees while the others allocate: the same collective slot, different calls;
+        # nobody may free `held` or keep the new block
         if rank == 0:
-            ctx.free(t)
-        else:
-            ctx.empty((4,), torch.float32)
+            ctx.free(held)
+            return []
+        return [ctx.empty((4,), torch.float32)]
     expect_mismatch("order_mismatch", order_mismatch)
+    if world > 1:
+        ctx.free(held)  # on one rank the free above already did it
+
+    other = [ctx.empty((64,), torch.float32), ctx.empty((64,), torch.float32)]
+
+    def free_mismatch():
+        ctx.free(other[rank % 2])  # ranks free different allocations: nothing is freed
+        return []
+    expect_mismatch("free_mismatch", free_mismatch)
+    for t in other[1:] if world == 1 else other:  # one rank alone freed other[0] above
+        ctx.free(t)
+
+    def shape_invalid_on_one_rank():
+        # the last rank's shape is invalid: it raises its own error, the others (which had
+        # already allocated locally) roll back and raise InvalidArgumentError naming it
+        return ctx.empty((-1,) if rank == world - 1 else (16,), torch.float32)
+    leaves_heap_as_it_was("shape_invalid_on_one_rank", rocmoe.InvalidArgumentError,
+                          shape_invalid_on_one_rank)
 
     def heap_intact_after_errors():
         # after every error above, allocation still works and stays symmetric
@@ -130,8 +230,8 @@ if scenario == "suite":
 
     check("heap_intact_after_errors", heap_intact_after_errors)
 
-    expect_error("heap_exhausted", rocmoe.HeapExhaustedError,
-                 lambda: ctx.empty((1 << 23,), torch.float32))
+    leaves_heap_as_it_was("heap_exhausted", rocmoe.HeapExhaustedError,
+                          lambda: ctx.empty((1 << 23,), torch.float32))
 
     def _wait_never_signalled():
         flags = ctx.zeros((1,), torch.int64)
@@ -155,7 +255,9 @@ if scenario == "suite":
 
     expect_error("put_too_large", rocmoe.InvalidArgumentError, _put_too_large)
 
-    expect_error("bad_dtype", rocmoe.DTypeError, lambda: ctx.empty((4,), "float"))
+    leaves_heap_as_it_was("bad_dtype", rocmoe.DTypeError, lambda: ctx.empty((4,), "float"))
+    for t in fragments:
+        ctx.free(t)
 
     ctx.finalize()
     expect_error("use_after_finalize", rocmoe.ContextError, lambda: ctx.empty((4,), torch.float32))
@@ -163,18 +265,24 @@ if scenario == "suite":
     print(f"DONE {rank}", flush=True)
 
 elif scenario == "dead_rank":
+    # rank 1 dies while rank 0 waits for its signal; the launcher is told to let rank 0 run
+    # on, so rank 0's own error is what ends its wait: PeerDeadError from the liveness check,
+    # long before the wait's bound (WAIT_S) would give CommTimeoutError.
     ctx = rocmoe.init(heap_size=1 << 20, timeout_s=float(os.environ.get("WAIT_S", "10")))
     rank = ctx.rank
     flags = ctx.zeros((1,), torch.int64)
     if rank == 1:
-        os._exit(17)  # dies without a word
+        os._exit(17)  # dies without a word, never signalling
     start = time.monotonic()
     try:
         ctx.wait_until(flags, 0, 1, peer=1)
         report("dead_rank", False, "wait returned")
-    except (rocmoe.PeerDeadError, rocmoe.CommTimeoutError) as exc:
-        report("dead_rank", True, f"{type(exc).__name__} after {time.monotonic() - start:.1f}s: {exc}")
-        raise SystemExit(5)
+    except rocmoe.RocmoeError as exc:
+        report("dead_rank", True,
+               f"{type(exc).__name__} after {time.monotonic() - start:.2f}s: {exc}")
+    ctx._release()  # no finalize: its barrier would wait for the dead rank
+    sys.stdout.flush()
+    os._exit(5)
 
 elif scenario == "absent_rank":
     # rank 1 never joins the barrier (stuck elsewhere): the others time out, no hang

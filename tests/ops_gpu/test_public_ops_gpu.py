@@ -1,0 +1,39 @@
+"""The public rocmoe.ops functions on a GPU context (ipc heap), forward and backward, against
+rocmoe.ops.reference on CPU copies, at 1, 2 and 4 ranks (sharing the GPU when there is one):
+tests/ops_gpu/public_ops_script.py. Skipped without a GPU."""
+
+import pytest
+
+from gpu_testing import librocmoe_has_gpu, require_gpu
+from rocmoe_testing import TESTS, mpi_env, run_mpi
+
+pytestmark = [pytest.mark.gpu, pytest.mark.mpi]
+
+SCRIPT = TESTS / "ops_gpu" / "public_ops_script.py"
+CHECKS = ["gemv/fwd", "gemv/dW", "gemv/dx", "gemm/fwd", "gemm/dX", "gemm/dW",
+          "gemm_grouped/fwd", "gemm_grouped/dX", "gemm_grouped/dW", "embedding/fwd",
+          "embedding/dtables"]
+DTYPES = ["fp32", "bf16"]
+CALLS = 3
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_public_ops_forward_and_backward_on_gpu_equal_the_reference(ranks):
+    require_gpu()
+    if not librocmoe_has_gpu():
+        pytest.skip("librocmoe was built without a GPU platform (benchmarks/device_env.sh: "
+                    "build_cuda)")
+    proc = run_mpi(SCRIPT, ranks, ",".join(DTYPES), timeout=500,
+                   env=mpi_env(ROCMOE_TIMEOUT_S="60"))
+    out = proc.stdout
+    assert proc.returncode == 0, out
+    assert " FAIL" not in out, out
+    for rank in range(ranks):
+        assert f"RANK {rank} DONE failures=0" in out, out
+        for dtype in DTYPES:
+            for check in CHECKS:
+                for call in range(CALLS):
+                    assert f"RANK {rank} {dtype}/{check}#{call} OK" in out, \
+                        f"rank {rank} did not report {dtype}/{check}#{call}:\n{out}"
+        # bad input on the last rank only: every rank raised, none hung
+        assert f"RANK {rank} bad_counts_raise_everywhere OK" in out, out

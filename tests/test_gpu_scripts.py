@@ -1,0 +1,95 @@
+"""The GPU scripts fail when a check fails (run here with stand-ins for the GPU machine's
+tools: python3, mpirun, nvidia-smi, cmake exit with the status a test asks for).
+
+tests/gpu_suite.sh is the one command that runs every GPU test (`pytest -m gpu`);
+tests/ops_gpu/device_run.sh and benchmarks/gpu_sweep.sh run GPU checks beside benchmarks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from rocmoe_testing import REPO
+
+# each stand-in logs its arguments and exits with $FAKE_RC_<NAME> (0 by default); python3
+# answers `-c ...` (device_env.sh's cffi probe, the build's platform print) with 0
+FAKE = """#!/bin/bash
+echo "{name} $*" >> "$FAKE_LOG"
+if [ "{name}" = python3 ] && [ "$1" = -c ]; then exit 0; fi
+if [ "{name}" = python3 ] && [ "$1 $2" = "-m pytest" ]; then exit ${{FAKE_RC_PYTEST:-0}}; fi
+exit ${{FAKE_RC_{upper}:-0}}
+"""
+TOOLS = ("python3", "mpirun", "nvidia-smi", "cmake")
+
+
+@pytest.fixture
+def machine(tmp_path):
+    """Runs a script from the repo root with the stand-ins first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in TOOLS:
+        tool = bin_dir / name
+        tool.write_text(FAKE.format(name=name, upper=name.upper().replace("-", "_")))
+        tool.chmod(0o755)
+    log = tmp_path / "calls.log"
+
+    def run(script, *args, **rcs):
+        env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                   FAKE_LOG=str(log), OUT=str(tmp_path / "out"))
+        env.update({f"FAKE_RC_{k.upper()}": str(v) for k, v in rcs.items()})
+        proc = subprocess.run(["bash", script, *args], cwd=str(REPO), env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+        calls = log.read_text() if log.exists() else ""
+        log.unlink(missing_ok=True)
+        return proc, calls
+    return run
+
+
+def test_gpu_suite_runs_pytest_on_the_gpu_tests_after_the_cuda_build(machine):
+    proc, calls = machine("tests/gpu_suite.sh")
+    assert proc.returncode == 0, proc.stdout
+    assert "cmake -S . -B build/cuda" in calls and "-DROCMOE_GPU=cuda" in calls
+    assert "python3 -m pytest -m gpu -rs" in calls and " tests" in calls, calls
+
+
+def test_gpu_suite_fails_when_a_gpu_test_fails(machine):
+    proc, _ = machine("tests/gpu_suite.sh", pytest=1)
+    assert proc.returncode != 0, proc.stdout
+
+
+def test_gpu_suite_fails_when_the_build_fails_and_runs_no_test(machine):
+    proc, calls = machine("tests/gpu_suite.sh", cmake=2)
+    assert proc.returncode == 4, proc.stdout
+    assert "-m pytest" not in calls
+
+
+@pytest.mark.parametrize("stage", ["check1", "multi"])
+def test_device_run_fails_when_a_multi_rank_check_fails(machine, stage):
+    proc, _ = machine("tests/ops_gpu/device_run.sh", stage, mpirun=1)
+    assert proc.returncode == 1, proc.stdout
+    assert "FAILED: " in proc.stdout
+
+
+def test_device_run_passes_when_its_checks_pass(machine):
+    proc, _ = machine("tests/ops_gpu/device_run.sh", "check1,pytest")
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_device_run_fails_when_the_timeout_check_sees_no_timeout(machine):
+    # the missing-signal check passes only if rank 0 reports the timeout it must hit
+    proc, _ = machine("tests/ops_gpu/device_run.sh", "multi")
+    assert proc.returncode == 1 and "FAILED: timeout check: rank 0" in proc.stdout, proc.stdout
+
+
+def test_device_run_fails_when_pytest_fails(machine):
+    proc, _ = machine("tests/ops_gpu/device_run.sh", "pytest", pytest=1)
+    assert proc.returncode == 1 and "FAILED: pytest" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("stage,rcs", [("check", {"mpirun": 1}), ("moetest", {"pytest": 1}),
+                                       ("ep", {"mpirun": 1})])
+def test_gpu_sweep_fails_when_a_check_stage_fails(machine, stage, rcs):
+    proc, _ = machine("benchmarks/gpu_sweep.sh", stage, **rcs)
+    assert proc.returncode == 1 and "FAILED: " in proc.stdout, proc.stdout
