@@ -27,14 +27,14 @@ if has check; then
   stamp "check: the fused ops at 1, 2 and 4 ranks (ranks share the GPU), then a timeout"
   for n in 1 2 4; do
     ROCMOE_TIMEOUT_S=10 timeout 90 mpirun -n $n --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
-      gemv,embedding,gemm context --calls 4 --dtype fp32,bf16,fp16 > "$OUT/check_$n.log" 2>&1
+      gemv,embedding,gemm,gemm_grouped,rows --calls 4 --dtype fp32,bf16,fp16 > "$OUT/check_$n.log" 2>&1
     rc=$?
     expect "check at $n ranks" $rc
     echo "ranks=$n rc=$rc $(grep -cE 'RANK .* OK' "$OUT/check_$n.log") OK lines," \
       "$(grep -cE 'FAIL|Error' "$OUT/check_$n.log") failure lines"
   done
   ROCMOE_TIMEOUT_S=3 timeout 30 mpirun -n 2 --oversubscribe python3 tests/ops_gpu/fused_gpu_script.py \
-    gemm_timeout torchipc > "$OUT/timeout_check.log" 2>&1
+    gemm_timeout > "$OUT/timeout_check.log" 2>&1
   expect "timeout check" $?
   grep -q "RANK 0 TIMEOUT" "$OUT/timeout_check.log"
   expect "timeout check: rank 0 reported the timeout" $?

@@ -252,9 +252,10 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     tl.atomic_xchg(counters + 2 + dest, 0, sem="relaxed", scope="gpu")
                     dest_ws = tl.load(peer_bases_ptr + dest) + ws_offset
                     sent = tl.where(bad, COUNT_BAD_INPUT, _pick(dest_rows, dest, positions))
-                    # the count travels with the data: ordered before the signal
-                    tl.atomic_xchg((dest_ws + count_off + ((epoch % 2) * world + rank) * 8).to(
-                        tl.pointer_type(tl.int64)), sent.to(tl.int64), sem="relaxed", scope="sys")
+                    # the count travels with the data: a plain store, published with the
+                    # tiles by the signal's release
+                    tl.store((dest_ws + count_off + ((epoch % 2) * world + rank) * 8).to(
+                        tl.pointer_type(tl.int64)), sent.to(tl.int64))
                     tl.debug_barrier()
                     tl.atomic_xchg((dest_ws + signal_off + rank * 8).to(tl.pointer_type(tl.int64)),
                                    epoch, sem="release", scope="sys")
@@ -352,9 +353,8 @@ def abort_kernel(peer_bases_ptr, status_addr, ws_offset, signal_off, ack_off, ph
         free = _poll_slots((my_base + ack_off + positions * 8).to(tl.pointer_type(tl.int64)),
                            status + world + positions, in_world, epoch - 2, wait_budget, 1)
     peer = tl.load(peer_bases_ptr + positions, mask=in_world, other=0) + ws_offset
-    tl.atomic_xchg((peer + count_off + ((epoch % 2) * world + rank) * 8).to(
-        tl.pointer_type(tl.int64)), tl.full((WORLD_P2,), COUNT_ABORTED, tl.int64), mask=free,
-        sem="relaxed", scope="sys")
+    tl.store((peer + count_off + ((epoch % 2) * world + rank) * 8).to(
+        tl.pointer_type(tl.int64)), tl.full((WORLD_P2,), COUNT_ABORTED, tl.int64), mask=free)
     tl.debug_barrier()
     value = tl.full((WORLD_P2,), 0, tl.int64) + epoch
     tl.atomic_xchg((peer + signal_off + rank * 8).to(tl.pointer_type(tl.int64)), value,

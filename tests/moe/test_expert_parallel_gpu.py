@@ -1,6 +1,7 @@
-"""Expert parallelism on a GPU: the expert-parallel DroplessMoE on GPU contexts (ipc heap,
-Triton kernels, the grouped gemm_all_to_all combine) equals the one-rank layer, at 2 and 4
-ranks sharing the GPU (tests/moe/ep_script.py --device cuda). Skipped without a GPU."""
+"""Expert parallelism on a GPU: the expert-parallel DroplessMoE on GPU contexts (ipc heap, the
+fused-op handles' transport, Triton kernels, the grouped GemmAllToAll combine) equals the
+one-rank layer, at 2 and 4 ranks sharing the GPU (tests/moe/ep_script.py --device cuda), and
+a whole step makes no host synchronisation (--sync-debug). Skipped without a GPU."""
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ def _run(ranks, *args):
     out = proc.stdout
     assert proc.returncode == 0, out
     for rank in range(ranks):
-        assert f"EP_OK rank={rank} world={ranks} ctx=runtime transport=HeapTransport" in out, out
+        assert f"EP_OK rank={rank} world={ranks} ctx=runtime transport=HandleTransport" in out, out
     return out
 
 
@@ -47,3 +48,11 @@ def test_four_ranks_on_gpu_with_idle_experts_equal_the_one_rank_layer():
     assert out.count("combine=gemm_all_to_all") == 4, out
     idle = [int(p.split("=")[1]) for p in out.split() if p.startswith("idle_experts_here=")]
     assert len(idle) == 4 and sum(idle) > 0, out
+
+
+@pytest.mark.parametrize("ranks,extra", [(2, []), (4, ["--glu", "--top-k", "3"])])
+def test_a_whole_step_on_gpu_makes_no_host_sync(ranks, extra):
+    # after a warm-up step, forward and backward under sync-debug "error"
+    out = _run(ranks, "--dtype", "float32", "--sync-debug", *extra)
+    assert out.count("EP_NO_SYNC") == ranks, out
+    assert out.count("combine=gemm_all_to_all") == ranks, out
