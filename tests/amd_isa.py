@@ -30,7 +30,9 @@ WAIT_DROPPED_BY = ("LLVM before llvm/llvm-project#178316 (2026-01, 'Fix missing 
 SYSTEM_WRITEBACK = {"gfx942": "buffer_wbl2 sc0 sc1", "gfx90a": "buffer_wbl2"}
 # how far before the flag store the write-back may be: a few moves of the flag's address
 # and value may sit in between, no other memory access
-WINDOW = 8
+# how far before a flag store its write-back may sit: the address of a peer's slot is often
+# computed between the two (register arithmetic and loads only; a store there is reported)
+WINDOW = 16
 _VECTOR_MEMORY = re.compile(r"^(global|flat|buffer|scratch)_(store|atomic)")
 
 

@@ -329,9 +329,8 @@ def test_hip_signal_writes_back_l2_at_system_scope_right_before_the_flag(signal_
     assert len(amd_isa.flag_stores(signal_probe_isa[arch], HIP_FLAG_STORE)) == 2
 
 
-@pytest.mark.xfail(strict=True, reason=amd_isa.WAIT_DROPPED_BY + " (clang-19 does): the flag "
-                   "can overtake the write-back; needs platform.h to wait itself or a fixed "
-                   "compiler")
+# platform.h writes the wait after the write-back itself (amd_isa.WAIT_DROPPED_BY: clang-19
+# drops the one its own release lowering should emit)
 @pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
 def test_hip_signal_waits_for_the_write_back_before_the_flag(signal_probe_isa, arch):
     problems = amd_isa.release_problems(signal_probe_isa[arch], arch, HIP_FLAG_STORE)

@@ -173,10 +173,26 @@ static inline hipError_t hipOccupancyMaxActiveBlocksPerMultiprocessor(int *block
 namespace rocmoe {
 namespace platform {
 
+/* CDNA's system-scope release, spelled out: write the L2 back to memory and wait until that
+ * (and every earlier store) completed. The compilers' own release emits the write-back but
+ * LLVM before llvm/llvm-project#178316 drops the wait after it (clang-19 does: the flag could
+ * overtake the data; tests/test_compile.py reads the ISA), so on the targets whose sequence
+ * is known the wait is written here and the flag store that follows is a relaxed
+ * system-scope one. Other AMD targets keep the compiler's release. */
+#if defined(ROCMOE_PLATFORM_AMD) && defined(__HIP_DEVICE_COMPILE__) && \
+    (defined(__gfx940__) || defined(__gfx941__) || defined(__gfx942__))
+#define ROCMOE_AMD_SYSTEM_RELEASE "buffer_wbl2 sc0 sc1\n\ts_waitcnt vmcnt(0) lgkmcnt(0)"
+#elif defined(ROCMOE_PLATFORM_AMD) && defined(__HIP_DEVICE_COMPILE__) && defined(__gfx90a__)
+#define ROCMOE_AMD_SYSTEM_RELEASE "buffer_wbl2\n\ts_waitcnt vmcnt(0) lgkmcnt(0)"
+#endif
+
 /* Release store at system scope: every write this thread made before it (and, after a
  * barrier, every write it observed) is visible to any agent that sees the value. */
 __device__ __forceinline__ void store_release_system(uint64_t *p, uint64_t v) {
-#if defined(ROCMOE_PLATFORM_AMD)
+#if defined(ROCMOE_AMD_SYSTEM_RELEASE)
+    asm volatile(ROCMOE_AMD_SYSTEM_RELEASE ::: "memory");
+    __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#elif defined(ROCMOE_PLATFORM_AMD)
     __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 #else
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -194,7 +210,10 @@ __device__ __forceinline__ uint64_t load_acquire_system(const uint64_t *p) {
 }
 
 __device__ __forceinline__ uint64_t fetch_add_release_system(uint64_t *p, uint64_t v) {
-#if defined(ROCMOE_PLATFORM_AMD)
+#if defined(ROCMOE_AMD_SYSTEM_RELEASE)
+    asm volatile(ROCMOE_AMD_SYSTEM_RELEASE ::: "memory");
+    return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#elif defined(ROCMOE_PLATFORM_AMD)
     return __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
 #else
     uint64_t old;
