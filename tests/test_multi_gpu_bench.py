@@ -17,7 +17,7 @@ from rocmoe.bench import multi_gpu as mg
 
 def test_parse_args_defaults_measure_every_op_at_the_large_shapes():
     args = mg.parse_args([])
-    assert args.ops == ["embedding", "gemv", "gemm", "moe", "moe_combine"]
+    assert args.ops == ["embedding", "gemv", "gemm", "moe", "moe_combine", "moe_handles"]
     assert args.dtypes == ["float32"]
     assert args.moe_shapes == mg.MOE_EP_LARGE
     assert args.moe_dtype == "bfloat16"

@@ -25,12 +25,19 @@ MOE = Path(__file__).resolve().parents[2] / "rocmoe" / "moe"
 # the modules a single-rank layer's forward and backward run through (parallel.py, the
 # expert-parallel exchange, reads per-rank row counts on the host by design: README)
 LAYER_MODULES = ["router.py", "permute.py", "topology.py", "blocksparse.py", "layer.py",
-                 "routing.py", "kernels.py"]
+                 "routing.py", "kernels.py", "backend.py", "activations.py", "dispatch.py"]
 # Functions of those modules that are not part of a step, each with the reason (none today:
 # to_dense and the AOT helpers read nothing back either).
 NOT_IN_THE_STEP: dict[str, str] = {}
 # modules the layer's modules import that are not in its single-rank step
-OUTSIDE_THE_STEP = {"parallel": "expert-parallel exchange: reads row counts once per step"}
+OUTSIDE_THE_STEP = {
+    "parallel": "expert parallelism (its handle transport keeps the counts on the device: "
+                "checked on a GPU by tests/moe/test_expert_parallel_gpu.py)",
+    "placement": "vExpert placement tables: built at construction and by the scheduler",
+    "vexpert_routing": "vExpert routing: checked on a GPU by tests/moe/test_vexpert_gpu.py",
+    "rank_agreement": "host agreement of the configuration, at construction (and of the "
+                      "vExpert placement after loading one)",
+}
 
 
 def _tensor_attributes() -> set[str]:
