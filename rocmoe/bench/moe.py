@@ -50,6 +50,7 @@ import torch.nn.functional as F_
 
 from . import emit as emit_line
 from .memory import peak_bytes
+from .draws import expert_probabilities
 from .timing import captured, graph_time_ms, host_ms_per_call, interleaved_ms, time_ms
 
 DEFAULT_SHAPES = [(65536, 512, 2048, 64), (32768, 768, 3072, 64), (8192, 1024, 4096, 64),
@@ -64,12 +65,7 @@ def _gelu(t):
 def make_routing(tokens: int, experts: int, top_k: int, kind: str, device, dtype,
                  generator: torch.Generator):
     """k distinct experts per token: uniform, or Zipf(1.0) over the experts (p_e ~ 1/(e+1))."""
-    if kind == "uniform":
-        probs = torch.ones(experts, device=device)
-    elif kind == "zipf":
-        probs = 1.0 / torch.arange(1, experts + 1, device=device, dtype=torch.float32)
-    else:
-        raise ValueError(f"routing must be uniform or zipf, got {kind!r}")
+    probs = expert_probabilities(kind, experts, device)
     ids = torch.multinomial(probs.expand(tokens, experts).contiguous(), top_k, replacement=False,
                             generator=generator).to(torch.int32)
     weights = torch.softmax(torch.randn(tokens, top_k, device=device, generator=generator), -1)

@@ -49,6 +49,7 @@ from typing import Callable, Optional
 import torch
 
 from . import emit as emit_line
+from .draws import expert_probabilities
 from .memory import peak_bytes
 from .timing import captured, host_ms_per_call, interleaved_ms
 
@@ -87,12 +88,7 @@ def router_inputs(gate: torch.Tensor, tokens: int, top_k: int, kind: str,
     uniformly or Zipf(1.0) (p_e ~ 1/(e+1)) per token; returns them and the drawn ids."""
     experts, hidden = gate.shape
     device = gate.device
-    if kind == "uniform":
-        probs = torch.ones(experts, device=device)
-    elif kind == "zipf":
-        probs = 1.0 / torch.arange(1, experts + 1, device=device, dtype=torch.float32)
-    else:
-        raise ValueError(f"routing must be uniform or zipf, got {kind!r}")
+    probs = expert_probabilities(kind, experts, device)
     ids = torch.multinomial(probs.expand(tokens, experts).contiguous(), top_k,
                             replacement=False, generator=generator)
     g = gate.detach().float()
