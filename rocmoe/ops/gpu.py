@@ -166,8 +166,10 @@ class _Launcher:
             return
         kernel, tail = compiled
         if self.fast:
+            # The compiled kernel's launcher reads three grid dimensions (the JIT pads them).
+            grid3 = tuple(grid) + (1,) * (3 - len(grid))
             try:
-                kernel[grid](*args, *tail)
+                kernel[grid3](*args, *tail)
                 return
             except TypeError:  # this Triton's compiled-kernel launch takes other arguments
                 self.fast = False
