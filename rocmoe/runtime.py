@@ -396,7 +396,9 @@ class Context:
         self._live()
         self.channel.exchange(KIND_BARRIER, [], "barrier")
         for handle in list(self._handles):
-            if handle.workspace is not None:
+            # a handle that already raised its failure is not reported again: it raises
+            # at its own next call, and the context's other handles and ops stay usable
+            if handle.workspace is not None and handle.broken is None:
                 handle.check()
 
     def register_handle(self, handle) -> None:

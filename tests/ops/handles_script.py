@@ -247,6 +247,7 @@ def check_timeout():
         # stay alive (a timeout, not a dead peer) until the others have timed out, then meet
         # them in finalize()'s barrier
         time.sleep(ctx.timeout_s + 0.5)
+        _fresh_handle_works()
         return
     start = time.monotonic()
     try:
@@ -261,8 +262,22 @@ def check_timeout():
             report(False, "a handle that timed out was still callable")
         except rocmoe.errors.ContextError:
             report(True, "a handle that timed out refuses further calls")
+        _fresh_handle_works()
         return
     report(False, "a skipped call did not time out")
+
+
+def _fresh_handle_works():
+    # the context outlives a broken handle: its barrier (inside a new handle's collective
+    # allocation) does not raise the old failure again, and the new handle computes
+    gemm = ops.GemmAllToAll(ctx, max_rows=8, K=4, N=5, dtype=torch.float32)
+    x, w = torch.full((2 * WORLD, 4), float(RANK + 1)), torch.ones(4, 5)
+    out, recv = gemm(x, w, [2] * WORLD)
+    gemm.synchronize()
+    want = torch.cat([torch.full((2, 5), 4.0 * (s + 1)) for s in range(WORLD)])
+    report(bool(torch.equal(out[:2 * WORLD], want)) and recv.tolist() == [2] * WORLD,
+           "after a timeout, a new handle on the same context is created and computes")
+    gemm.close()
 
 
 GROUPS = {"match": check_match, "backward": check_backward,

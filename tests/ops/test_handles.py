@@ -40,3 +40,4 @@ def test_a_missing_rank_ends_every_wait_in_comm_timeout_error_naming_it(ranks):
     assert proc.returncode == 0, proc.stdout
     assert text.count("CommTimeoutError naming the rank") == ranks - 1, text
     assert text.count("refuses further calls") == ranks - 1 and "FAIL" not in text, text
+    assert text.count("a new handle on the same context is created") == ranks, text

@@ -67,6 +67,15 @@ def gemm_reference(counts, xs, ws, rank, world, dtype):
     return torch.cat(parts)
 
 
+def _errors_by_source(out, ref, rows_from) -> list:
+    """Relative error of each source's rows (where a wrong GEMM output came from)."""
+    errs, at = [], 0
+    for rows in rows_from.tolist():
+        errs.append(round(rel_err(out[at:at + rows], ref[at:at + rows]), 4) if rows else None)
+        at += rows
+    return errs
+
+
 def check_gemm(ctx, dtype, calls, groups=1):
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
     k, n = 32, 48
@@ -86,7 +95,9 @@ def check_gemm(ctx, dtype, calls, groups=1):
         assert got == counts[:, rank].sum(1).tolist(), (got, counts[:, rank].sum(1).tolist())
         if ref.numel():
             e = rel_err(out[:ref.shape[0]], ref)
-            assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
+            assert e < TOL[dtype], (f"rank {rank} call {call}: relative error {e}; by source: "
+                                    f"{_errors_by_source(out, ref, counts[:, rank].sum(1))}; "
+                                    f"tuned {getattr(h, '_tuned', None)}")
     assert h.epoch == calls, h.epoch
 
 
