@@ -328,7 +328,10 @@ def main(argv=None) -> int:
         print("rocmoe bench fused_gpu needs a GPU", file=sys.stderr)
         return 2
     import rocmoe
-    ctx = rocmoe.init()
+    from .. import ops
+    # 4 GiB of symmetric heap: the largest case's upper-bound buffers (8192 x 8192 bf16 GEMM
+    # output, both parities) and the functional API's cached handles fit at once
+    ctx = rocmoe.init(heap_size=4 << 30)
     if ctx.device.type != "cuda":
         print(f"rocmoe bench fused_gpu needs a GPU backend (got {ctx.backend})", file=sys.stderr)
         return 2
@@ -346,6 +349,9 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 - a failing case is a record, not a crash
             emit(dict(bench="fused_gpu", op=fn.__name__, args=repr(a[1:])[:200],
                       error=f"{type(exc).__name__}: {str(exc)[:400]}"), out)
+        # each case starts from an empty heap: the functional API's cached handles of the
+        # last shape would otherwise hold heap the next shape needs
+        ops.release_workspaces(ctx)
         torch.cuda.empty_cache()
 
     if "gemm" in only:

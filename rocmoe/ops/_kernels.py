@@ -20,7 +20,7 @@ import torch
 from .. import errors
 from ._common import (CODE_DTYPES, DTYPE_CODES, agree, check_device, check_float_dtype,
                       check_index_dtype)
-from .handles import MODES, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, rows_handle
+from .handles import MODES, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, _on_gpu, rows_handle
 from .products import split_groups
 
 # stands for send_counts that were not integers at all (the custom op's schema needs ints)
@@ -56,6 +56,29 @@ def _cached(ctx, key, fits, make):
     return handle
 
 
+def _recorded_error(ctx, kind: str) -> Optional[Exception]:
+    """What the device recorded for ctx's cached `kind` handles (bad input found by a
+    kernel of an earlier call), as the exception to raise; None if nothing. No sync."""
+    for key, handle in _CACHE.get(ctx, {}).items():
+        if key[0] == kind and handle.workspace is not None and handle.broken is None:
+            try:
+                handle.check()
+            except errors.RocmoeError as exc:
+                return exc
+    return None
+
+
+def _forget_recorded(ctx, kind: str) -> None:
+    """Wait for ctx's cached `kind` handles and drop the bad input they recorded (a peer
+    reported it); a timed-out wait is still raised."""
+    for key, handle in _CACHE.get(ctx, {}).items():
+        if key[0] == kind and handle.workspace is not None and handle.broken is None:
+            try:
+                handle.synchronize()
+            except errors.InvalidArgumentError:
+                pass
+
+
 def release_handles(ctx) -> None:
     """Collective: close every cached handle of `ctx` (they are made again on next use)."""
     for handle in _CACHE.pop(ctx, {}).values():
@@ -81,8 +104,14 @@ def _next_call(ctx, op: str) -> int:
 
 # ---- embedding bag + all-to-all ------------------------------------------------------------
 def _check_embedding(ctx, weights, indices, offsets, mode, psw):
-    """Local validation; returns (num_tables, batch, dim, dtype_code), -1 where unknown."""
+    """Local validation; returns (num_tables, batch, dim, dtype_code), -1 where unknown.
+    The values of indices and offsets are checked here on the host backend only: on a GPU
+    the handle's kernel checks them on the device (bad input is raised on every rank at the
+    handle's next call, synchronize() or ctx.barrier(), like a handle call), since reading a
+    device reduction here would make every call wait for the GPU (3.5 ms per call at 8
+    tables on an H200)."""
     op = "embedding_all_to_all"
+    values_on_host = not _on_gpu(ctx)
     if mode not in MODES:
         raise errors.InvalidArgumentError(
             f"{op}: mode {mode!r} is not supported; use 'sum' or 'mean'")
@@ -129,12 +158,12 @@ def _check_embedding(ctx, weights, indices, offsets, mode, psw):
                 f"{op}: table {t} has {off.numel()} offsets, table 0 has {batch}: every table "
                 "looks up the same global batch")
         n = idx.numel()
-        if batch > 0:
+        if batch > 0 and values_on_host:
             o = off.to(torch.int64)
             first, last = o[0], o[-1]
             bounds.append(torch.stack([first, -first, (o[1:] < o[:-1]).any().to(torch.int64),
                                        last - n]))
-        if n > 0:
+        if n > 0 and values_on_host:
             bounds.append(torch.stack([-idx.min().to(torch.int64),
                                        idx.max().to(torch.int64) - (w.shape[0] - 1)]))
         if psw is not None:
@@ -227,11 +256,22 @@ def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
         info = _check_embedding(ctx, weights, indices, offsets, mode, psw)
     except errors.RocmoeError as exc:
         problem = exc
+    device_checked = _on_gpu(ctx)
+    if problem is None and device_checked:
+        problem = _recorded_error(ctx, "embedding")
     expect_hash = layout_hash(expect) if expect else 0
     rows_hash = layout_hash([int(w.shape[0]) for w in weights] or [0]) if problem is None else 0
     most = max([int(i.numel()) for i in indices] or [0]) if problem is None else 0
-    table = agree(ctx, op, _next_call(ctx, op), problem,
-                  list(info) + [MODES.get(mode, -1), expect_hash, rows_hash, most])
+    try:
+        table = agree(ctx, op, _next_call(ctx, op), problem,
+                      list(info) + [MODES.get(mode, -1), expect_hash, rows_hash, most])
+    except errors.RocmoeError:
+        if device_checked and problem is None:
+            # a peer raised what the device recorded for an earlier call; this rank's status
+            # words hold the same failure (maybe not visible yet): it is reported now, so
+            # wait for those calls and drop it rather than raise it again at the next one
+            _forget_recorded(ctx, "embedding")
+        raise
     layout = embedding_layout(table, ctx.rank, ctx.world_size, op)
     total, base, batch, dim, dcode = layout[:5]
     # A rank that was traced with a layout (torch.compile) must get exactly that one; every

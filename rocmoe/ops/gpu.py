@@ -143,26 +143,51 @@ _PLATFORM = "hip" if getattr(torch.version, "hip", None) else "cuda"
 class _Launcher:
     """Launches one Triton kernel of triton_gemm_a2a. The first launch of a configuration
     goes through the JIT (compiles and specialises); later ones call the compiled kernel
-    directly, which skips the binder's argument specialisation and cache lookup (most of the
-    host time of a Triton launch). The key must hold everything the JIT specialises on that
-    can change between calls: the constexprs, and the 16-byte alignment of every pointer."""
+    directly, which skips the JIT's cache lookup, option parsing and launch hooks (most of
+    the host time of a Triton launch).
+
+    A compiled kernel is only valid for arguments the JIT would have specialised the same
+    way: the same pointer dtypes and 16-byte alignments, integers equal to 1 (constants),
+    divisible by 16 and of the same width, and on AMD the buffer-range flags of tensors.
+    So every launch is keyed by Triton's own specialisation of its arguments (its native
+    specialize function, with the kernel's backend), next to the constexprs in `key`. A
+    caller may name the `dynamic` argument positions, those that can change from call to
+    call; it then vouches that `key` holds the specialisation of every other argument
+    (`specialize` computes it, once per plan)."""
 
     def __init__(self, name: str):
         self.name = name
         self._compiled: dict = {}
         self.fast = os.environ.get("ROCMOE_TRITON_FAST_LAUNCH", "1") != "0"
+        self._spec = None  # (specialize function, per-parameter flags), made on first use
 
-    def __call__(self, grid, args: tuple, constexprs: dict, options: dict, key) -> None:
+    def _specializer(self):
+        if self._spec is None:
+            from . import triton_gemm_a2a as tk
+            self._spec = _make_specializer(tk.get(self.name))
+        return self._spec
+
+    def specialize(self, args: tuple, positions) -> tuple:
+        """Triton's specialisation of args[i] for i in positions (a key part); nothing under
+        the interpreter, which compiles nothing."""
+        if _interpreting():
+            return ()
+        spec, flags = self._specializer()
+        return tuple(spec(args[i], *flags[i]) for i in positions)
+
+    def __call__(self, grid, args: tuple, constexprs: dict, options: dict, key,
+                 dynamic=None) -> None:
         from . import triton_gemm_a2a as tk
         fn = tk.get(self.name)
         if _interpreting():
             fn[grid](*args, **constexprs, **options)
             return
-        compiled = self._compiled.get(key)
+        full_key = (key, self.specialize(args, range(len(args)) if dynamic is None else dynamic))
+        compiled = self._compiled.get(full_key)
         if compiled is None:
             compiled = fn[grid](*args, **constexprs, **options)
             names = fn.arg_names
-            self._compiled[key] = (compiled, [constexprs.get(n) for n in names[len(args):]])
+            self._compiled[full_key] = (compiled, [constexprs.get(n) for n in names[len(args):]])
             return
         kernel, tail = compiled
         if self.fast:
@@ -176,13 +201,35 @@ class _Launcher:
         fn[grid](*args, **constexprs, **options)
 
 
+def _make_specializer(fn):
+    """(specialize(arg, is_const, specialize, align) -> its JIT specialisation, the flags of
+    each non-constexpr parameter), with the backend of the current GPU. Triton's native
+    function where it has one; otherwise the properties it specialises on, from Python."""
+    flags = [(p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+             for p in fn.params if not p.is_constexpr]
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.driver import driver
+        backend = make_backend(driver.active.get_current_target())
+
+        def spec(arg, is_const, specialize, align):
+            return native_specialize_impl(backend, arg, is_const, specialize, align)
+        spec(16, False, True, True)  # this Triton's native function takes these arguments
+    except (ImportError, AttributeError, RuntimeError, TypeError):  # another Triton
+        def spec(arg, is_const, specialize, align):
+            if isinstance(arg, torch.Tensor):
+                return (arg.dtype, align and arg.data_ptr() % 16 == 0)
+            if isinstance(arg, bool) or not isinstance(arg, int):
+                return (type(arg), getattr(arg, "dtype", None),
+                        tuple(getattr(arg, "block_shape", ()) or ()))
+            width = 32 if -2**31 <= arg < 2**31 else 64 if -2**63 <= arg < 2**63 else 65
+            return (width, specialize and arg == 1, specialize and arg % 16 == 0)
+    return spec, flags
+
+
 _LAUNCHERS = {name: _Launcher(name) for name in
               ("gemm_a2a_kernel", "collect_kernel", "abort_kernel", "grouped_weight_grad_kernel")}
-
-
-def _aligned(*tensors) -> tuple:
-    return tuple(bool(t.data_ptr() % 16 == 0) if isinstance(t, torch.Tensor) else True
-                 for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------
@@ -300,6 +347,7 @@ class _GemmLaunch:
         self.options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages")
                         if k2 in cfg and dev.type != "cpu"}
         self.use_tma_wanted = bool(cfg.get("USE_TMA")) and not self.copy
+        self.fixed_spec = None
         self.constexprs = dict(
             WORLD_P2=team.world_p2, GROUPS_P2=max(1, 1 << (g - 1).bit_length()), BLOCK_M=bm,
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
@@ -323,6 +371,7 @@ class _GemmLaunch:
             self.collect_const = dict(WORLD_P2=team.world_p2, ROWS=rows, BLOCK_N=cn)
             self.collect_opts = {"num_warps": 4} if dev.type != "cpu" else {}
             self.collect_key = (rows, cn, self.collect_blocks)
+            self.collect_spec = None
 
     def launch(self, handle, team, x, w, counts, out, recv, descriptors) -> None:
         if self.copy:
@@ -336,13 +385,26 @@ class _GemmLaunch:
         args = (x_arg, w_arg, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
                 int(x.shape[0]), handle.N, int(x.shape[1]), self.per, self.capacity, self.nprog,
                 x.stride(0), x.stride(1), *strides_w, self.wait_budget)
-        _LAUNCHERS["gemm_a2a_kernel"]((self.nprog,), args, constexprs, self.options,
-                                      (self.key, use_tma, _aligned(x, w, out, counts, recv)))
+        launcher = _LAUNCHERS["gemm_a2a_kernel"]
+        if self.fixed_spec is None:  # the arguments a call cannot change, specialised once
+            assert len(args) == len(_GEMM_FIXED) + len(_GEMM_DYNAMIC), len(args)
+            self.fixed_spec = launcher.specialize(args, _GEMM_FIXED)
+        launcher((self.nprog,), args, constexprs, self.options,
+                 (self.key, use_tma, self.fixed_spec), dynamic=_GEMM_DYNAMIC)
         if not self.local:
             c_args = (out, team.peer_bases, recv, *self.collect_args)
-            _LAUNCHERS["collect_kernel"]((team.world, self.collect_blocks), c_args,
-                                         self.collect_const, self.collect_opts,
-                                         (self.collect_key, _aligned(out, recv)))
+            collect = _LAUNCHERS["collect_kernel"]
+            if self.collect_spec is None:
+                self.collect_spec = collect.specialize(c_args, range(3, len(c_args)))
+            collect((team.world, self.collect_blocks), c_args, self.collect_const,
+                    self.collect_opts, (self.collect_key, self.collect_spec), dynamic=(0, 1, 2))
+
+
+# gemm_a2a_kernel's arguments as _GemmLaunch passes them: the tensors, M and the strides of
+# X and W change from call to call; the rest (workspace offsets, rank, N, K, groups,
+# capacity, grid, wait budget) is fixed for a plan
+_GEMM_DYNAMIC = (0, 1, 2, 3, 4, 5, 6, 19, 25, 26, 27, 28, 29)
+_GEMM_FIXED = tuple(i for i in range(31) if i not in _GEMM_DYNAMIC)
 
 
 def _tuned_launch(handle, team, x, w, groups, counts, out, recv) -> "_GemmLaunch":
@@ -456,7 +518,7 @@ def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Te
             0, *([0] * 8), 0, world, int(x.shape[0]), n_out, k_in, g,
             1 << 62, nprog, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
             w.stride(2), 1)
-    key = ("local", tuple(sorted(constexprs.items())), nprog, _aligned(x, w, out, counts))
+    key = ("local", tuple(sorted(constexprs.items())), nprog)
     _LAUNCHERS["gemm_a2a_kernel"]((nprog,), args, constexprs, options, key)
     return out
 
@@ -477,8 +539,7 @@ def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, counts: torch.Tensor,
     args = (x, gy, dw, counts, world, g, k_out, n_in, k_out, n_in)
     _LAUNCHERS["grouped_weight_grad_kernel"](grid, args, const,
                                              {} if dev.type == "cpu" else {"num_warps": 4},
-                                             ("dw", tuple(sorted(const.items())),
-                                              _aligned(x, gy, dw, counts)))
+                                             ("dw", tuple(sorted(const.items()))))
     return dw
 
 

@@ -121,6 +121,36 @@ try:
 except rocmoe.RocmoeError as exc:
     report("bad_counts_raise_everywhere", True, type(exc).__name__)
 
+# an embedding index outside its table on the last rank: checked on the device (no host sync
+# in the call), so the call returns; once the GPU has run it, the next call raises on every
+# rank, and the one after computes again
+tab = [torch.randn(50, 16, generator=torch.Generator().manual_seed(rank))]
+offs = [torch.arange(2 * world)]
+
+
+def lookup(bad):
+    idx = torch.arange(2 * world) % 50
+    if bad:
+        idx[-1] = 50
+    return rocmoe.ops.embedding_all_to_all([tab[0].to(dev)], [idx.to(dev)], [offs[0].to(dev)],
+                                           ctx=ctx), idx
+
+
+lookup(rank == world - 1)
+torch.cuda.synchronize()
+try:
+    lookup(False)
+    report("bad_index_raises_everywhere_at_the_next_call", False, "no error")
+except rocmoe.RocmoeError as exc:
+    report("bad_index_raises_everywhere_at_the_next_call",
+           isinstance(exc, rocmoe.errors.InvalidArgumentError), f"{type(exc).__name__}: {exc}")
+try:
+    got, idx = lookup(False)
+    want = reference.embedding_all_to_all(tab, [idx], offs, ctx=ctx)
+    report("after_a_bad_index_the_next_call_computes", *close(got, want, torch.float32))
+except rocmoe.RocmoeError as exc:
+    report("after_a_bad_index_the_next_call_computes", False, f"{type(exc).__name__}: {exc}")
+
 ctx.finalize()
 print(f"RANK {rank} DONE failures={failures}", flush=True)
 sys.exit(1 if failures else 0)

@@ -37,3 +37,5 @@ def test_public_ops_forward_and_backward_on_gpu_equal_the_reference(ranks):
                         f"rank {rank} did not report {dtype}/{check}#{call}:\n{out}"
         # bad input on the last rank only: every rank raised, none hung
         assert f"RANK {rank} bad_counts_raise_everywhere OK" in out, out
+        assert f"RANK {rank} bad_index_raises_everywhere_at_the_next_call OK" in out, out
+        assert f"RANK {rank} after_a_bad_index_the_next_call_computes OK" in out, out
