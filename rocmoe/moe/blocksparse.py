@@ -696,7 +696,7 @@ class _ExpertUp(torch.autograd.Function):
                 grad_x = sum_pair_rows(grad_x, plan.dest_row)
         if ctx.needs_input_grad[2] and grad_w1 is None:  # (after the [rows, H] dx is gone)
             grad_w1 = weight_gradient()
-        _join(side)
+        _join(side if grad_w1 is not None else None)  # joined only when forked (see below)
         return grad_x, None, grad_w1, None, None, None, None, None
 
 
@@ -737,6 +737,7 @@ class _ExpertDown(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         w2_t = w2.transpose(1, 2)
         side = _backward_side_stream(grad_y)
+        forked = None  # the side stream once work went to it (only then is it joined)
         grad_w2 = None
         if ctx.needs_input_grad[2]:
             grad_w2 = torch.empty_like(w2, memory_format=torch.contiguous_format)
@@ -747,6 +748,7 @@ class _ExpertDown(torch.autograd.Function):
                 _dstd(h, grad_y, topo, out=grad_w2)
         else:
             if grad_w2 is not None:
+                forked = side
                 with _after_caller_on(side):  # dW2 beside dh
                     if fusion == "store":
                         _dstd(saved[1], grad_y, topo, out=grad_w2)
@@ -756,7 +758,9 @@ class _ExpertDown(torch.autograd.Function):
                 grad_h = _sdd(grad_y, w2_t, topo, scale_by=h)
             else:
                 grad_h = _sdd(grad_y, w2_t, topo, act_grad_of=h, act=act)
-        _join(side)
+        # joining a side stream nothing was forked to would, inside a CUDA graph capture,
+        # make the capture depend on uncaptured work (cudaErrorStreamCaptureIsolation)
+        _join(forked)
         return grad_h, None, grad_w2, None, None, None, None, None, None
 
 

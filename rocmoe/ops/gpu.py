@@ -324,7 +324,10 @@ class _GemmLaunch:
     launcher key; made once, so a call only fills in its tensors."""
 
     def __init__(self, handle, team: Team, x: torch.Tensor, w: Optional[torch.Tensor],
-                 groups: int, cfg: dict):
+                 groups: int, cfg: dict, scratch_status: Optional[int] = None):
+        # scratch_status: the tuner's runs (all of this rank's rows as one local destination,
+        # so more rows than one destination's capacity) record into scratch status words,
+        # never into the handle's, and have no capacity bound
         dev = x.device
         world = team.world
         self.copy = w is None
@@ -356,10 +359,11 @@ class _GemmLaunch:
         self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
                     self.nprog)
         layout = handle.layout
-        self.tail_args = (handle.status_address, handle.workspace_offset, *_offsets_gemm(layout),
-                          team.rank, world)
+        status = handle.status_address if scratch_status is None else scratch_status
+        self.tail_args = (status, handle.workspace_offset, *_offsets_gemm(layout), team.rank,
+                          world)
         self.wait_budget = _wait_budget(handle.ctx.timeout_s)
-        self.capacity = layout.capacity
+        self.capacity = layout.capacity if scratch_status is None else 1 << 62
         if not self.local:
             rows = 64 if dev.type != "cpu" else 16
             self.collect_blocks = math.ceil(layout.capacity / rows)
@@ -407,7 +411,7 @@ _GEMM_DYNAMIC = (0, 1, 2, 3, 4, 5, 6, 19, 25, 26, 27, 28, 29)
 _GEMM_FIXED = tuple(i for i in range(31) if i not in _GEMM_DYNAMIC)
 
 
-def _tuned_launch(handle, team, x, w, groups, counts, out, recv) -> "_GemmLaunch":
+def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
     """The fastest of _TUNE_CANDIDATES for this shape, timed in local mode (no protocol:
     the compute alone) on scratch outputs; CUDA only, ROCMOE_GEMM_TUNE=0 turns it off."""
     base = gemm_config(x.device, x.dtype)
@@ -416,14 +420,18 @@ def _tuned_launch(handle, team, x, w, groups, counts, out, recv) -> "_GemmLaunch
         return _GemmLaunch(handle, team, x, w, groups, base)
     scratch_team = _LocalTeam(team)
     scratch_out = torch.empty((max(1, x.shape[0]), handle.N), dtype=out.dtype, device=out.device)
+    scratch_status = torch.zeros(3 * team.world + 2, dtype=torch.int32, device=x.device)
+    scratch_recv = torch.empty(1, dtype=torch.int64, device=x.device)
     best, best_ms = None, float("inf")
     for extra in _TUNE_CANDIDATES:
         cfg = dict(base, **extra)
-        plan = _GemmLaunch(handle, scratch_team, x, w, groups, cfg)
+        plan = _GemmLaunch(handle, scratch_team, x, w, groups, cfg,
+                           scratch_status=scratch_status.data_ptr())
         local_counts = counts.reshape(team.world, -1).sum(0) if counts.numel() else counts
         try:
             def run():
-                plan.launch(handle, scratch_team, x, w, local_counts, scratch_out, recv, {})
+                plan.launch(handle, scratch_team, x, w, local_counts, scratch_out, scratch_recv,
+                            {})
             for _ in range(2):
                 run()
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -469,7 +477,7 @@ def rows_exchange(handle, x: torch.Tensor, w: Optional[torch.Tensor], host_count
         if w is None:
             plan = _GemmLaunch(handle, team, x, w, groups, copy_config(dev, handle.N))
         else:
-            plan = _tuned_launch(handle, team, x, w, groups, counts, out, recv)
+            plan = _tuned_launch(handle, team, x, w, groups, counts, out)
         launches[key] = plan
     plan.launch(handle, team, x, w, counts, out, recv,
                 handle.__dict__.setdefault("_w_descriptors", {}))
