@@ -164,11 +164,19 @@ def run_case(shape, routing: str, reps: int, dtype, device, emit, variants: bool
         ids, weights = layer.router.route(x)
         return grouped_gemm_moe(x, ids, weights, layer.w1, layer.w2, grouped=grouped)
 
+    def forget_aux_loss():
+        # the router keeps the step's aux loss, and with it the autograd nodes of x and the
+        # gate; kept past the step, they tie the next step's backward to the stream they were
+        # made on, which a CUDA graph capture on another stream cannot depend on
+        layer.aux_loss = layer.router.aux_loss = None
+
     def ours():
         torch.autograd.grad(ours_fwd(), params, gy)
+        forget_aux_loss()
 
     def base():
         torch.autograd.grad(base_fwd(), params, gy)
+        forget_aux_loss()
 
     def inference(fn):
         def run():

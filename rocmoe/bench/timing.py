@@ -83,7 +83,9 @@ def captured(fn: Callable[[], object]) -> Callable[[], object]:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # captured on the warm-up's stream: autograd nodes the warm-up made (and that outlive
+    # it) run on the stream they were made on, which must be the capturing one
+    with torch.cuda.graph(graph, stream=side):
         fn()
     return graph.replay
 
