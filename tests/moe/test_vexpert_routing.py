@@ -259,3 +259,44 @@ def test_the_cost_model_predicts_the_busiest_ranks_compute():
     model = CostModel(ffn_ms_per_row=1.0)
     assert model.predict_ms(static, counts) == pytest.approx(100.0)
     assert model.predict_ms(static.expanded(0, 1), counts) == pytest.approx(50.0)
+
+
+def _runs(backoff, steps, ratios=None, changed_at=()):
+    """The steps (1-based, rebalance_every 1) at which the policy runs."""
+    runs = []
+    for step in range(1, steps + 1):
+        ratio = (ratios or {}).get(step, 2.0)
+        if backoff.due(step, ratio):
+            runs.append(step)
+            backoff.verdict(step, 1, ratio, changed=step in changed_at)
+    return runs
+
+
+def test_the_policy_backs_off_after_runs_that_change_nothing():
+    from rocmoe.moe.scheduler import PolicyBackoff
+    # waits of 2, 4, 8, 16, then 16 rebalance intervals (capped)
+    assert _runs(PolicyBackoff(), 70) == [1, 3, 7, 15, 31, 47, 63]
+
+
+def test_a_change_resets_the_policy_backoff():
+    from rocmoe.moe.scheduler import PolicyBackoff
+    assert _runs(PolicyBackoff(), 20, changed_at={7}) == [1, 3, 7, 8, 10, 14]
+
+
+def test_a_worsened_balance_ends_the_policy_backoff_early():
+    from rocmoe.moe.scheduler import PolicyBackoff
+    # quiet at ratio 2.0 after step 3 (next run due at 7); at step 5 the ratio is 2.2
+    # (> 2.0 * 1.05): it runs, changes nothing again, and the wait grows to 8 (step 13)
+    assert _runs(PolicyBackoff(), 14, ratios={5: 2.2}) == [1, 3, 5, 13]
+
+
+def test_the_policy_backoff_round_trips_and_old_checkpoints_load_without_it():
+    from rocmoe.moe.scheduler import PolicyBackoff
+    a = PolicyBackoff()
+    _runs(a, 10)
+    b = PolicyBackoff()
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict() and b.next_step == 15
+    c = PolicyBackoff()
+    c.load_state_dict(None)
+    assert c.due(1, 2.0) and c.state_dict() == PolicyBackoff().state_dict()
