@@ -136,9 +136,12 @@ def wait_for(what: str, condition, env: dict, job: str, timeout: float = 180.0) 
     while time.monotonic() < deadline:
         fields = job_fields(env, job)
         if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
-            # a requeued job waits out Slurm's credential lifetime (120 s) first: not here
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env,
-                           timeout=30)
+            # a requeued job waits out Slurm's credential lifetime (120 s) first: not here.
+            # Two seconds on, not now: slurmd refuses a credential made in the second its
+            # predecessor's was revoked ("Killing non-startable batch job: Job credential
+            # revoked", seen once in CI), which ends the job FAILED
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+2"],
+                           env=env, timeout=30)
         if condition(fields):
             return fields
         if fields.get("JobState") in FINAL_STATES:
