@@ -172,7 +172,9 @@ def measured(args) -> list[dict]:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     if args.device == "cuda":   # the ranks share GPU 0 (ipc heap)
-        ctx = rocmoe.init(backend="ipc", heap_size=512 << 20, device=0)
+        # 4 GiB a rank: the exchanges' upper-bound buffers grow with tokens x hidden (a
+        # GPU-sized layer, 8192 tokens of 1024, needs over 1 GiB of them)
+        ctx = rocmoe.init(backend="ipc", heap_size=4 << 30, device=0)
     else:
         ctx = rocmoe.init(backend="host", heap_size=256 << 20)
     device = ctx.device
