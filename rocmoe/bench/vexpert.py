@@ -173,7 +173,8 @@ def measured(args) -> list[dict]:
     comm = MPI.COMM_WORLD
     if args.device == "cuda":   # the ranks share GPU 0 (ipc heap)
         # 4 GiB a rank: the exchanges' upper-bound buffers grow with tokens x hidden (a
-        # GPU-sized layer, 8192 tokens of 1024, needs over 1 GiB of them)
+        # GPU-sized layer, 8192 tokens of 1024 in fp32 at 2 ranks, took 512 MiB of heap in
+        # one forward and backward on the host backend, before the scheduler's inboxes)
         ctx = rocmoe.init(backend="ipc", heap_size=4 << 30, device=0)
     else:
         ctx = rocmoe.init(backend="host", heap_size=256 << 20)
