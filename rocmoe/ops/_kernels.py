@@ -56,27 +56,31 @@ def _cached(ctx, key, fits, make):
     return handle
 
 
+def _usable_cached(ctx, kind: str):
+    """ctx's cached `kind` handles that are open and not broken."""
+    return [handle for key, handle in _CACHE.get(ctx, {}).items()
+            if key[0] == kind and handle.workspace is not None and handle.broken is None]
+
+
 def _recorded_error(ctx, kind: str) -> Optional[Exception]:
     """What the device recorded for ctx's cached `kind` handles (bad input found by a
     kernel of an earlier call), as the exception to raise; None if nothing. No sync."""
-    for key, handle in _CACHE.get(ctx, {}).items():
-        if key[0] == kind and handle.workspace is not None and handle.broken is None:
-            try:
-                handle.check()
-            except errors.RocmoeError as exc:
-                return exc
+    for handle in _usable_cached(ctx, kind):
+        try:
+            handle.check()
+        except errors.RocmoeError as exc:
+            return exc
     return None
 
 
 def _forget_recorded(ctx, kind: str) -> None:
     """Wait for ctx's cached `kind` handles and drop the bad input they recorded (a peer
     reported it); a timed-out wait is still raised."""
-    for key, handle in _CACHE.get(ctx, {}).items():
-        if key[0] == kind and handle.workspace is not None and handle.broken is None:
-            try:
-                handle.synchronize()
-            except errors.InvalidArgumentError:
-                pass
+    for handle in _usable_cached(ctx, kind):
+        try:
+            handle.synchronize()
+        except errors.InvalidArgumentError:
+            pass
 
 
 def release_handles(ctx) -> None:
