@@ -10,8 +10,9 @@ vexpert_routing does (equal shares per vExpert, locality first):
   ``latency + bytes / bandwidth`` for the bytes a rank sends or receives (the larger) per
   link class (``intra`` node, ``inter`` node: ranks are numbered node by node, ``ranks_per_node``
   to a node), measured with the layer's transport (on one node only ``intra`` exists);
-* ``T_sync``: the replica gradient all-reduces a rank takes part in, ``alpha + beta * bytes``
-  per group size, measured on sub-communicators;
+* ``T_sync``: the replica gradient sums a rank takes part in, ``alpha + beta * bytes`` per
+  group size, measured with the scheduler's own reducer (through the heap by default, or
+  MPI all-reduces: replica_sync.py) on groups of 2..world ranks;
 
 plus ``fixed_ms``, the rest of the layer step (router, sorts, count exchange), timed at
 start. :func:`profile` measures all of it collectively and every rank adopts the ranks'
@@ -139,10 +140,79 @@ def fit_line(xs, ys) -> tuple[float, float]:
     return float(intercept), float(max(slope, 0.0))
 
 
+def _fit_ffn(samples) -> tuple[float, float, list]:
+    """t = fixed * g + per_row * r: least squares over the (rows, groups, ms) samples."""
+    a = np.array([[g, r] for r, g, _ in samples], dtype=np.float64)
+    t = np.array([s[2] for s in samples])
+    (fixed, per_row), *_ = np.linalg.lstsq(a, t, rcond=None)
+    return float(max(fixed, 0.0)), float(max(per_row, 0.0)), samples
+
+
+def _ffn_samples(rows: int, world: int, slots: int) -> list[tuple[int, int]]:
+    """(rows, groups) to time: from half a rank's share to every rank's pairs on one rank
+    (the worst skew), so that the fit holds where the policy asks it, not only around the
+    balanced load; and one sample over several groups for the per-group cost."""
+    most = rows * max(world, 2)
+    return [(max(rows // 2, 8), 1), (rows, 1), (most, 1), (rows, min(4, max(slots, 1)))]
+
+
+def profile_handle_ffn(layer, rows: int, reps: int = 3) -> tuple[float, float, list]:
+    """Collective. (fixed_ms per group, ms_per_row) of the expert FFN fwd + bwd exactly as
+    the layer's step on the fused-op handles runs it (handle_transport.py): the grouped
+    products on device counts for W1 (and W3), the activation over the upper-bound buffer,
+    the grouped GemmAllToAll for W2 and their backward, at the layer's capacity (the rows
+    spread over the sources as under skew). One rank is timed at a time while the others
+    join the collective calls with no rows, so ranks that share a device do not slow each
+    other's timings. Its own transport: the layer's handles keep their sizes."""
+    from .activations import ACTIVATIONS
+    from .handle_transport import HandleTransport, grouped_products
+    ctx = layer.ctx
+    world, rank = int(ctx.world_size), int(ctx.rank)
+    device, dtype = layer.w1.device, layer.w1.dtype
+    act = ACTIVATIONS[layer.activation]
+    weights = [p for p in (layer.w1, layer.w2, layer.w3) if p is not None]
+    slots = layer.w1.shape[0]
+    transport = HandleTransport(ctx)
+    capacity = transport.begin_step(rows)   # the layer's: round_up(its pairs a rank)
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    try:
+        for r, g in _ffn_samples(rows, world, slots):
+            per_source = -(-r // world)
+            x = torch.zeros(world * capacity, layer.hidden_size, dtype=dtype, device=device)
+            x[:r] = torch.randn(r, layer.hidden_size, generator=gen).to(device, dtype)
+            busy = torch.zeros(world, slots, dtype=torch.int64)
+            left = r
+            for s in range(world):          # each source's rows over the g groups
+                n = min(per_source, left)
+                left -= n
+                for i in range(g):
+                    busy[s, i] = n // g + (1 if i < n % g else 0)
+            busy, idle = busy.to(device), torch.zeros(world, slots, dtype=torch.int64,
+                                                      device=device)
+            times = []
+            for timed in range(world):
+                counts = busy if rank == timed else idle
+
+                def step():
+                    h = act(grouped_products(x, layer.w1, counts, transport, capacity))
+                    if layer.w3 is not None:
+                        h = h * grouped_products(x, layer.w3, counts, transport, capacity)
+                    back = transport.combine(h, layer.w2, counts)
+                    torch.autograd.grad(back.float().sum(), weights)
+                times.append(_median_ms(step, reps))
+            samples.append((r, g, times[rank]))
+    finally:
+        for handle in transport._gemm.values():
+            handle.close()
+    return _fit_ffn(samples)
+
+
 def profile_ffn(layer, rows: int, reps: int = 3) -> tuple[float, float, list]:
     """(fixed_ms per group, ms_per_row) of the layer's local expert FFN, fwd + bwd, on the
-    path its expert-parallel step takes (per-group products for the fused combine, the
-    block-sparse FFN otherwise)."""
+    path its expert-parallel step takes over a transport that reads the counts on the host
+    (per-group products for the fused combine, the block-sparse FFN otherwise; for the
+    fused-op handles' path see profile_handle_ffn)."""
     from .activations import ACTIVATIONS
     from .layer import expert_ffn
     from .parallel import combine_kind
@@ -154,10 +224,7 @@ def profile_ffn(layer, rows: int, reps: int = 3) -> tuple[float, float, list]:
     weights = [p for p in (layer.w1, layer.w2, layer.w3) if p is not None]
     samples = []
     gen = torch.Generator().manual_seed(0)
-    # from half a rank's share to every rank's pairs on one rank (the worst skew): the fit
-    # must hold where the policy asks it, not only around the balanced load
-    most = rows * max(layer.world_size, 2)
-    for r, g in ((max(rows // 2, 8), 1), (rows, 1), (most, 1), (rows, 4)):
+    for r, g in _ffn_samples(rows, layer.world_size, layer.w1.shape[0]):
         x = torch.randn(r, layer.hidden_size, generator=gen).to(device, dtype)
         ids = (torch.arange(r, device=device) % g).to(torch.int32).view(-1, 1)
         ones = torch.ones(r, 1, dtype=dtype, device=device)
@@ -179,11 +246,7 @@ def profile_ffn(layer, rows: int, reps: int = 3) -> tuple[float, float, list]:
                                                  topo, layer.activation), ones, plan)
             torch.autograd.grad(y.float().sum(), weights)
         samples.append((r, g, _median_ms(step, reps)))
-    # t = fixed * g + per_row * r: least squares over the samples
-    a = np.array([[g, r] for r, g, _ in samples], dtype=np.float64)
-    t = np.array([s[2] for s in samples])
-    (fixed, per_row), *_ = np.linalg.lstsq(a, t, rcond=None)
-    return float(max(fixed, 0.0)), float(max(per_row, 0.0)), samples
+    return _fit_ffn(samples)
 
 
 def profile_fixed(layer, tokens: int, reps: int = 3) -> float:
@@ -222,36 +285,41 @@ def profile_links(transport, row_bytes: int, rows: int, device, partner=None,
     return fit_line(moved, times)
 
 
-def profile_allreduce(comm, nbytes: int, reps: int = 3) -> dict:
-    """{group size: [alpha_ms, ms_per_byte]} for groups of the first g ranks (collective)."""
-    from mpi4py import MPI
-    world = comm.Get_size()
+def profile_replica_sums(reducer, nbytes: int, device, dtype=torch.float32,
+                         reps: int = 3) -> dict:
+    """{group size: [alpha_ms, ms_per_byte]} of the scheduler's replica gradient sum
+    (`reducer`, replica_sync.py) for groups of the first g ranks, at two sizes (collective).
+    Ranks outside a group report NaN for it, which the ranks' mean leaves out."""
+    from .replica_sync import ReplicaGroup
+    world, rank = int(reducer.ctx.world_size), int(reducer.ctx.rank)
+    itemsize = torch.empty((), dtype=dtype).element_size()
     out = {}
-    rank = comm.Get_rank()
     for g in range(2, world + 1):
-        sub = comm.Split(0 if rank < g else MPI.UNDEFINED, rank)
-        times = []
+        members = tuple(range(g))
         sizes = (max(nbytes // 16, 64), max(nbytes, 128))
+        times = []
         for n in sizes:
-            if sub == MPI.COMM_NULL:
-                times.append(0.0)
-                continue
-            buf = np.zeros(n // 4, dtype=np.float32)
-            times.append(_median_ms(lambda: sub.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM), reps))
-        if sub != MPI.COMM_NULL:
-            sub.Free()
-        out[g] = list(fit_line(sizes, times))
-        comm.Barrier()
+            group = ReplicaGroup(("cost model", n, members), members, n // itemsize)
+            mine = ({group.key: torch.zeros(group.numel, dtype=dtype, device=device)}
+                    if rank < g else {})
+            times.append(_median_ms(lambda: reducer.sum_([group], mine), reps))
+        out[g] = list(fit_line(sizes, times)) if rank < g else [float("nan")] * 2
     return out
 
 
-def profile(layer, transport, comm, tokens: int, ranks_per_node: int = 0,
+def profile(layer, transport, reducer, tokens: int, ranks_per_node: int = 0,
             exchange=None) -> CostModel:
     """Collective: measure every term on this machine and agree on the ranks' mean.
 
+    reducer: the scheduler's replica gradient sum (replica_sync.py), timed as it runs;
     exchange(list of floats) -> [world, n] all-gathers floats (the scheduler passes one)."""
+    from .parallel import combine_kind
     rows = max(tokens * layer.top_k, 16)
-    fixed_g, per_row, _ = profile_ffn(layer, rows)
+    if getattr(transport, "device_counts", False) and layer.world_size > 1 \
+            and combine_kind(layer) == "gemm_all_to_all":
+        fixed_g, per_row, _ = profile_handle_ffn(layer, rows)
+    else:
+        fixed_g, per_row, _ = profile_ffn(layer, rows)
     fixed = profile_fixed(layer, tokens)
     row_bytes = layer.hidden_size * layer.w1.element_size()
     device = layer.w1.device
@@ -269,13 +337,14 @@ def profile(layer, transport, comm, tokens: int, ranks_per_node: int = 0,
         latency, per_byte = profile_links(transport, row_bytes, rows, device)
         per_byte_inter = per_byte
     grad_elems = sum(p[0].numel() for p in (layer.w1, layer.w2, layer.w3) if p is not None)
-    grad_bytes = grad_elems * (8 if layer.w1.dtype == torch.float64 else 4)
-    allreduce = profile_allreduce(comm, grad_bytes)
+    sum_dtype = torch.float64 if layer.w1.dtype == torch.float64 else torch.float32
+    grad_bytes = grad_elems * (8 if sum_dtype == torch.float64 else 4)
+    allreduce = profile_replica_sums(reducer, grad_bytes, device, sum_dtype)
     values = [fixed_g, per_row, latency, per_byte, fixed, per_byte_inter]
     for g in sorted(allreduce):
         values += allreduce[g]
     if exchange is not None:
-        values = np.asarray(exchange(values)).mean(axis=0).tolist()
+        values = np.nanmean(np.asarray(exchange(values), dtype=np.float64), axis=0).tolist()
     model = CostModel(ffn_fixed_ms=values[0], ffn_ms_per_row=values[1],
                       a2a_latency_ms=values[2],
                       a2a_ms_per_byte={"intra": values[3], "inter": values[5]},

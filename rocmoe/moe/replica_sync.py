@@ -1,36 +1,44 @@
-"""Gradient sync of replicated experts: one MPI sub-communicator per logical expert's copies.
+"""Gradient sync of replicated experts: each expert's gradient summed over the ranks holding it.
 
 Replicas of an expert on several ranks each see only their share of its tokens; summing
 their gradients gives every copy the gradient of all the expert's tokens, the same maths
 as one copy without replicas, so the copies stay identical under the same optimizer step.
+A step's work is a list of :class:`ReplicaGroup` (the same list, in the same order, on every
+rank: every rank knows the whole placement); a reducer sums each group's buffers in place.
 
-Groups are keyed by (layer, logical expert id, member ranks), so a group keeps its
-communicator while the expert's replicas stay on the same ranks, whatever slots they
-move between. Communicators are created with ``Comm.Create_group`` (collective over the
-members only) in one global order, and cached LRU. Every rank updates the cache for every
-group of a step, also those it is not a member of (it knows the whole placement), so all
-members evict a communicator at the same call and free it together.
+* :class:`HeapReplicaReducer` (the default): through the symmetric heap, on the device. Each
+  rank stages its groups' buffers in its own *outbox* on the heap and raises a ``ready``
+  signal at every rank it shares a group with; each member then reads the other members'
+  slices (``ctx.get``: a device-to-device copy inside a node) and adds them in ascending
+  rank order, so every member computes the same sum bit for bit; a ``done`` signal tells the
+  owner its outbox may be overwritten at the next step. One host sync a step (the staged
+  buffers must be in memory before the ``ready`` signal); no host copy of the gradients.
+* :class:`MpiReplicaReducer`: mpi4py ``Iallreduce`` (SUM) on host buffers, one
+  sub-communicator per group (``Comm.Create_group``, cached LRU by (layer, expert, member
+  ranks)), polled with a deadline. GPU gradients are staged through host memory: one
+  device-to-host and one host-to-device copy per replicated expert and step. On an H200
+  (2 ranks sharing it) an expert of 1024 x 4096 (w1 + w2, fp32) took 25 ms this way, so the
+  cost model rightly refused every replica (2026-12-02); through the heap it moves at the
+  transport's copy rate.
 
-The sums are MPI ``Iallreduce`` (SUM) on host buffers, polled with a deadline: float32 for
-float32/bfloat16/float16 gradients (bf16 has no MPI type; the sum is taken in fp32 and
-rounded once), float64 for float64. GPU gradients are staged through host memory: one
-device-to-host and one host-to-device copy per replicated expert and step, and a host sync.
+Sums are taken in float32 for float32/bfloat16/float16 gradients (rounded once on the way
+back) and in float64 for float64.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
-from ..errors import CommTimeoutError
+from ..errors import CommTimeoutError, ConfigurationError
 
 
 class GroupCache:
-    """LRU cache of sub-communicators, keyed by (layer key, expert, ranks)."""
+    """LRU cache of sub-communicators, one per (group key, member ranks)."""
 
     def __init__(self, comm, capacity: int = 64):
         self.comm = comm
@@ -38,31 +46,35 @@ class GroupCache:
         self.capacity = int(capacity)
         self._entries: "OrderedDict[tuple, object]" = OrderedDict()
         self.created = 0
+        self._serial = 0
 
-    def communicators(self, keys: list[tuple], barrier=None) -> dict:
-        """The communicators of `keys` (each (layer, expert, ranks); the same list on every
-        rank, in the same order). Returns {key: comm} for the keys this rank belongs to.
-        `barrier` (a timed collective) runs before any creation, so that a missing rank
-        raises instead of leaving the members blocked in Create_group."""
-        new = [k for k in keys if k not in self._entries]
+    def communicators(self, groups: list[tuple[tuple, tuple]], barrier=None) -> dict:
+        """The communicators of `groups` (each (key, member ranks); the same list on every
+        rank, in the same order, which is the order of creation). Returns {key: comm} for
+        the groups this rank belongs to. `barrier` (a timed collective) runs before any
+        creation, so that a missing rank raises instead of leaving the members blocked in
+        Create_group."""
+        entries = [(key, tuple(members)) for key, members in groups]
+        new = [e for e in entries if e not in self._entries]
         if new and barrier is not None:
             barrier()
-        for key in sorted(new, key=lambda k: (k[0], k[1], k[2])):
-            ranks = key[2]
+        for entry in new:
+            ranks = entry[1]
             comm = None
+            self._serial += 1   # the same on every rank (every rank sees every new group)
             if self.rank in ranks:
                 group = self.comm.Get_group().Incl(list(ranks))
-                comm = self.comm.Create_group(group, tag=(hash(key) & 0x7FFF))
+                comm = self.comm.Create_group(group, tag=self._serial & 0x7FFF)
                 group.Free()
                 self.created += 1
-            self._entries[key] = comm
-        for key in keys:
-            self._entries.move_to_end(key)
-        while len(self._entries) > max(self.capacity, len(keys)):
+            self._entries[entry] = comm
+        for entry in entries:
+            self._entries.move_to_end(entry)
+        while len(self._entries) > max(self.capacity, len(entries)):
             _, comm = self._entries.popitem(last=False)
             if comm is not None:
                 comm.Free()
-        return {k: self._entries[k] for k in keys if self._entries[k] is not None}
+        return {e[0]: self._entries[e] for e in entries if self._entries[e] is not None}
 
     def close(self) -> None:
         while self._entries:
@@ -110,4 +122,151 @@ def unpack(buffer: np.ndarray, targets: list[torch.Tensor]) -> None:
         start += n
 
 
-__all__ = ["GroupCache", "allreduce_sum", "pack", "unpack", "reduce_dtype"]
+class ReplicaGroup(NamedTuple):
+    """One replicated expert's sum: `key` names it (the MPI reducer caches a communicator per
+    key), `members` are its ranks in ascending order, `numel` the buffer's length."""
+    key: tuple
+    members: tuple
+    numel: int
+
+
+class MpiReplicaReducer:
+    """Sums over MPI sub-communicators, on host buffers (see the module's docstring)."""
+
+    name = "mpi"
+
+    def __init__(self, ctx, timeout_s: float, cache_size: int = 64):
+        self.ctx = ctx
+        self.timeout_s = float(timeout_s)
+        self.groups = GroupCache(ctx.comm, cache_size)
+
+    def sum_(self, groups: list[ReplicaGroup], mine: dict) -> None:
+        """Collective (every rank, the same `groups`): mine[key] (this rank's buffer of each
+        group it belongs to) becomes the sum over the group's members."""
+        if not groups:
+            return
+        comms = self.groups.communicators([(g.key, g.members) for g in groups],
+                                          barrier=self.ctx.barrier)
+        staged = [(g.key, mine[g.key].detach().to("cpu").numpy().copy())
+                  for g in groups if g.key in mine]
+        allreduce_sum([(comms[key], buf) for key, buf in staged if key in comms],
+                      self.timeout_s)
+        for key, buf in staged:
+            mine[key].copy_(torch.from_numpy(buf))
+
+    def close(self) -> None:
+        self.groups.close()
+
+
+class HeapReplicaReducer:
+    """Sums through the symmetric heap (see the module's docstring). Collective methods:
+    every rank calls them in the same order with the same groups."""
+
+    name = "heap"
+    ALIGN = 256   # bytes: every group's slice starts on the heap's alignment
+
+    def __init__(self, ctx, timeout_s: float):
+        self.ctx = ctx
+        self.timeout_s = float(timeout_s)
+        self.rank, self.world = int(ctx.rank), int(ctx.world_size)
+        self.epoch = 0
+        self._outbox = None    # symmetric uint8 [capacity]: this rank's staged buffers
+        self._signals = None   # symmetric int64 [2, world]: ready[src], done[reader]
+        self._capacity = 0
+        self._readers: tuple = ()   # the ranks that read this rank's outbox last epoch
+
+    def _layout(self, groups: list[ReplicaGroup], itemsize: int) -> tuple[dict, int]:
+        """{(group index, rank): byte offset in that rank's outbox}, and the largest outbox."""
+        used = [0] * self.world
+        offsets = {}
+        for i, g in enumerate(groups):
+            for r in g.members:
+                offsets[(i, r)] = used[r]
+                used[r] += -(-g.numel * itemsize // self.ALIGN) * self.ALIGN
+        return offsets, max(used)
+
+    def _ensure(self, capacity: int) -> None:
+        """Collective: an outbox of at least `capacity` bytes (every rank asks the same)."""
+        if self._signals is None:
+            self._signals = self.ctx.zeros((2, self.world), torch.int64)
+        if capacity <= self._capacity:
+            return
+        self._wait_readers()   # nobody may still be reading the outbox that goes away
+        if self._outbox is not None:
+            self.ctx.free(self._outbox)
+        self._outbox = self.ctx.empty((capacity,), torch.uint8)
+        self._capacity = capacity
+
+    def _wait_readers(self) -> None:
+        for q in self._readers:
+            self.ctx.wait_until(self._signals, self.world + q, self.epoch, ">=",
+                                timeout_s=self.timeout_s, peer=q)
+        self._readers = ()
+
+    def sum_(self, groups: list[ReplicaGroup], mine: dict) -> None:
+        """Collective (every rank, the same `groups`): mine[key] (this rank's buffer of each
+        group it belongs to) becomes the sum over the group's members, in member order."""
+        if not groups:
+            return
+        dtypes = {t.dtype for t in mine.values()}
+        if len(dtypes) > 1:
+            raise ConfigurationError(f"replica gradient sums of one step take one dtype, got "
+                                     f"{sorted(map(str, dtypes))}")
+        dtype = dtypes.pop() if dtypes else torch.float32
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        offsets, capacity = self._layout(groups, itemsize)
+        self._ensure(capacity)
+        self._wait_readers()
+        self.epoch += 1
+        me = self.rank
+        box = self._outbox
+
+        def view(offset, n):
+            return box[offset:offset + n * itemsize].view(dtype)
+        peers = set()
+        with torch.no_grad():
+            for i, g in enumerate(groups):
+                if me in g.members:
+                    view(offsets[(i, me)], g.numel).copy_(mine[g.key].reshape(-1))
+                    peers.update(r for r in g.members if r != me)
+        if box.is_cuda:   # staged in memory before a peer may read it
+            torch.cuda.current_stream(box.device).synchronize()
+        for q in sorted(peers):
+            self.ctx.signal_set(self._signals, me, self.epoch, q)
+        for q in sorted(peers):
+            self.ctx.wait_until(self._signals, q, self.epoch, ">=", timeout_s=self.timeout_s,
+                                peer=q)
+        with torch.no_grad():
+            for i, g in enumerate(groups):
+                if me not in g.members:
+                    continue
+                total = None
+                for r in g.members:   # ascending: every member adds in the same order
+                    if r == me:
+                        part = view(offsets[(i, me)], g.numel)
+                    else:
+                        part = torch.empty(g.numel, dtype=dtype, device=box.device)
+                        self.ctx.get(part, view(offsets[(i, r)], g.numel), r)
+                    total = part.clone() if total is None else total.add_(part)
+                mine[g.key].copy_(total.view(mine[g.key].shape))
+        for q in sorted(peers):
+            self.ctx.signal_set(self._signals, self.world + me, self.epoch, q)
+        self._readers = tuple(sorted(peers))
+
+    def close(self) -> None:
+        """Collective: release the outbox and signals (after the last readers are done)."""
+        if self._signals is not None:
+            self._wait_readers()
+            self.ctx.barrier()   # every rank's reads of every outbox are finished
+        for t in (self._outbox, self._signals):
+            if t is not None:
+                self.ctx.free(t)
+        self._outbox = self._signals = None
+        self._capacity = 0
+
+
+REDUCERS = {"heap": HeapReplicaReducer, "mpi": MpiReplicaReducer}
+
+
+__all__ = ["GroupCache", "allreduce_sum", "pack", "unpack", "reduce_dtype", "ReplicaGroup",
+           "HeapReplicaReducer", "MpiReplicaReducer", "REDUCERS"]

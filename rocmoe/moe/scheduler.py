@@ -43,7 +43,7 @@ from .expert_copy import Copy, ExpertMover
 from .placement import Placement, balance_ratio, copies_needed
 from .policy import POLICIES
 from .rank_agreement import allgather_ints
-from .replica_sync import GroupCache, allreduce_sum, pack, reduce_dtype, unpack
+from .replica_sync import REDUCERS, ReplicaGroup, reduce_dtype
 from .vexpert_routing import VExpertDispatcher
 
 
@@ -122,18 +122,24 @@ class VExpertScheduler:
 
     policy: "greedy" (FlexMoE Alg. 2) or "eplb"; cost_model: a CostModel, or None to
     profile one at the first step; max_copies_per_rank: weight copies into one rank per
-    change (its inbox room); load_decay: weight of the past in the averaged counts."""
+    change (its inbox room); load_decay: weight of the past in the averaged counts;
+    replica_sync: how replicated experts' gradients are summed, "heap" (through the
+    symmetric heap, on the device) or "mpi" (host all-reduces; replica_sync.py)."""
 
     def __init__(self, layers, optimizer, *, policy: str = "greedy",
                  cost_model: Optional[CostModel] = None, max_copies_per_rank: int = 2,
                  group_cache_size: int = 64, load_decay: float = 0.5,
-                 timeout_s: Optional[float] = None, log_steps: int = 1000):
+                 timeout_s: Optional[float] = None, log_steps: int = 1000,
+                 replica_sync: str = "heap"):
         self.layers = _vexpert_layers(layers)
         if not self.layers:
             raise ConfigurationError("VExpertScheduler found no DroplessMoE layer with "
                                      "placement='vexpert'")
         if policy not in POLICIES:
             raise ConfigurationError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+        if replica_sync not in REDUCERS:
+            raise ConfigurationError(f"replica_sync must be one of {sorted(REDUCERS)}, got "
+                                     f"{replica_sync!r}")
         ctxs = {id(layer.ctx) for layer in self.layers}
         if len(ctxs) != 1:
             raise ConfigurationError("the scheduler's layers must share one rocmoe Context")
@@ -150,7 +156,12 @@ class VExpertScheduler:
         multi = self.world_size > 1
         self.states = [_LayerState(layer, ExpertMover(self.ctx, layer, optimizer, self.timeout_s)
                                    if multi else None) for layer in self.layers]
-        self.groups = GroupCache(self.ctx.comm, group_cache_size) if multi else None
+        if not multi:
+            self.reducer = None
+        elif replica_sync == "mpi":
+            self.reducer = REDUCERS["mpi"](self.ctx, self.timeout_s, group_cache_size)
+        else:
+            self.reducer = REDUCERS["heap"](self.ctx, self.timeout_s)
         self.steps = 0
         # one record per step (statistics, decisions), the most recent ones
         self.log: "deque[dict]" = deque(maxlen=log_steps)
@@ -244,21 +255,25 @@ class VExpertScheduler:
                 work.append(((index, e, members), st.layer, int(old_ws[e, r]), int(new_ws[e, r])))
         if not work:
             return
-        keys = [w[0] for w in work if len(w[0][2]) > 1]
-        comms = self.groups.communicators(keys, barrier=self.ctx.barrier) if keys else {}
-        buffers, targets = [], []
+        groups, mine, targets = [], {}, []
         for key, layer, old_slot, new_slot in work:
+            params = [p for p in (layer.w1, layer.w2, layer.w3) if p is not None]
+            numels = [p[0].numel() for p in params]
+            if len(key[2]) > 1:
+                groups.append(ReplicaGroup(key, key[2], sum(numels)))
             if layer.rank not in key[2]:
                 continue
-            params = [p for p in (layer.w1, layer.w2, layer.w3) if p is not None]
             dtype = reduce_dtype(params[0].dtype)
-            grads = [None if (old_slot < 0 or p.grad is None) else p.grad[old_slot]
-                     for p in params]
-            buf = pack(grads, [p[0].numel() for p in params], dtype)
-            if key in comms:
-                buffers.append((comms[key], buf))
+            device = params[0].device
+            # this rank's gradient of the expert (zeros where it has none: a new holder)
+            buf = torch.cat([torch.zeros(n, dtype=dtype, device=device)
+                             if (old_slot < 0 or p.grad is None) else
+                             p.grad[old_slot].detach().reshape(-1).to(dtype)
+                             for p, n in zip(params, numels)])
+            if len(key[2]) > 1:
+                mine[key] = buf
             targets.append((buf, params, new_slot, old_slot))
-        allreduce_sum(buffers, self.timeout_s)
+        self.reducer.sum_(groups, mine)
         with torch.no_grad():
             # every buffer was packed above, so slots may be cleared and refilled in any
             # order (a swap's old slot is the other expert's new one)
@@ -271,7 +286,11 @@ class VExpertScheduler:
                         p.grad[old_slot].zero_()
             for buf, params, new_slot, old_slot in targets:
                 if new_slot >= 0:
-                    unpack(buf, [p.grad[new_slot] for p in params])
+                    start = 0
+                    for p in params:
+                        n = p[0].numel()
+                        p.grad[new_slot].copy_(buf[start:start + n].view(p[0].shape))
+                        start += n
 
     # -- after the optimizer step: statistics and decisions ---------------------------------
     def step(self) -> None:
@@ -341,7 +360,7 @@ class VExpertScheduler:
         from .parallel import transport_for
         tokens = int(counts.sum() / max(self.world_size, 1) / layer.top_k)
         local = getattr(self.ctx, "local_size", self.world_size)
-        return profile(layer, transport_for(self.ctx), self.ctx.comm, max(tokens, 8),
+        return profile(layer, transport_for(self.ctx), self.reducer, max(tokens, 8),
                        ranks_per_node=0 if local >= self.world_size else local,
                        exchange=self._allgather_floats)
 
@@ -420,8 +439,9 @@ class VExpertScheduler:
         for st in self.states:
             if st.mover is not None:
                 st.mover.free()
-        if self.groups is not None:
-            self.groups.close()
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
 
 
 __all__ = ["VExpertScheduler"]

@@ -21,12 +21,12 @@ def _launch(ranks, checks, *args):
 # cores); each test below reads its own check's lines.
 @pytest.fixture(scope="module")
 def two_ranks():
-    return _launch(2, "equal,primitives,train,bad,config")
+    return _launch(2, "equal,primitives,train,bad,config,reducer_timeout")
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return _launch(4, "equal,train", "--dtype", "float32")
+    return _launch(4, "equal,train,reducer_sums", "--dtype", "float32")
 
 
 def _passed(launch, check, ranks):
@@ -74,6 +74,19 @@ def test_four_ranks_with_fused_combine_match_the_static_layer_and_its_training(f
     assert "holders_of_0=[0, 1, 2, 3]" in _passed(four_ranks, "equal", 4)
     _passed(four_ranks, "train", 4)
     assert four_ranks[0] == 0, four_ranks[1]
+
+
+@pytest.mark.mpi
+def test_heap_replica_sums_are_the_member_order_sums_with_the_same_bits_on_every_member(
+        four_ranks):
+    # groups of all 4 ranks, of ranks 0-1 and of ranks 2-3; equal to the MPI reducer too
+    assert "groups=3" in _passed(four_ranks, "reducer_sums", 4)
+
+
+@pytest.mark.mpi
+def test_a_replica_sum_member_that_never_joins_makes_the_others_raise_comm_timeout(two_ranks):
+    out = _passed(two_ranks, "reducer_timeout", 2)
+    assert "rank=0 missing_member=CommTimeoutError after" in out
 
 
 # -- counts only: the policies under a drifting Zipf(1.2) load -------------------------------

@@ -87,6 +87,14 @@ def test_gpu_replicated_layer_equals_the_static_layer_ranks_sharing_the_gpu(rank
     assert out.count("VX_OK equal ") == ranks and rc == 0, out
 
 
+def test_gpu_heap_replica_sums_are_exact_and_equal_on_every_member_and_time_out_cleanly():
+    # 4 ranks sharing the GPU: ctx.get between their heaps, the stream sync before `ready`
+    rc, out = _mpirun(4, "reducer_sums,reducer_timeout", "--dtype", "float64")
+    for check in ("reducer_sums", "reducer_timeout"):
+        assert out.count(f"VX_OK {check} ") == 4, out
+    assert rc == 0, out
+
+
 def test_gpu_primitives_training_and_bad_input_ranks_sharing_the_gpu():
     # float64: the layer runs the exact torch path on the GPU, so Adam states compare
     # bitwise and the losses to 1e-9

@@ -15,7 +15,11 @@ Checks (each prints ``VX_OK <check> rank=<r> ...`` or ``VX_FAIL <check> ...``):
 * ``bad``: a placement that differs on one rank, an expand into a full rank and a slot
   budget below one slot per expert raise on every rank, and the layer works after;
 * ``config``: one rank builds the layer with another num_experts: ConfigurationError on
-  every rank naming the field and each rank's value.
+  every rank naming the field and each rank's value;
+* ``reducer_sums``: the heap reducer's sums are the float64 sums in member order, the same
+  bits on every member, and equal to the MPI reducer's;
+* ``reducer_timeout``: a member that never joins a heap sum makes the waiting members raise
+  CommTimeoutError within the timeout, and a new reducer works after.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import torch
 from mpi4py import MPI
 
 import rocmoe
-from rocmoe.errors import ConfigurationError, PlacementError, RocmoeError
+from rocmoe.errors import CommTimeoutError, ConfigurationError, PlacementError, RocmoeError
 from rocmoe.moe import CostModel, DroplessMoE, VExpertScheduler
 from rocmoe.moe.placement import Placement
+from rocmoe.moe.replica_sync import HeapReplicaReducer, MpiReplicaReducer, ReplicaGroup
 
 COMM = MPI.COMM_WORLD
 H, F, E, K, BLOCK = 16, 24, 8, 2, 16
@@ -369,8 +374,89 @@ def check_syncs(ctx, dtype, tol, steps=12):
                   f"{spent / steps:.3f} (goal share <= 0.02)")
 
 
+def check_reducer_sums(ctx, dtype, tol):
+    rank, world = ctx.rank, ctx.world_size
+    # groups: every rank; ranks 0 and 1; the upper half of the ranks (one rank at world 2)
+    groups = [ReplicaGroup(("all",), tuple(range(world)), 1000),
+              ReplicaGroup(("pair",), (0, 1), 37),
+              ReplicaGroup(("upper",), tuple(range(world // 2, world)), 5)]
+    groups = [g for g in groups if len(g.members) > 1]
+
+    def values(key, r, n):   # rank r's buffer of group `key`, the same draw on every rank
+        seed = 1000 * len(key[0]) + r
+        return torch.randn(n, generator=torch.Generator().manual_seed(seed),
+                           dtype=torch.float64)
+    problems = []
+    results = {}
+    for name, make in (("heap", lambda: HeapReplicaReducer(ctx, 30.0)),
+                       ("mpi", lambda: MpiReplicaReducer(ctx, 30.0))):
+        reducer = make()
+        mine = {g.key: values(g.key, rank, g.numel).to(DEVICE) for g in groups
+                if rank in g.members}
+        for _ in range(3):   # three steps on one reducer: the outbox is reused
+            bufs = {k: v.clone() for k, v in mine.items()}
+            reducer.sum_(groups, bufs)
+        results[name] = {k: v.cpu() for k, v in bufs.items()}
+        reducer.close()
+    for g in groups:
+        if rank not in g.members:
+            continue
+        exact = values(g.key, g.members[0], g.numel)
+        for r in g.members[1:]:
+            exact = exact + values(g.key, r, g.numel)
+        if not torch.equal(results["heap"][g.key], exact):
+            problems.append(f"heap {g.key} differs from the member-order sum")
+        if not torch.allclose(results["mpi"][g.key], exact, rtol=1e-12, atol=1e-12):
+            problems.append(f"mpi {g.key} differs from the sum")
+    # the same bits on every member
+    mine_bits = {g.key[0]: results["heap"][g.key].numpy().tobytes() for g in groups
+                 if rank in g.members}
+    for key, bits in zip([g.key[0] for g in groups], [None] * len(groups)):
+        seen = [b.get(key) for b in COMM.allgather(mine_bits)]
+        if len({b for b in seen if b is not None}) != 1:
+            problems.append(f"heap {key}: members hold different bits")
+    ok = not problems
+    return report("reducer_sums", ok, rank, f"groups={len(groups)}"
+                  + ("" if ok else f" problems={problems}"))
+
+
+def check_reducer_timeout(ctx, dtype, tol):
+    rank, world = ctx.rank, ctx.world_size
+    problems = []
+    # rank 1 never joins the second step: the others wait for it, then raise
+    reducer = HeapReplicaReducer(ctx, 1.0)
+    pair = [ReplicaGroup(("pair",), tuple(range(world)), 8)]
+    buf = {pair[0].key: torch.ones(8, dtype=torch.float64, device=DEVICE)}
+    reducer.sum_(pair, buf)
+    raised = "skipped"
+    if rank != 1:
+        import time
+        t0 = time.monotonic()
+        try:
+            reducer.sum_(pair, buf)
+            raised = "nothing"
+        except CommTimeoutError:
+            raised = f"CommTimeoutError after {time.monotonic() - t0:.1f} s"
+            if time.monotonic() - t0 > 10:
+                problems.append(f"the timeout took {time.monotonic() - t0:.1f} s")
+        if raised == "nothing":
+            problems.append("a missing member raised nothing")
+    reducer.close()
+    again = HeapReplicaReducer(ctx, 30.0)
+    buf = {pair[0].key: torch.full((8,), float(rank), dtype=torch.float64, device=DEVICE)}
+    again.sum_(pair, buf)
+    if not torch.equal(buf[pair[0].key].cpu(), torch.full((8,), float(sum(range(world))),
+                                                          dtype=torch.float64)):
+        problems.append("the new reducer after a timeout summed wrongly")
+    again.close()
+    ok = not problems
+    return report("reducer_timeout", ok, rank, f"missing_member={raised}"
+                  + ("" if ok else f" problems={problems}"))
+
+
 CHECKS = {"equal": check_equal, "syncs": check_syncs, "primitives": check_primitives, "train": check_train,
-          "bad": check_bad, "config": check_config}
+          "bad": check_bad, "config": check_config, "reducer_sums": check_reducer_sums,
+          "reducer_timeout": check_reducer_timeout}
 
 
 def main(argv=None) -> int:
