@@ -276,6 +276,9 @@ def measured(args) -> list[dict]:
                 "mean_abs_error": round(err["mean_abs_error"], 4),
                 "max_abs_error": round(err["max_abs_error"], 4),
                 "median_error": round(err["median_error"], 4), "steps": err["steps"],
+                "predicted_terms_last_step_ms": {
+                    k: round(v, 3) for k, v in model.breakdown(series[-1]["placement"],
+                                                               series[-1]["counts"]).items()},
                 "baseline": "measured step",
                 "goal": "<= 0.03 on the H200" if device.type == "cuda" else "<= 0.05 on host ranks",
                 "meets_goal": err["mean_abs_error"] <= (0.03 if device.type == "cuda" else 0.05),
