@@ -27,6 +27,8 @@ ENV_KNOBS = (
     ("ROCMOE_TIMEOUT_S", "60", "bound in seconds for every wait and control collective"),
     ("ROCMOE_HOST_WORKERS", "auto", "worker threads per rank for the host backend's fused ops"),
     ("ROCMOE_MOE_BACKEND", "auto", "block-sparse MoE kernels: auto, triton or torch"),
+    ("ROCMOE_REPLICA_SUM_BYTES", str(256 << 20), "heap bytes per rank for vExpert's replica "
+                                                 "gradient sums (more goes in rounds)"),
     ("ROCMOE_REQUIRE_ALL", "0", "tests: 1 turns a missing tool (mpiexec, hipcc, slurm) into a "
                                 "failure instead of a skip"),
     ("ROCMOE_SLURM_DIR", "/tmp/rocmoe-slurm", "config and logs of slurm/local-cluster.sh"),

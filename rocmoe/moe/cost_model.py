@@ -299,7 +299,7 @@ def profile_replica_sums(reducer, nbytes: int, device, dtype=torch.float32,
         sizes = (max(nbytes // 16, 64), max(nbytes, 128))
         times = []
         for n in sizes:
-            group = ReplicaGroup(("cost model", n, members), members, n // itemsize)
+            group = ReplicaGroup(("cost model", n, members), members, n // itemsize, dtype)
             mine = ({group.key: torch.zeros(group.numel, dtype=dtype, device=device)}
                     if rank < g else {})
             times.append(_median_ms(lambda: reducer.sum_([group], mine), reps))

@@ -124,10 +124,12 @@ def unpack(buffer: np.ndarray, targets: list[torch.Tensor]) -> None:
 
 class ReplicaGroup(NamedTuple):
     """One replicated expert's sum: `key` names it (the MPI reducer caches a communicator per
-    key), `members` are its ranks in ascending order, `numel` the buffer's length."""
+    key), `members` are its ranks in ascending order, `numel` and `dtype` the buffer's (every
+    rank knows them, also the ranks outside the group: they size the heap alike)."""
     key: tuple
     members: tuple
     numel: int
+    dtype: torch.dtype = torch.float32
 
 
 class MpiReplicaReducer:
@@ -160,29 +162,63 @@ class MpiReplicaReducer:
 
 class HeapReplicaReducer:
     """Sums through the symmetric heap (see the module's docstring). Collective methods:
-    every rank calls them in the same order with the same groups."""
+    every rank calls them in the same order with the same groups.
+
+    The outbox holds at most `max_bytes` (default ROCMOE_REPLICA_SUM_BYTES, 256 MiB): a
+    step whose groups need more is summed in rounds, a group larger than that in pieces,
+    so the heap it takes is bounded whatever the model's experts weigh."""
 
     name = "heap"
-    ALIGN = 256   # bytes: every group's slice starts on the heap's alignment
+    ALIGN = 256   # bytes: every piece starts on the heap's alignment
+    DEFAULT_MAX_BYTES = 256 << 20
 
-    def __init__(self, ctx, timeout_s: float):
+    def __init__(self, ctx, timeout_s: float, max_bytes: Optional[int] = None):
+        import os
         self.ctx = ctx
         self.timeout_s = float(timeout_s)
         self.rank, self.world = int(ctx.rank), int(ctx.world_size)
+        if max_bytes is None:
+            max_bytes = int(os.environ.get("ROCMOE_REPLICA_SUM_BYTES", self.DEFAULT_MAX_BYTES))
+        if max_bytes < self.ALIGN:
+            raise ConfigurationError(f"the replica sums' outbox needs at least {self.ALIGN} "
+                                     f"bytes, got {max_bytes} (ROCMOE_REPLICA_SUM_BYTES)")
+        self.max_bytes = int(max_bytes) // self.ALIGN * self.ALIGN
         self.epoch = 0
-        self._outbox = None    # symmetric uint8 [capacity]: this rank's staged buffers
+        self.rounds = 0        # rounds summed so far (a step takes one or more)
+        self._outbox = None    # symmetric uint8 [capacity]: this rank's staged pieces
         self._signals = None   # symmetric int64 [2, world]: ready[src], done[reader]
         self._capacity = 0
         self._readers: tuple = ()   # the ranks that read this rank's outbox last epoch
 
-    def _layout(self, groups: list[ReplicaGroup], itemsize: int) -> tuple[dict, int]:
-        """{(group index, rank): byte offset in that rank's outbox}, and the largest outbox."""
+    def _rounds(self, groups: list[ReplicaGroup]) -> list[list[tuple]]:
+        """The step's pieces, (group index, first element, elements), cut to fit the outbox,
+        in rounds whose pieces fit every member's outbox together (the same on every rank)."""
+        rounds, current, used = [], [], [0] * self.world
+        for i, g in enumerate(groups):
+            itemsize = torch.empty((), dtype=g.dtype).element_size()
+            step = max(self.max_bytes // itemsize, 1)
+            for start in range(0, g.numel, step):
+                n = min(step, g.numel - start)
+                nbytes = -(-n * itemsize // self.ALIGN) * self.ALIGN
+                if current and any(used[r] + nbytes > self.max_bytes for r in g.members):
+                    rounds.append(current)
+                    current, used = [], [0] * self.world
+                current.append((i, start, n))
+                for r in g.members:
+                    used[r] += nbytes
+        if current:
+            rounds.append(current)
+        return rounds
+
+    def _layout(self, groups, pieces) -> tuple[dict, int]:
+        """{(piece index, rank): byte offset in that rank's outbox}, and the largest outbox."""
         used = [0] * self.world
         offsets = {}
-        for i, g in enumerate(groups):
-            for r in g.members:
-                offsets[(i, r)] = used[r]
-                used[r] += -(-g.numel * itemsize // self.ALIGN) * self.ALIGN
+        for j, (i, _, n) in enumerate(pieces):
+            itemsize = torch.empty((), dtype=groups[i].dtype).element_size()
+            for r in groups[i].members:
+                offsets[(j, r)] = used[r]
+                used[r] += -(-n * itemsize // self.ALIGN) * self.ALIGN
         return offsets, max(used)
 
     def _ensure(self, capacity: int) -> None:
@@ -194,6 +230,7 @@ class HeapReplicaReducer:
         self._wait_readers()   # nobody may still be reading the outbox that goes away
         if self._outbox is not None:
             self.ctx.free(self._outbox)
+            self._outbox, self._capacity = None, 0
         self._outbox = self.ctx.empty((capacity,), torch.uint8)
         self._capacity = capacity
 
@@ -205,30 +242,45 @@ class HeapReplicaReducer:
 
     def sum_(self, groups: list[ReplicaGroup], mine: dict) -> None:
         """Collective (every rank, the same `groups`): mine[key] (this rank's buffer of each
-        group it belongs to) becomes the sum over the group's members, in member order."""
-        if not groups:
-            return
-        dtypes = {t.dtype for t in mine.values()}
-        if len(dtypes) > 1:
-            raise ConfigurationError(f"replica gradient sums of one step take one dtype, got "
-                                     f"{sorted(map(str, dtypes))}")
-        dtype = dtypes.pop() if dtypes else torch.float32
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        offsets, capacity = self._layout(groups, itemsize)
+        group it belongs to, of the group's dtype) becomes the sum over the group's members,
+        added in member order."""
+        for g in groups:
+            if self.rank not in g.members:
+                continue
+            buf = mine[g.key]
+            if buf.dtype != g.dtype or buf.numel() != g.numel or not buf.is_contiguous():
+                raise ConfigurationError(
+                    f"replica sum {g.key}: this rank's buffer ({buf.dtype}, {buf.numel()} "
+                    f"elements{'' if buf.is_contiguous() else ', not contiguous'}) is not the "
+                    f"group's ({g.dtype}, {g.numel} elements, contiguous)")
+        for pieces in self._rounds(groups):
+            self._sum_round(groups, pieces, mine)
+
+    def _sum_round(self, groups, pieces, mine) -> None:
+        offsets, capacity = self._layout(groups, pieces)
         self._ensure(capacity)
         self._wait_readers()
         self.epoch += 1
+        self.rounds += 1
         me = self.rank
         box = self._outbox
 
-        def view(offset, n):
-            return box[offset:offset + n * itemsize].view(dtype)
+        def view(j, r):
+            i, _, n = pieces[j]
+            dtype = groups[i].dtype
+            offset = offsets[(j, r)]
+            return box[offset:offset + n * torch.empty((), dtype=dtype).element_size()] \
+                .view(dtype)
+
+        def own(j):
+            i, start, n = pieces[j]
+            return mine[groups[i].key].reshape(-1)[start:start + n]
         peers = set()
         with torch.no_grad():
-            for i, g in enumerate(groups):
-                if me in g.members:
-                    view(offsets[(i, me)], g.numel).copy_(mine[g.key].reshape(-1))
-                    peers.update(r for r in g.members if r != me)
+            for j, (i, _, _) in enumerate(pieces):
+                if me in groups[i].members:
+                    view(j, me).copy_(own(j))
+                    peers.update(r for r in groups[i].members if r != me)
         if box.is_cuda:   # staged in memory before a peer may read it
             torch.cuda.current_stream(box.device).synchronize()
         for q in sorted(peers):
@@ -237,18 +289,19 @@ class HeapReplicaReducer:
             self.ctx.wait_until(self._signals, q, self.epoch, ">=", timeout_s=self.timeout_s,
                                 peer=q)
         with torch.no_grad():
-            for i, g in enumerate(groups):
+            for j, (i, _, n) in enumerate(pieces):
+                g = groups[i]
                 if me not in g.members:
                     continue
                 total = None
                 for r in g.members:   # ascending: every member adds in the same order
                     if r == me:
-                        part = view(offsets[(i, me)], g.numel)
+                        part = view(j, me)
                     else:
-                        part = torch.empty(g.numel, dtype=dtype, device=box.device)
-                        self.ctx.get(part, view(offsets[(i, r)], g.numel), r)
+                        part = torch.empty(n, dtype=g.dtype, device=box.device)
+                        self.ctx.get(part, view(j, r), r)
                     total = part.clone() if total is None else total.add_(part)
-                mine[g.key].copy_(total.view(mine[g.key].shape))
+                own(j).copy_(total)
         for q in sorted(peers):
             self.ctx.signal_set(self._signals, self.world + me, self.epoch, q)
         self._readers = tuple(sorted(peers))

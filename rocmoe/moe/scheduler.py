@@ -259,11 +259,11 @@ class VExpertScheduler:
         for key, layer, old_slot, new_slot in work:
             params = [p for p in (layer.w1, layer.w2, layer.w3) if p is not None]
             numels = [p[0].numel() for p in params]
+            dtype = reduce_dtype(params[0].dtype)
             if len(key[2]) > 1:
-                groups.append(ReplicaGroup(key, key[2], sum(numels)))
+                groups.append(ReplicaGroup(key, key[2], sum(numels), dtype))
             if layer.rank not in key[2]:
                 continue
-            dtype = reduce_dtype(params[0].dtype)
             device = params[0].device
             # this rank's gradient of the expert (zeros where it has none: a new holder)
             buf = torch.cat([torch.zeros(n, dtype=dtype, device=device)

@@ -377,9 +377,10 @@ def check_syncs(ctx, dtype, tol, steps=12):
 def check_reducer_sums(ctx, dtype, tol):
     rank, world = ctx.rank, ctx.world_size
     # groups: every rank; ranks 0 and 1; the upper half of the ranks (one rank at world 2)
-    groups = [ReplicaGroup(("all",), tuple(range(world)), 1000),
-              ReplicaGroup(("pair",), (0, 1), 37),
-              ReplicaGroup(("upper",), tuple(range(world // 2, world)), 5)]
+    f64 = torch.float64
+    groups = [ReplicaGroup(("all",), tuple(range(world)), 1000, f64),
+              ReplicaGroup(("pair",), (0, 1), 37, f64),
+              ReplicaGroup(("upper",), tuple(range(world // 2, world)), 5, f64)]
     groups = [g for g in groups if len(g.members) > 1]
 
     def values(key, r, n):   # rank r's buffer of group `key`, the same draw on every rank
@@ -388,7 +389,10 @@ def check_reducer_sums(ctx, dtype, tol):
                            dtype=torch.float64)
     problems = []
     results = {}
+    rounds = {}
     for name, make in (("heap", lambda: HeapReplicaReducer(ctx, 30.0)),
+                       # a 1 KiB outbox: the 8000-byte group goes in pieces, over rounds
+                       ("heap_1k", lambda: HeapReplicaReducer(ctx, 30.0, max_bytes=1024)),
                        ("mpi", lambda: MpiReplicaReducer(ctx, 30.0))):
         reducer = make()
         mine = {g.key: values(g.key, rank, g.numel).to(DEVICE) for g in groups
@@ -397,6 +401,7 @@ def check_reducer_sums(ctx, dtype, tol):
             bufs = {k: v.clone() for k, v in mine.items()}
             reducer.sum_(groups, bufs)
         results[name] = {k: v.cpu() for k, v in bufs.items()}
+        rounds[name] = getattr(reducer, "rounds", None)
         reducer.close()
     for g in groups:
         if rank not in g.members:
@@ -406,17 +411,33 @@ def check_reducer_sums(ctx, dtype, tol):
             exact = exact + values(g.key, r, g.numel)
         if not torch.equal(results["heap"][g.key], exact):
             problems.append(f"heap {g.key} differs from the member-order sum")
+        if not torch.equal(results["heap_1k"][g.key], exact):
+            problems.append(f"heap in 1 KiB rounds {g.key} differs from the member-order sum")
         if not torch.allclose(results["mpi"][g.key], exact, rtol=1e-12, atol=1e-12):
             problems.append(f"mpi {g.key} differs from the sum")
     # the same bits on every member
     mine_bits = {g.key[0]: results["heap"][g.key].numpy().tobytes() for g in groups
                  if rank in g.members}
-    for key, bits in zip([g.key[0] for g in groups], [None] * len(groups)):
+    for key in [g.key[0] for g in groups]:
         seen = [b.get(key) for b in COMM.allgather(mine_bits)]
         if len({b for b in seen if b is not None}) != 1:
             problems.append(f"heap {key}: members hold different bits")
+    # a step whose only group leaves some ranks out (at 4 ranks: 2 and 3 hold no float64
+    # buffer of their own): every rank still sizes the outbox alike, from the groups
+    pair = [g for g in groups if g.key == ("pair",)]
+    reducer = HeapReplicaReducer(ctx, 30.0)
+    bufs = {g.key: values(g.key, rank, g.numel).to(DEVICE) for g in pair if rank in g.members}
+    reducer.sum_(pair, bufs)
+    reducer.close()
+    if rank in pair[0].members and not torch.equal(
+            bufs[("pair",)].cpu(), values(("pair",), 0, 37) + values(("pair",), 1, 37)):
+        problems.append("a step with ranks outside its only group summed wrongly")
+    # three steps: one round a step, and in 1 KiB the 8000-byte group alone takes 8 a step
+    if rounds["heap"] != 3 or not rounds["heap_1k"] > 3 * 8:
+        problems.append(f"rounds {rounds}: one a step expected, and more than 8 a step "
+                        f"in 1 KiB")
     ok = not problems
-    return report("reducer_sums", ok, rank, f"groups={len(groups)}"
+    return report("reducer_sums", ok, rank, f"groups={len(groups)} rounds={rounds}"
                   + ("" if ok else f" problems={problems}"))
 
 
@@ -425,7 +446,7 @@ def check_reducer_timeout(ctx, dtype, tol):
     problems = []
     # rank 1 never joins the second step: the others wait for it, then raise
     reducer = HeapReplicaReducer(ctx, 1.0)
-    pair = [ReplicaGroup(("pair",), tuple(range(world)), 8)]
+    pair = [ReplicaGroup(("pair",), tuple(range(world)), 8, torch.float64)]
     buf = {pair[0].key: torch.ones(8, dtype=torch.float64, device=DEVICE)}
     reducer.sum_(pair, buf)
     raised = "skipped"
