@@ -13,6 +13,9 @@ rank: every rank knows the whole placement); a reducer sums each group's buffers
   rank order, so every member computes the same sum bit for bit; a ``done`` signal tells the
   owner its outbox may be overwritten at the next step. One host sync a step (the staged
   buffers must be in memory before the ``ready`` signal); no host copy of the gradients.
+* :class:`TorchDistReducer`: ``torch.distributed.all_reduce`` on the buffers where they are
+  (NCCL on GPUs, gloo on CPUs: the process group the user initialized), one subgroup per set
+  of member ranks (``new_group``, cached LRU); with NCCL nothing waits on the host.
 * :class:`MpiReplicaReducer`: mpi4py ``Iallreduce`` (SUM) on host buffers, one
   sub-communicator per group (``Comm.Create_group``, cached LRU by (layer, expert, member
   ranks)), polled with a deadline. GPU gradients are staged through host memory: one
@@ -23,6 +26,11 @@ rank: every rank knows the whole placement); a reducer sums each group's buffers
 
 Sums are taken in float32 for float32/bfloat16/float16 gradients (rounded once on the way
 back) and in float64 for float64.
+
+``replica_sync="auto"`` (the scheduler's default, :func:`auto_reducer`) uses the libraries'
+all-reduce where there is one: torch.distributed when the user initialized it for these
+ranks (NCCL for GPU layers, gloo for CPU ones), else MPI for CPU layers; GPU layers without
+a process group (e.g. ranks sharing one GPU, which NCCL refuses) sum through the heap.
 """
 
 from __future__ import annotations
@@ -318,8 +326,91 @@ class HeapReplicaReducer:
         self._capacity = 0
 
 
-REDUCERS = {"heap": HeapReplicaReducer, "mpi": MpiReplicaReducer}
+class TorchDistReducer:
+    """Sums with torch.distributed's all-reduce on the user's process group (see the module's
+    docstring): a subgroup per set of member ranks, created collectively in the step's group
+    order and cached LRU. Gloo waits are bounded by `timeout_s` (CommTimeoutError); NCCL's
+    are the stream's, bounded by the process group's own timeout."""
+
+    name = "torch"
+
+    def __init__(self, ctx, timeout_s: float, cache_size: int = 64):
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigurationError("replica_sync='torch' needs torch.distributed initialized "
+                                     "(torch.distributed.init_process_group) on every rank")
+        if dist.get_world_size() != int(ctx.world_size) or dist.get_rank() != int(ctx.rank):
+            raise ConfigurationError(
+                f"replica_sync='torch': the process group's rank {dist.get_rank()} of "
+                f"{dist.get_world_size()} is not the rocmoe Context's rank {ctx.rank} of "
+                f"{ctx.world_size}")
+        self.ctx = ctx
+        self.dist = dist
+        self.timeout_s = float(timeout_s)
+        self.capacity = int(cache_size)
+        self.rank = int(ctx.rank)
+        self._groups: "OrderedDict[tuple, object]" = OrderedDict()
+        self.created = 0
+
+    def _subgroups(self, member_sets: list[tuple]) -> None:
+        """Collective: a subgroup for each member set (the same list on every rank)."""
+        for members in member_sets:
+            if members not in self._groups:
+                # new_group is collective over the whole process group, members or not
+                self._groups[members] = self.dist.new_group(list(members))
+                self.created += 1
+            self._groups.move_to_end(members)
+        while len(self._groups) > max(self.capacity, len(member_sets)):
+            members, group = self._groups.popitem(last=False)
+            if self.rank in members:
+                self.dist.destroy_process_group(group)
+
+    def sum_(self, groups: list[ReplicaGroup], mine: dict) -> None:
+        """Collective (every rank, the same `groups`): mine[key] becomes the sum over the
+        group's members (in place, on its device)."""
+        if not groups:
+            return
+        from datetime import timedelta
+        self._subgroups(list(dict.fromkeys(g.members for g in groups)))
+        works = [self.dist.all_reduce(mine[g.key], op=self.dist.ReduceOp.SUM,
+                                      group=self._groups[g.members], async_op=True)
+                 for g in groups if self.rank in g.members]
+        for work in works:
+            if self.dist.get_backend() == "nccl":
+                work.wait()   # the current stream waits, the host does not
+                continue
+            try:
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+            except RuntimeError as exc:
+                raise CommTimeoutError(
+                    f"replica gradient sum: a torch.distributed all-reduce did not complete "
+                    f"within {self.timeout_s:g} s (a rank holding a replica never joined): "
+                    f"{exc}") from exc
+
+    def close(self) -> None:
+        while self._groups:
+            members, group = self._groups.popitem(last=False)
+            if self.rank in members:
+                self.dist.destroy_process_group(group)
+
+
+def auto_reducer(ctx, device) -> str:
+    """The reducer "auto" means for layers on `device` (see the module's docstring)."""
+    import torch.distributed as dist
+    device = torch.device(device)
+    if dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() == int(ctx.world_size) \
+            and dist.get_rank() == int(ctx.rank):
+        backend = str(dist.get_backend())
+        if (device.type == "cuda" and backend == "nccl") or \
+                (device.type == "cpu" and backend == "gloo"):
+            return "torch"
+    return "mpi" if device.type == "cpu" else "heap"
+
+
+REDUCERS = {"heap": HeapReplicaReducer, "mpi": MpiReplicaReducer, "torch": TorchDistReducer}
 
 
 __all__ = ["GroupCache", "allreduce_sum", "pack", "unpack", "reduce_dtype", "ReplicaGroup",
-           "HeapReplicaReducer", "MpiReplicaReducer", "REDUCERS"]
+           "HeapReplicaReducer", "MpiReplicaReducer", "TorchDistReducer", "REDUCERS",
+           "auto_reducer"]

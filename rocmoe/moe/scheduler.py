@@ -43,7 +43,7 @@ from .expert_copy import Copy, ExpertMover
 from .placement import Placement, balance_ratio, copies_needed
 from .policy import POLICIES
 from .rank_agreement import allgather_ints
-from .replica_sync import REDUCERS, ReplicaGroup, reduce_dtype
+from .replica_sync import REDUCERS, ReplicaGroup, auto_reducer, reduce_dtype
 from .vexpert_routing import VExpertDispatcher
 
 
@@ -123,23 +123,24 @@ class VExpertScheduler:
     policy: "greedy" (FlexMoE Alg. 2) or "eplb"; cost_model: a CostModel, or None to
     profile one at the first step; max_copies_per_rank: weight copies into one rank per
     change (its inbox room); load_decay: weight of the past in the averaged counts;
-    replica_sync: how replicated experts' gradients are summed, "heap" (through the
-    symmetric heap, on the device) or "mpi" (host all-reduces; replica_sync.py)."""
+    replica_sync: how replicated experts' gradients are summed (replica_sync.py): "auto"
+    (torch.distributed where the user initialized it, else MPI for CPU layers and the
+    symmetric heap for GPU ones), "torch", "mpi" or "heap"."""
 
     def __init__(self, layers, optimizer, *, policy: str = "greedy",
                  cost_model: Optional[CostModel] = None, max_copies_per_rank: int = 2,
                  group_cache_size: int = 64, load_decay: float = 0.5,
                  timeout_s: Optional[float] = None, log_steps: int = 1000,
-                 replica_sync: str = "heap"):
+                 replica_sync: str = "auto"):
         self.layers = _vexpert_layers(layers)
         if not self.layers:
             raise ConfigurationError("VExpertScheduler found no DroplessMoE layer with "
                                      "placement='vexpert'")
         if policy not in POLICIES:
             raise ConfigurationError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
-        if replica_sync not in REDUCERS:
-            raise ConfigurationError(f"replica_sync must be one of {sorted(REDUCERS)}, got "
-                                     f"{replica_sync!r}")
+        if replica_sync not in REDUCERS and replica_sync != "auto":
+            raise ConfigurationError(f"replica_sync must be 'auto' or one of "
+                                     f"{sorted(REDUCERS)}, got {replica_sync!r}")
         ctxs = {id(layer.ctx) for layer in self.layers}
         if len(ctxs) != 1:
             raise ConfigurationError("the scheduler's layers must share one rocmoe Context")
@@ -156,12 +157,22 @@ class VExpertScheduler:
         multi = self.world_size > 1
         self.states = [_LayerState(layer, ExpertMover(self.ctx, layer, optimizer, self.timeout_s)
                                    if multi else None) for layer in self.layers]
+        if multi and replica_sync == "auto":
+            replica_sync = auto_reducer(self.ctx, self.layers[0].w1.device)
+        self.replica_sync = replica_sync if multi else None
+        if multi:   # a rank that chose another reducer would wait in another collective
+            choices = sorted(REDUCERS)
+            table = self._allgather([choices.index(replica_sync)], "replica_sync")[:, 0]
+            if (table != table[0]).any():
+                raise ConfigurationError(
+                    "replica_sync differs across ranks: " + ", ".join(
+                        f"rank {r} = {choices[int(c)]!r}" for r, c in enumerate(table)))
         if not multi:
             self.reducer = None
-        elif replica_sync == "mpi":
-            self.reducer = REDUCERS["mpi"](self.ctx, self.timeout_s, group_cache_size)
-        else:
+        elif replica_sync == "heap":
             self.reducer = REDUCERS["heap"](self.ctx, self.timeout_s)
+        else:
+            self.reducer = REDUCERS[replica_sync](self.ctx, self.timeout_s, group_cache_size)
         self.steps = 0
         # one record per step (statistics, decisions), the most recent ones
         self.log: "deque[dict]" = deque(maxlen=log_steps)

@@ -21,12 +21,18 @@ def _launch(ranks, checks, *args):
 # cores); each test below reads its own check's lines.
 @pytest.fixture(scope="module")
 def two_ranks():
-    return _launch(2, "equal,primitives,train,bad,config,reducer_timeout")
+    return _launch(2, "equal,primitives,train,bad,config,reducer_timeout,profile")
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return _launch(4, "equal,train,reducer_sums", "--dtype", "float32")
+    return _launch(4, "equal,train,reducer_sums,profile", "--dtype", "float32",
+                   "--replica-sync", "heap")
+
+
+@pytest.fixture(scope="module")
+def two_ranks_torch_distributed():
+    return _launch(2, "train,profile", "--replica-sync", "torch")
 
 
 def _passed(launch, check, ranks):
@@ -61,7 +67,9 @@ def test_bad_placements_raise_on_every_rank_and_the_heap_stays_usable(two_ranks)
 
 @pytest.mark.mpi
 def test_a_configuration_that_differs_across_ranks_names_the_field_and_values(two_ranks):
-    assert "num_experts: rank 0 = 8, rank 1 = 16" in _passed(two_ranks, "config", 2)
+    out = _passed(two_ranks, "config", 2)
+    assert "num_experts: rank 0 = 8, rank 1 = 16" in out
+    assert "replica_sync differs across ranks: rank 0 = 'mpi', rank 1 = 'heap'" in out
 
 
 @pytest.mark.mpi
@@ -77,9 +85,28 @@ def test_four_ranks_with_fused_combine_match_the_static_layer_and_its_training(f
 
 
 @pytest.mark.mpi
+def test_auto_replica_sync_sums_cpu_layers_with_mpi(two_ranks):
+    assert "replica_sync=mpi" in _passed(two_ranks, "profile", 2)
+
+
+@pytest.mark.mpi
+def test_four_ranks_with_heap_replica_sums_profile_one_cost_model_on_every_rank(four_ranks):
+    # groups of 2, 3 and 4 ranks profiled; ranks outside a group do not dilute its mean
+    assert "replica_sync=heap" in _passed(four_ranks, "profile", 4)
+
+
+@pytest.mark.mpi
+def test_torch_distributed_replica_sums_give_the_static_losses(two_ranks_torch_distributed):
+    assert "replica_sync=torch" in _passed(two_ranks_torch_distributed, "profile", 2)
+    _passed(two_ranks_torch_distributed, "train", 2)
+    assert two_ranks_torch_distributed[0] == 0, two_ranks_torch_distributed[1]
+
+
+@pytest.mark.mpi
 def test_heap_replica_sums_are_the_member_order_sums_with_the_same_bits_on_every_member(
         four_ranks):
-    # groups of all 4 ranks, of ranks 0-1 and of ranks 2-3; equal to the MPI reducer too
+    # groups of all 4 ranks, of ranks 0-1 and of ranks 2-3; equal to the MPI and the
+    # torch.distributed (gloo) reducers too
     assert "groups=3" in _passed(four_ranks, "reducer_sums", 4)
 
 

@@ -25,6 +25,7 @@ Checks (each prints ``VX_OK <check> rank=<r> ...`` or ``VX_FAIL <check> ...``):
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import numpy as np
@@ -35,11 +36,29 @@ import rocmoe
 from rocmoe.errors import CommTimeoutError, ConfigurationError, PlacementError, RocmoeError
 from rocmoe.moe import CostModel, DroplessMoE, VExpertScheduler
 from rocmoe.moe.placement import Placement
-from rocmoe.moe.replica_sync import HeapReplicaReducer, MpiReplicaReducer, ReplicaGroup
+from rocmoe.moe.replica_sync import (HeapReplicaReducer, MpiReplicaReducer, ReplicaGroup,
+                                     TorchDistReducer)
 
 COMM = MPI.COMM_WORLD
 H, F, E, K, BLOCK = 16, 24, 8, 2, 16
 DEVICE = torch.device("cpu")   # --device cuda: ranks share the GPU (ipc heap)
+REPLICA_SYNC = "auto"          # --replica-sync: the schedulers' gradient sum
+
+
+def init_gloo():
+    """torch.distributed over gloo on these MPI ranks (rank 0's free port, broadcast)."""
+    import socket
+    from datetime import timedelta
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    address = None
+    if COMM.Get_rank() == 0:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            address = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    dist.init_process_group("gloo", init_method=COMM.bcast(address), rank=COMM.Get_rank(),
+                            world_size=COMM.Get_size(), timeout=timedelta(seconds=60))
 
 
 def report(check, ok, rank, detail=""):
@@ -85,7 +104,8 @@ def check_equal(ctx, dtype, tol):
     placement = replicated_placement(world, slots)
     layer.dispatcher.set_placement(placement)
     load_weights(layer, ref, placement, rank)
-    sched = VExpertScheduler([layer], None, cost_model=CostModel())
+    sched = VExpertScheduler([layer], None, cost_model=CostModel(),
+                             replica_sync=REPLICA_SYNC)
     xs = batches(world, dtype)
     gs = [torch.randn_like(x) for x in xs]
     x_ref = torch.cat(xs).requires_grad_(True)
@@ -164,7 +184,8 @@ def check_primitives(ctx, dtype, tol):
                         slots_per_rank=local + 2, rebalance_every=10 ** 6).to(DEVICE, dtype)
     opt = torch.optim.Adam(layer.parameters(), lr=1e-2)
     opt_s = torch.optim.Adam(static.parameters(), lr=1e-2)
-    sched = VExpertScheduler([layer], opt, cost_model=CostModel())
+    sched = VExpertScheduler([layer], opt, cost_model=CostModel(),
+                             replica_sync=REPLICA_SYNC)
 
     class NoScheduler:
         def step(self):
@@ -220,7 +241,8 @@ def check_train(ctx, dtype, tol, steps=8):
                                                             vex.router.weight)))
     opt_s = torch.optim.SGD(static.parameters(), lr=0.05)
     opt_v = torch.optim.SGD(vex.parameters(), lr=0.05)
-    sched = VExpertScheduler([vex], opt_v, cost_model=CostModel())
+    sched = VExpertScheduler([vex], opt_v, cost_model=CostModel(),
+                             replica_sync=REPLICA_SYNC)
 
     class NoScheduler:
         def step(self):
@@ -251,6 +273,44 @@ def expect_error(fn, kind, needle=""):
     return False, "no error"
 
 
+def check_profile(ctx, dtype, tol, steps=3):
+    """The scheduler's first step profiles its cost model collectively (the FFN on the
+    layer's own path, the transport, the scheduler's replica sum on groups of 2..world
+    ranks): every rank adopts the same measured model, with positive terms."""
+    rank, world = ctx.rank, ctx.world_size
+    torch.manual_seed(5)
+    vex = DroplessMoE(H, F, E, K, block_size=BLOCK, ctx=ctx, placement="vexpert",
+                      slots_per_rank=E // world + 2, rebalance_every=1).to(DEVICE, dtype)
+    opt = torch.optim.SGD(vex.parameters(), lr=0.05)
+    sched = VExpertScheduler([vex], opt, replica_sync=REPLICA_SYNC)
+    xs = batches(world, dtype, seed=21, skew=3.0)
+    for _ in range(steps):
+        train_step(vex, opt, sched, xs[rank], torch.tanh(xs[rank]))
+    model = sched.cost_model
+    problems = []
+    if model is None or not model.measured:
+        problems.append("no measured cost model")
+    else:
+        values = model.to_dict()
+        everyone = COMM.allgather(json.dumps(values, sort_keys=True))
+        if len(set(everyone)) != 1:
+            problems.append("the ranks adopted different models")
+        if not (model.ffn_ms_per_row > 0 and model.a2a_latency_ms >= 0):
+            problems.append(f"ffn_ms_per_row={model.ffn_ms_per_row} "
+                            f"a2a_latency_ms={model.a2a_latency_ms}")
+        sizes = sorted(int(k) for k in model.allreduce)
+        if sizes != list(range(2, world + 1)) or not all(
+                np.isfinite(v).all() and v[0] + v[1] > 0
+                for v in map(np.asarray, model.allreduce.values())):
+            problems.append(f"replica-sum profile {model.allreduce}")
+    ok = not problems
+    used = sched.replica_sync
+    sched.close()
+    return report("profile", ok, rank, f"replica_sync={used} ffn_ms_per_row="
+                  f"{getattr(model, 'ffn_ms_per_row', None)}"
+                  + ("" if ok else f" problems={problems}"))
+
+
 def check_bad(ctx, dtype, tol):
     rank, world = ctx.rank, ctx.world_size
     slots = E // world + 1
@@ -258,7 +318,8 @@ def check_bad(ctx, dtype, tol):
     layer = DroplessMoE(H, F, E, K, block_size=BLOCK, ctx=ctx, placement="vexpert",
                         slots_per_rank=slots).to(DEVICE, dtype)
     opt = torch.optim.SGD(layer.parameters(), lr=0.0)   # steps that change no weight
-    sched = VExpertScheduler([layer], opt, cost_model=CostModel())
+    sched = VExpertScheduler([layer], opt, cost_model=CostModel(),
+                             replica_sync=REPLICA_SYNC)
     x = batches(world, dtype, seed=31)[rank]
     y0 = layer(x).detach()
     outcomes = {}
@@ -305,7 +366,14 @@ def check_config(ctx, dtype, tol):
     ok, msg = expect_error(lambda: DroplessMoE(H, F, experts, K, ctx=ctx, placement="vexpert"),
                            ConfigurationError,
                            f"num_experts: rank 0 = {E}, rank 1 = {2 * E}")
-    return report("config", ok, rank, msg)
+    if not ok:
+        return report("config", ok, rank, msg)
+    # a replica sum that differs across ranks: every rank raises, naming each rank's choice
+    layer = DroplessMoE(H, F, E, K, ctx=ctx, placement="vexpert").to(DEVICE, dtype)
+    ok, msg2 = expect_error(
+        lambda: VExpertScheduler([layer], None, replica_sync="heap" if rank == 1 else "mpi"),
+        ConfigurationError, "replica_sync differs across ranks: rank 0 = 'mpi', rank 1 = 'heap'")
+    return report("config", ok, rank, f"{msg}; {msg2}")
 
 
 def count_syncs(fn) -> int:
@@ -338,7 +406,8 @@ def check_syncs(ctx, dtype, tol, steps=12):
     vex = DroplessMoE(hidden, ffn, E, K, block_size=64, ctx=ctx, placement="vexpert",
                       slots_per_rank=E // world + 2, rebalance_every=1).to(DEVICE, dtype)
     opt = torch.optim.Adam(vex.parameters(), lr=1e-3)
-    sched = VExpertScheduler([vex], opt, cost_model=CostModel())
+    sched = VExpertScheduler([vex], opt, cost_model=CostModel(),
+                             replica_sync=REPLICA_SYNC)
     gen = torch.Generator().manual_seed(40 + rank)
     x = torch.randn(tokens, hidden, generator=gen, dtype=dtype)
     x[:, 0] += 3.0
@@ -393,7 +462,8 @@ def check_reducer_sums(ctx, dtype, tol):
     for name, make in (("heap", lambda: HeapReplicaReducer(ctx, 30.0)),
                        # a 1 KiB outbox: the 8000-byte group goes in pieces, over rounds
                        ("heap_1k", lambda: HeapReplicaReducer(ctx, 30.0, max_bytes=1024)),
-                       ("mpi", lambda: MpiReplicaReducer(ctx, 30.0))):
+                       ("mpi", lambda: MpiReplicaReducer(ctx, 30.0)),
+                       ("torch", lambda: (init_gloo(), TorchDistReducer(ctx, 30.0))[1])):
         reducer = make()
         mine = {g.key: values(g.key, rank, g.numel).to(DEVICE) for g in groups
                 if rank in g.members}
@@ -413,8 +483,9 @@ def check_reducer_sums(ctx, dtype, tol):
             problems.append(f"heap {g.key} differs from the member-order sum")
         if not torch.equal(results["heap_1k"][g.key], exact):
             problems.append(f"heap in 1 KiB rounds {g.key} differs from the member-order sum")
-        if not torch.allclose(results["mpi"][g.key], exact, rtol=1e-12, atol=1e-12):
-            problems.append(f"mpi {g.key} differs from the sum")
+        for name in ("mpi", "torch"):   # the libraries' own order of addition
+            if not torch.allclose(results[name][g.key], exact, rtol=1e-12, atol=1e-12):
+                problems.append(f"{name} {g.key} differs from the sum")
     # the same bits on every member
     mine_bits = {g.key[0]: results["heap"][g.key].numpy().tobytes() for g in groups
                  if rank in g.members}
@@ -477,7 +548,8 @@ def check_reducer_timeout(ctx, dtype, tol):
 
 CHECKS = {"equal": check_equal, "syncs": check_syncs, "primitives": check_primitives, "train": check_train,
           "bad": check_bad, "config": check_config, "reducer_sums": check_reducer_sums,
-          "reducer_timeout": check_reducer_timeout}
+          "reducer_timeout": check_reducer_timeout,
+          "profile": check_profile}
 
 
 def main(argv=None) -> int:
@@ -485,8 +557,12 @@ def main(argv=None) -> int:
     ap.add_argument("checks")
     ap.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--replica-sync", choices=("auto", "heap", "mpi", "torch"), default="auto")
     args = ap.parse_args(argv)
-    global DEVICE
+    global DEVICE, REPLICA_SYNC
+    REPLICA_SYNC = args.replica_sync
+    if REPLICA_SYNC == "torch":
+        init_gloo()
     dtype = getattr(torch, args.dtype)
     tol = 1e-9 if dtype == torch.float64 else 2e-5
     if args.device == "cuda":
