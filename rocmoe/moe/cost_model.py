@@ -11,8 +11,8 @@ vexpert_routing does (equal shares per vExpert, locality first):
   link class (``intra`` node, ``inter`` node: ranks are numbered node by node, ``ranks_per_node``
   to a node), measured with the layer's transport (on one node only ``intra`` exists);
 * ``T_sync``: the replica gradient sums a rank takes part in, ``alpha + beta * bytes`` per
-  group size, measured with the scheduler's own reducer (through the heap by default, or
-  MPI all-reduces: replica_sync.py) on groups of 2..world ranks;
+  group size, measured with the scheduler's own reducer (torch.distributed, MPI or the heap:
+  replica_sync.py) on groups of 2..world ranks;
 
 plus ``fixed_ms``, the rest of the layer step (router, sorts, count exchange), timed at
 start. :func:`profile` measures all of it collectively and every rank adopts the ranks'

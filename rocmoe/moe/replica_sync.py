@@ -6,13 +6,15 @@ as one copy without replicas, so the copies stay identical under the same optimi
 A step's work is a list of :class:`ReplicaGroup` (the same list, in the same order, on every
 rank: every rank knows the whole placement); a reducer sums each group's buffers in place.
 
-* :class:`HeapReplicaReducer` (the default): through the symmetric heap, on the device. Each
+* :class:`HeapReplicaReducer`: through the symmetric heap, on the device. Each
   rank stages its groups' buffers in its own *outbox* on the heap and raises a ``ready``
   signal at every rank it shares a group with; each member then reads the other members'
   slices (``ctx.get``: a device-to-device copy inside a node) and adds them in ascending
   rank order, so every member computes the same sum bit for bit; a ``done`` signal tells the
-  owner its outbox may be overwritten at the next step. One host sync a step (the staged
-  buffers must be in memory before the ``ready`` signal); no host copy of the gradients.
+  owner its outbox may be overwritten at the next step. At most ROCMOE_REPLICA_SUM_BYTES of
+  outbox: more goes in rounds. One host sync a round (the staged buffers must be in memory
+  before the ``ready`` signal); no host copy of the gradients. A home-made all-reduce, used
+  where no library one runs.
 * :class:`TorchDistReducer`: ``torch.distributed.all_reduce`` on the buffers where they are
   (NCCL on GPUs, gloo on CPUs: the process group the user initialized), one subgroup per set
   of member ranks (``new_group``, cached LRU); with NCCL nothing waits on the host.
@@ -35,6 +37,7 @@ a process group (e.g. ranks sharing one GPU, which NCCL refuses) sum through the
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from typing import NamedTuple, Optional
@@ -95,6 +98,10 @@ def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def allreduce_sum(buffers: list[tuple[object, np.ndarray]], timeout_s: float,
                   what: str = "replica gradient sync") -> None:
     """In-place SUM of each numpy buffer over its communicator; all outstanding at once,
@@ -111,23 +118,6 @@ def allreduce_sum(buffers: list[tuple[object, np.ndarray]], timeout_s: float,
                 f"only slow")
         time.sleep(pause)
         pause = min(pause * 2 + 1e-5, 1e-3)
-
-
-def pack(tensors: list[Optional[torch.Tensor]], numels: list[int], dtype: torch.dtype
-         ) -> np.ndarray:
-    """One contiguous host buffer of the tensors (None: zeros of that size)."""
-    parts = [torch.zeros(n, dtype=dtype) if t is None else
-             t.detach().reshape(-1).to("cpu", dtype) for t, n in zip(tensors, numels)]
-    return torch.cat(parts).numpy() if parts else np.zeros(0)
-
-
-def unpack(buffer: np.ndarray, targets: list[torch.Tensor]) -> None:
-    flat = torch.from_numpy(buffer)
-    start = 0
-    for t in targets:
-        n = t.numel()
-        t.copy_(flat[start:start + n].view(t.shape).to(t.device, t.dtype))
-        start += n
 
 
 class ReplicaGroup(NamedTuple):
@@ -181,7 +171,6 @@ class HeapReplicaReducer:
     DEFAULT_MAX_BYTES = 256 << 20
 
     def __init__(self, ctx, timeout_s: float, max_bytes: Optional[int] = None):
-        import os
         self.ctx = ctx
         self.timeout_s = float(timeout_s)
         self.rank, self.world = int(ctx.rank), int(ctx.world_size)
@@ -203,7 +192,7 @@ class HeapReplicaReducer:
         in rounds whose pieces fit every member's outbox together (the same on every rank)."""
         rounds, current, used = [], [], [0] * self.world
         for i, g in enumerate(groups):
-            itemsize = torch.empty((), dtype=g.dtype).element_size()
+            itemsize = _itemsize(g.dtype)
             step = max(self.max_bytes // itemsize, 1)
             for start in range(0, g.numel, step):
                 n = min(step, g.numel - start)
@@ -223,7 +212,7 @@ class HeapReplicaReducer:
         used = [0] * self.world
         offsets = {}
         for j, (i, _, n) in enumerate(pieces):
-            itemsize = torch.empty((), dtype=groups[i].dtype).element_size()
+            itemsize = _itemsize(groups[i].dtype)
             for r in groups[i].members:
                 offsets[(j, r)] = used[r]
                 used[r] += -(-n * itemsize // self.ALIGN) * self.ALIGN
@@ -277,8 +266,7 @@ class HeapReplicaReducer:
             i, _, n = pieces[j]
             dtype = groups[i].dtype
             offset = offsets[(j, r)]
-            return box[offset:offset + n * torch.empty((), dtype=dtype).element_size()] \
-                .view(dtype)
+            return box[offset:offset + n * _itemsize(dtype)].view(dtype)
 
         def own(j):
             i, start, n = pieces[j]
@@ -411,6 +399,6 @@ def auto_reducer(ctx, device) -> str:
 REDUCERS = {"heap": HeapReplicaReducer, "mpi": MpiReplicaReducer, "torch": TorchDistReducer}
 
 
-__all__ = ["GroupCache", "allreduce_sum", "pack", "unpack", "reduce_dtype", "ReplicaGroup",
+__all__ = ["GroupCache", "allreduce_sum", "reduce_dtype", "ReplicaGroup",
            "HeapReplicaReducer", "MpiReplicaReducer", "TorchDistReducer", "REDUCERS",
            "auto_reducer"]
