@@ -203,8 +203,7 @@ def profile_handle_ffn(layer, rows: int, reps: int = 3) -> tuple[float, float, l
                 times.append(_median_ms(step, reps))
             samples.append((r, g, times[rank]))
     finally:
-        for handle in transport._gemm.values():
-            handle.close()
+        transport.close()
     return _fit_ffn(samples)
 
 

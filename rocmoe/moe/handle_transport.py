@@ -128,6 +128,14 @@ class HandleTransport:
         out, _ = handle(h, w2, counts)
         return out
 
+    def close(self) -> None:
+        """Collective: free the GEMM handles this transport made (the row handles are the
+        context's, shared by every transport)."""
+        for handle in self._gemm.values():
+            if handle.workspace is not None:
+                handle.close()
+        self._gemm.clear()
+
     def return_rows(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The arrived rows' results back to their sources (the combine of "all_to_all")."""
         return self._exchange_rows(rows, counts)

@@ -40,10 +40,12 @@ def _as_int(value) -> int:
 
 
 def agree_on_fields(ctx, fields: dict, what: str,
-                    problem: Optional[RocmoeError] = None) -> None:
+                    problem: Optional[RocmoeError] = None,
+                    labels: Optional[dict] = None) -> None:
     """Collective over ctx's ranks: raise `problem` on the rank that had it and a
     ConfigurationError on the others; otherwise raise ConfigurationError on every rank if
-    any field differs across ranks (naming each differing field with every rank's value)."""
+    any field differs across ranks (naming each differing field with every rank's value;
+    labels[name], where given, is the list of names the field's ints index)."""
     names = list(fields)
     try:
         table = allgather_ints(ctx, [int(problem is not None)]
@@ -62,12 +64,15 @@ def agree_on_fields(ctx, fields: dict, what: str,
     for i, name in enumerate(names, start=1):
         column = table[:, i]
         if (column != column[0]).any():
-            values = ", ".join(f"rank {r} = {int(v)}" for r, v in enumerate(column))
+            names_of = (labels or {}).get(name)
+            values = ", ".join(
+                f"rank {r} = {names_of[int(v)]!r}" if names_of and 0 <= v < len(names_of)
+                else f"rank {r} = {int(v)}" for r, v in enumerate(column))
             differs.append(f"{name}: {values}")
     if differs:
         raise ConfigurationError(
             f"{what} differs across ranks: " + "; ".join(differs)
-            + ". Every rank must build the layer with the same arguments")
+            + ". Every rank must build it with the same arguments")
 
 
 __all__ = ["agree_on_fields", "allgather_ints"]

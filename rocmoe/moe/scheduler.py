@@ -42,7 +42,7 @@ from .cost_model import CostModel, profile
 from .expert_copy import Copy, ExpertMover
 from .placement import Placement, balance_ratio, copies_needed
 from .policy import POLICIES
-from .rank_agreement import allgather_ints
+from .rank_agreement import agree_on_fields, allgather_ints
 from .replica_sync import REDUCERS, ReplicaGroup, auto_reducer, reduce_dtype
 from .vexpert_routing import VExpertDispatcher
 
@@ -138,9 +138,6 @@ class VExpertScheduler:
                                      "placement='vexpert'")
         if policy not in POLICIES:
             raise ConfigurationError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
-        if replica_sync not in REDUCERS and replica_sync != "auto":
-            raise ConfigurationError(f"replica_sync must be 'auto' or one of "
-                                     f"{sorted(REDUCERS)}, got {replica_sync!r}")
         ctxs = {id(layer.ctx) for layer in self.layers}
         if len(ctxs) != 1:
             raise ConfigurationError("the scheduler's layers must share one rocmoe Context")
@@ -157,22 +154,23 @@ class VExpertScheduler:
         multi = self.world_size > 1
         self.states = [_LayerState(layer, ExpertMover(self.ctx, layer, optimizer, self.timeout_s)
                                    if multi else None) for layer in self.layers]
-        if multi and replica_sync == "auto":
-            replica_sync = auto_reducer(self.ctx, self.layers[0].w1.device)
-        self.replica_sync = replica_sync if multi else None
-        if multi:   # a rank that chose another reducer would wait in another collective
+        problem = None if replica_sync in REDUCERS or replica_sync == "auto" else \
+            ConfigurationError(f"replica_sync must be 'auto' or one of {sorted(REDUCERS)}, "
+                               f"got {replica_sync!r}")
+        self.replica_sync, self.reducer = None, None
+        if problem is not None and not multi:
+            raise problem
+        if multi:
+            if replica_sync == "auto":
+                replica_sync = auto_reducer(self.ctx, self.layers[0].w1.device)
+            # a rank that chose another reducer would wait in another collective
             choices = sorted(REDUCERS)
-            table = self._allgather([choices.index(replica_sync)], "replica_sync")[:, 0]
-            if (table != table[0]).any():
-                raise ConfigurationError(
-                    "replica_sync differs across ranks: " + ", ".join(
-                        f"rank {r} = {choices[int(c)]!r}" for r, c in enumerate(table)))
-        if not multi:
-            self.reducer = None
-        elif replica_sync == "heap":
-            self.reducer = REDUCERS["heap"](self.ctx, self.timeout_s)
-        else:
-            self.reducer = REDUCERS[replica_sync](self.ctx, self.timeout_s, group_cache_size)
+            agree_on_fields(self.ctx, {"replica_sync": choices.index(replica_sync)
+                                       if problem is None else -1},
+                            "VExpertScheduler", problem, labels={"replica_sync": choices})
+            self.replica_sync = replica_sync
+            options = {} if replica_sync == "heap" else {"cache_size": group_cache_size}
+            self.reducer = REDUCERS[replica_sync](self.ctx, self.timeout_s, **options)
         self.steps = 0
         # one record per step (statistics, decisions), the most recent ones
         self.log: "deque[dict]" = deque(maxlen=log_steps)

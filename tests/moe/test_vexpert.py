@@ -69,7 +69,10 @@ def test_bad_placements_raise_on_every_rank_and_the_heap_stays_usable(two_ranks)
 def test_a_configuration_that_differs_across_ranks_names_the_field_and_values(two_ranks):
     out = _passed(two_ranks, "config", 2)
     assert "num_experts: rank 0 = 8, rank 1 = 16" in out
-    assert "replica_sync differs across ranks: rank 0 = 'mpi', rank 1 = 'heap'" in out
+    assert ("VExpertScheduler differs across ranks: replica_sync: rank 0 = 'mpi', "
+            "rank 1 = 'heap'") in out
+    assert "rank=1 " in out and "replica_sync must be 'auto' or one of" in out
+    assert "VExpertScheduler: rank(s) [1] rejected their arguments" in out
 
 
 @pytest.mark.mpi

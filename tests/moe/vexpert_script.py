@@ -372,8 +372,17 @@ def check_config(ctx, dtype, tol):
     layer = DroplessMoE(H, F, E, K, ctx=ctx, placement="vexpert").to(DEVICE, dtype)
     ok, msg2 = expect_error(
         lambda: VExpertScheduler([layer], None, replica_sync="heap" if rank == 1 else "mpi"),
-        ConfigurationError, "replica_sync differs across ranks: rank 0 = 'mpi', rank 1 = 'heap'")
-    return report("config", ok, rank, f"{msg}; {msg2}")
+        ConfigurationError,
+        "VExpertScheduler differs across ranks: replica_sync: rank 0 = 'mpi', rank 1 = 'heap'")
+    if not ok:
+        return report("config", ok, rank, f"{msg}; {msg2}")
+    # a name no reducer has, on rank 1 only: its own error there, and the peers hear of it
+    needle = ("replica_sync must be 'auto' or one of" if rank == 1 else
+              "VExpertScheduler: rank(s) [1] rejected their arguments")
+    ok, msg3 = expect_error(
+        lambda: VExpertScheduler([layer], None, replica_sync="nccl" if rank == 1 else "mpi"),
+        ConfigurationError, needle)
+    return report("config", ok, rank, f"{msg}; {msg2}; {msg3}")
 
 
 def count_syncs(fn) -> int:
