@@ -35,10 +35,11 @@ def machine(tmp_path):
         tool.chmod(0o755)
     log = tmp_path / "calls.log"
 
-    def run(script, *args, **rcs):
+    def run(script, *args, env_vars=None, **rcs):
         env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                    FAKE_LOG=str(log), OUT=str(tmp_path / "out"))
         env.update({f"FAKE_RC_{k.upper()}": str(v) for k, v in rcs.items()})
+        env.update(env_vars or {})
         proc = subprocess.run(["bash", script, *args], cwd=str(REPO), env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
         calls = log.read_text() if log.exists() else ""
@@ -93,3 +94,31 @@ def test_device_run_fails_when_pytest_fails(machine):
 def test_gpu_sweep_fails_when_a_check_stage_fails(machine, stage, rcs):
     proc, _ = machine("benchmarks/gpu_sweep.sh", stage, **rcs)
     assert proc.returncode == 1 and "FAILED: " in proc.stdout, proc.stdout
+
+
+def _gpu_test_files(paths):
+    """The files holding `-m gpu` tests under paths, as pytest collects them."""
+    proc = subprocess.run(
+        ["python3", "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider",
+         *paths], cwd=str(REPO), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        timeout=300)
+    assert proc.returncode == 0, proc.stdout
+    return sorted({line.split("::")[0] for line in proc.stdout.splitlines() if "::" in line})
+
+
+def test_gpu_suite_parts_cover_every_gpu_test_file_once(machine):
+    parts = []
+    for part in ("1", "2", "3"):
+        proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": part})
+        assert proc.returncode == 0, proc.stdout
+        line = next(c for c in calls.splitlines() if "-m pytest -m gpu" in c)
+        parts.append([a for a in line.split() if a.startswith("tests")])
+    files = [f for paths in parts for f in _gpu_test_files(paths)]
+    assert len(files) == len(set(files)), parts            # no file runs in two parts
+    assert sorted(files) == _gpu_test_files(["tests"])     # and none is left out
+
+
+def test_gpu_suite_refuses_an_unknown_part(machine):
+    proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": "4"})
+    assert proc.returncode == 2 and "GPU_SUITE_PART" in proc.stdout
+    assert "-m pytest" not in calls
