@@ -269,9 +269,15 @@ def case_gemm(ctx, shape, reps, api="handle"):
     def theirs():
         return torch.matmul(x, w)
 
+    from ..ops import native_launch
+    before = dict(native_launch.stats)
     with torch.no_grad():
         err = rel_err(ours()[:m], theirs())
         rec = compare(ours, theirs, reps)
+    # how the calls were launched (rocmoe/ops/native_launch.py): straight through the driver,
+    # or back through Triton's JIT (a refusal says why none was made)
+    rec["launches"] = {k: native_launch.stats[k] - before[k] for k in before}
+    rec["native_refusal"] = native_launch.last_refusal
     flops = 2.0 * m * n * k
     rec.update(bench="fused_gpu", op="gemm_all_to_all", api=api, shape=dict(m=m, k=k, n=n),
                dtype="bf16", baseline="torch.matmul", rel_err=err,

@@ -26,6 +26,7 @@ import torch
 from .. import errors
 from .._triton import interpreting as _interpreting
 from .._triton import sm_count, tensor_descriptor, tma_capable
+from . import native_launch
 
 ALIGN = 256
 
@@ -176,7 +177,8 @@ class _Launcher:
         return tuple(spec(args[i], *flags[i]) for i in positions)
 
     def __call__(self, grid, args: tuple, constexprs: dict, options: dict, key,
-                 dynamic=None) -> None:
+                 dynamic=None):
+        """Launch; returns the compiled kernel that ran (None under the interpreter)."""
         from . import triton_gemm_a2a as tk
         fn = tk.get(self.name)
         if _interpreting():
@@ -188,17 +190,17 @@ class _Launcher:
             compiled = fn[grid](*args, **constexprs, **options)
             names = fn.arg_names
             self._compiled[full_key] = (compiled, [constexprs.get(n) for n in names[len(args):]])
-            return
+            return compiled
         kernel, tail = compiled
         if self.fast:
             # The compiled kernel's launcher reads three grid dimensions (the JIT pads them).
             grid3 = tuple(grid) + (1,) * (3 - len(grid))
             try:
                 kernel[grid3](*args, *tail)
-                return
+                return kernel
             except TypeError:  # this Triton's compiled-kernel launch takes other arguments
                 self.fast = False
-        fn[grid](*args, **constexprs, **options)
+        return fn[grid](*args, **constexprs, **options)
 
 
 def _make_specializer(fn):
@@ -274,19 +276,29 @@ def copy_config(device: torch.device, width: int) -> dict:
     return dict(BLOCK_M=32, BLOCK_N=bn, BLOCK_K=16, GROUP_M=1, num_warps=4, num_stages=1)
 
 
+def tma_operands_fit(x: torch.Tensor, w: Optional[torch.Tensor], cfg: dict) -> bool:
+    """Whether the GEMM loads X and W through tensor descriptors: the config asks for it,
+    the GPU (Hopper or later) has TMA, and the operands' alignment allows it (16-byte
+    aligned bases and rows, unit inner strides, rows present). A grouped W [G, K, N] goes
+    as one [G*K, N] descriptor, which needs W contiguous and K a multiple of BLOCK_K (a box
+    must not reach into the next group)."""
+    if w is None or not (cfg.get("USE_TMA") and x.dtype != torch.float32 and x.shape[0] > 0
+                         and x.stride(1) == 1 and w.stride(-1) == 1 and tma_capable(x.device)):
+        return False
+    if w.dim() == 3 and not (w.is_contiguous() and w.shape[1] % cfg["BLOCK_K"] == 0):
+        return False
+    es = x.element_size()
+    return (x.data_ptr() % 16 == 0 and (x.stride(0) * es) % 16 == 0 and x.shape[1] > 0
+            and w.data_ptr() % 16 == 0 and (w.stride(-2) * es) % 16 == 0 and w.shape[-1] > 0)
+
+
 def gemm_operands(x: torch.Tensor, w: Optional[torch.Tensor], cfg: dict, descriptors=None) -> tuple:
-    """(X argument, W argument, USE_TMA) of the GEMM kernel: tensor descriptors for the copy
-    engine where the config asks for them and the GPU (Hopper or later) and the operands'
-    alignment allow; the tensors themselves otherwise. A grouped W [G, K, N] goes as one
-    [G*K, N] descriptor, which needs W contiguous and K a multiple of BLOCK_K (a box must
-    not reach into the next group). `descriptors`: a per-handle cache of W's descriptor."""
-    if w is None or not (cfg.get("USE_TMA") and tma_capable(x.device)
-                         and x.dtype != torch.float32 and x.stride(1) == 1
-                         and w.stride(-1) == 1 and x.shape[0] > 0):
+    """(X argument, W argument, USE_TMA) of the GEMM kernel: tensor descriptors where
+    tma_operands_fit, the tensors themselves otherwise. `descriptors`: a per-handle cache of
+    W's descriptor."""
+    if not tma_operands_fit(x, w, cfg):
         return x, w, False
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    if w.dim() == 3 and not (w.is_contiguous() and w.shape[1] % bk == 0):
-        return x, w, False
     x_desc = tensor_descriptor(x, x.shape[0], x.shape[1], x.stride(0), [bm, bk])
     key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), bk, bn)
     w_desc = descriptors.get(key) if descriptors is not None else None
@@ -351,6 +363,10 @@ class _GemmLaunch:
                         if k2 in cfg and dev.type != "cpu"}
         self.use_tma_wanted = bool(cfg.get("USE_TMA")) and not self.copy
         self.fixed_spec = None
+        # use_tma -> NativeLaunch (None: refused, see native_launch.last_refusal); made from
+        # the kernel the JIT ran on the first call of each
+        self.native: dict = {}
+        self.collect_native = None  # NativeLaunch, False when refused
         self.constexprs = dict(
             WORLD_P2=team.world_p2, GROUPS_P2=max(1, 1 << (g - 1).bit_length()), BLOCK_M=bm,
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
@@ -379,29 +395,46 @@ class _GemmLaunch:
 
     def launch(self, handle, team, x, w, counts, out, recv, descriptors) -> None:
         if self.copy:
-            x_arg, w_arg, use_tma = x, x, False
-            strides_w = (0, 0, 0)
+            w_raw, use_tma, strides_w = x, False, (0, 0, 0)
         else:
-            x_arg, w_arg, use_tma = (gemm_operands(x, w, self.cfg, descriptors)
-                                     if self.use_tma_wanted else (x, w, False))
+            w_raw = w
+            use_tma = self.use_tma_wanted and tma_operands_fit(x, w, self.cfg)
             strides_w = (w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1))
-        constexprs = self.constexprs if not use_tma else dict(self.constexprs, USE_TMA=True)
-        args = (x_arg, w_arg, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
-                int(x.shape[0]), handle.N, int(x.shape[1]), self.per, self.capacity, self.nprog,
-                x.stride(0), x.stride(1), *strides_w, self.wait_budget)
-        launcher = _LAUNCHERS["gemm_a2a_kernel"]
-        if self.fixed_spec is None:  # the arguments a call cannot change, specialised once
-            assert len(args) == len(_GEMM_FIXED) + len(_GEMM_DYNAMIC), len(args)
-            self.fixed_spec = launcher.specialize(args, _GEMM_FIXED)
-        launcher((self.nprog,), args, constexprs, self.options,
-                 (self.key, use_tma, self.fixed_spec), dynamic=_GEMM_DYNAMIC)
+        # the arguments with X and W as tensors: what a native launch takes (it keeps the
+        # TMA maps itself), and what the JIT takes where the kernel does not use TMA
+        raw = (x, w_raw, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
+               int(x.shape[0]), handle.N, int(x.shape[1]), self.per, self.capacity, self.nprog,
+               x.stride(0), x.stride(1), *strides_w, self.wait_budget)
+        native = self.native.get(use_tma)
+        if native is None or not native.launch((self.nprog,), raw):
+            if use_tma:
+                x_arg, w_arg, use_tma = gemm_operands(x, w, self.cfg, descriptors)
+                args = (x_arg, w_arg) + raw[2:]
+            else:
+                args = raw
+            constexprs = self.constexprs if not use_tma else dict(self.constexprs, USE_TMA=True)
+            launcher = _LAUNCHERS["gemm_a2a_kernel"]
+            if self.fixed_spec is None:  # the arguments a call cannot change, specialised once
+                assert len(args) == len(_GEMM_FIXED) + len(_GEMM_DYNAMIC), len(args)
+                self.fixed_spec = launcher.specialize(args, _GEMM_FIXED)
+            compiled = launcher((self.nprog,), args, constexprs, self.options,
+                                (self.key, use_tma, self.fixed_spec), dynamic=_GEMM_DYNAMIC)
+            if use_tma not in self.native and compiled is not None:
+                self.native[use_tma] = native_launch.try_native(compiled, raw, _GEMM_DYNAMIC,
+                                                                x.device)
         if not self.local:
             c_args = (out, team.peer_bases, recv, *self.collect_args)
-            collect = _LAUNCHERS["collect_kernel"]
-            if self.collect_spec is None:
-                self.collect_spec = collect.specialize(c_args, range(3, len(c_args)))
-            collect((team.world, self.collect_blocks), c_args, self.collect_const,
-                    self.collect_opts, (self.collect_key, self.collect_spec), dynamic=(0, 1, 2))
+            cn = self.collect_native
+            if not cn or not cn.launch((team.world, self.collect_blocks), c_args):
+                collect = _LAUNCHERS["collect_kernel"]
+                if self.collect_spec is None:
+                    self.collect_spec = collect.specialize(c_args, range(3, len(c_args)))
+                compiled = collect((team.world, self.collect_blocks), c_args, self.collect_const,
+                                   self.collect_opts, (self.collect_key, self.collect_spec),
+                                   dynamic=(0, 1, 2))
+                if self.collect_native is None and compiled is not None:
+                    self.collect_native = native_launch.try_native(compiled, c_args, (0, 1, 2),
+                                                                   x.device) or False
 
 
 # gemm_a2a_kernel's arguments as _GemmLaunch passes them: the tensors, M and the strides of
@@ -598,10 +631,18 @@ def abort(handle) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream_ptr(ffi, device):
-    if torch.device(device).type != "cuda":
+    """The current stream of `device` (torch's raw getter where it has one: the public one
+    builds a Stream object, a few microseconds per call)."""
+    if device.type != "cuda":
         return ffi.NULL
-    return ffi.cast("void *", torch.cuda.current_stream(device).cuda_stream)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _RAW_STREAM is not None:
+        return ffi.cast("void *", _RAW_STREAM(index))
+    return ffi.cast("void *", torch.cuda.current_stream(index).cuda_stream)
 
 
 def _fill(ffi, args, team: Team, handle) -> None:
@@ -629,9 +670,10 @@ def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
     # int32 indices and offsets are widened (the kernel reads int64)
     wts = [t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.contiguous().clone()
            for t in weights]
-    idx = [t if t.dtype == torch.int64 and t.is_contiguous() else t.contiguous().to(torch.int64)
+    i64 = torch.int64
+    idx = [t if t.dtype == i64 and t.is_contiguous() else t.contiguous().to(i64)
            for t in indices]
-    offs = [t if t.dtype == torch.int64 and t.is_contiguous() else t.contiguous().to(torch.int64)
+    offs = [t if t.dtype == i64 and t.is_contiguous() else t.contiguous().to(i64)
             for t in offsets]
     ps = ([t if t.dtype == torch.float32 and t.is_contiguous() else t.contiguous().float()
            for t in psw] if psw is not None else None)
@@ -639,17 +681,24 @@ def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
     if args is None:
         args = handle._gpu_args = ffi.new("rocmoe_gpu_embedding_args *")
         handle._gpu_tables = ffi.new("rocmoe_gpu_table[]", max(nt, 1))
+        handle._gpu_records = _table_records(ffi, handle._gpu_tables, max(nt, 1))
+        handle._gpu_weights = None
         _fill(ffi, args, team, handle)
     args.fused.stream = _stream_ptr(ffi, handle.ctx.device)
     tables = handle._gpu_tables
-    for t in range(nt):
-        rec = tables[t]
-        rec.weights = ffi.cast("const void *", wts[t].data_ptr())
-        rec.indices = ffi.cast("const int64_t *", idx[t].data_ptr())
-        rec.offsets = ffi.cast("const int64_t *", offs[t].data_ptr())
-        rec.per_sample_weights = (ffi.cast("const float *", ps[t].data_ptr()) if ps is not None
-                                  else ffi.NULL)
-        rec.rows, rec.num_indices = int(wts[t].shape[0]), int(idx[t].numel())
+    if nt:
+        # the records as int64 columns (one numpy write per column, not per table); the
+        # tables' rows are rewritten only when their pointers changed
+        rec = handle._gpu_records
+        ptrs = [t.data_ptr() for t in wts]
+        if ptrs != handle._gpu_weights:
+            rec[:nt, _REC["weights"]] = ptrs
+            rec[:nt, _REC["rows"]] = [t.shape[0] for t in wts]
+            handle._gpu_weights = ptrs
+        rec[:nt, _REC["indices"]] = [t.data_ptr() for t in idx]
+        rec[:nt, _REC["offsets"]] = [t.data_ptr() for t in offs]
+        rec[:nt, _REC["num_indices"]] = [t.numel() for t in idx]
+        rec[:nt, _REC["per_sample_weights"]] = [t.data_ptr() for t in ps] if ps is not None else 0
     args.mode = MODES[mode]
     args.num_tables, args.total_tables, args.table_base = nt, handle.total_tables, handle.table_base
     args.batch, args.dim = batch, handle.dim
@@ -666,6 +715,24 @@ def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
     args.out = ffi.cast("void *", out.data_ptr())
     check(lib.rocmoe_gpu_embedding_a2a(args, 0), "EmbeddingAllToAll (GPU)")
     del keep, wts, idx, offs, ps  # freed into stream order: reused only after the kernel
+
+
+# rocmoe_gpu_table's fields as int64 columns (checked against the C layout at first use)
+_REC = {"weights": 0, "indices": 1, "offsets": 2, "per_sample_weights": 3, "rows": 4,
+        "num_indices": 5}
+
+
+def _table_records(ffi, tables, n: int):
+    """A [n, 6] int64 numpy view of a rocmoe_gpu_table array (pointers and sizes alike are
+    8 bytes: the struct has no padding)."""
+    import numpy as np
+    size = ffi.sizeof("rocmoe_gpu_table")
+    layout = {name: ffi.offsetof("rocmoe_gpu_table", name) // 8 for name in _REC}
+    if size != 8 * len(_REC) or layout != _REC:
+        raise errors.NativeLibraryError(
+            f"rocmoe_gpu_table is {size} bytes with fields at {layout}; this build of rocmoe "
+            "expects six 8-byte fields in the order of rocmoe.h")
+    return np.frombuffer(ffi.buffer(tables, size * n), dtype=np.int64).reshape(n, len(_REC))
 
 
 def gemv(handle, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor) -> None:
@@ -687,4 +754,4 @@ def gemv(handle, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor
 
 
 __all__ = ["Team", "team_for", "rows_exchange", "grouped_backward", "abort", "embedding",
-           "gemv", "gemm_config", "gemm_operands", "slice_order", "task_prefix", "errors"]
+           "gemv", "gemm_config", "gemm_operands", "tma_operands_fit", "slice_order", "task_prefix", "errors"]

@@ -604,6 +604,39 @@ class EmbeddingAllToAll(FusedHandle):
         return self._lookup(weights, indices, offsets, psw, batch)
 
     def _validate(self, weights, indices, offsets, psw, batch) -> int:
+        quick = self._validate_quick(weights, indices, offsets, psw, batch)
+        return quick if quick is not None else self._validate_all(weights, indices, offsets,
+                                                                  psw, batch)
+
+    def _validate_quick(self, weights, indices, offsets, psw, batch) -> Optional[int]:
+        """The batch, when a GPU call passes every check of _validate_all by cheap reads
+        (tables of the handle's shape and dtype, 1-D int32/int64 indices and offsets within
+        its bounds, all on its GPU); None when in any doubt, and then _validate_all checks
+        everything and names what is wrong. Host time per table is what a DLRM step with
+        tens of tables pays; index ranges are checked on the device either way."""
+        nt, dev_index = self.num_tables, self.ctx.device.index
+        if (not _on_gpu(self.ctx) or dev_index is None or psw is not None or len(weights) != nt
+                or len(indices) != nt or len(offsets) != nt):
+            return None
+        shapes = self.__dict__.get("_table_shapes")
+        if shapes is None:
+            shapes = self._table_shapes = [torch.Size((r, self.dim)) for r in self.table_rows]
+        dtype, ok, most = self.dtype, _INDEX_DTYPES, self.max_lookups
+        if batch is None:
+            batch = offsets[0].numel() if nt and isinstance(offsets[0], torch.Tensor) else None
+        for w, idx, off, shape in zip(weights, indices, offsets, shapes):
+            if not (isinstance(w, torch.Tensor) and isinstance(idx, torch.Tensor)
+                    and isinstance(off, torch.Tensor) and w.get_device() == dev_index
+                    and idx.get_device() == dev_index and off.get_device() == dev_index
+                    and w.dtype == dtype and w.shape == shape and idx.dim() == 1
+                    and off.dim() == 1 and idx.dtype in ok and off.dtype in ok
+                    and idx.numel() <= most and off.numel() == batch):
+                return None
+        if batch is None or batch < 0 or batch > self.max_batch or batch % self.world:
+            return None
+        return int(batch)
+
+    def _validate_all(self, weights, indices, offsets, psw, batch) -> int:
         name, nt = "EmbeddingAllToAll", self.num_tables
         if len(weights) != nt or len(indices) != nt or len(offsets) != nt:
             raise errors.InvalidArgumentError(
@@ -703,6 +736,9 @@ class EmbeddingAllToAll(FusedHandle):
         args.out = ffi.cast("void *", out.data_ptr())
         self._host_run(lib.rocmoe_host_embedding_a2a, args, "EmbeddingAllToAll")
         return out
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_lookups_host(name, t, rows, idx, off) -> None:

@@ -3,7 +3,7 @@ via mpiexec).
 
 usage: fused_gpu_script.py OPS [--calls N] [--dtype D[,D...]]
   OPS    comma list of gemm | gemm_grouped | rows | embedding | gemv | gemm_timeout |
-         bad_counts | abort | gemv_mismatch | graph
+         bad_counts | abort | gemv_mismatch | graph | native
 On a GPU the handles run their CUDA/HIP kernels (ipc backend); on a CPU-only machine the
 host backend's heap stands in and the Triton kernels (gemm, gemm_grouped, rows, the
 protocol cases) run under TRITON_INTERPRET=1. Every rank checks its result against a float64
@@ -358,6 +358,43 @@ def check_nosync(ctx, dtype, calls):
     assert all(t.grad is not None for t in (x, w, wv, xv, *tabs))
 
 
+def check_native(ctx, dtype, calls):
+    # after its first call, a GemmAllToAll launches straight through the driver (CUDA): the
+    # same bits as the JIT's launch of the same call, right for other rows and pointers, and
+    # back through the JIT when an argument's specialisation changes (M = 64, M = 1)
+    from rocmoe.ops import native_launch
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    k, n = 256, 192
+    h = ops.GemmAllToAll(ctx, max_rows=512, K=k, N=n, dtype=dtype)
+    g = torch.Generator().manual_seed(5 + rank)
+    w = torch.randn(k, n, generator=g).to(dev, dtype)
+    before = dict(native_launch.stats)
+
+    def call(x):
+        counts = [0] * world
+        counts[rank] = x.shape[0]  # every row to this rank: the reference is local
+        with torch.no_grad():
+            out, recv = h(x, w, counts)
+        h.synchronize()
+        assert recv.cpu().tolist() == counts, recv
+        return out[:x.shape[0]].clone()
+
+    x = torch.randn(300, k, generator=g).to(dev, dtype)
+    first = call(x)   # the JIT compiles (and tunes) it
+    again = call(x)   # the driver launches it
+    assert torch.equal(first, again), "the native launch differs from the JIT's"
+    for m in (257, 64, 1, 300):
+        x = torch.randn(m, k, generator=g).to(dev, dtype)
+        e = rel_err(call(x), x.double() @ w.double())
+        assert e < TOL[dtype], (m, e)
+    native = native_launch.stats["native"] - before["native"]
+    fallback = native_launch.stats["fallback"] - before["fallback"]
+    if not getattr(torch.version, "hip", None):
+        assert native >= 3 and fallback >= 2, (native, fallback, native_launch.last_refusal)
+    print(f"RANK {rank} native launches {native}, through the JIT {fallback}", flush=True)
+    h.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("op")
@@ -370,7 +407,7 @@ def main():
               "embedding": check_embedding, "gemv": check_gemv,
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
               "abort": check_abort, "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,
-              "nosync": check_nosync}
+              "nosync": check_nosync, "native": check_native}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once; a failing
     # op / dtype is reported and the next one still runs (the exit status says it failed)
     failed = 0

@@ -32,6 +32,15 @@ def test_handles_match_reference_on_gpu(ranks):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
+def test_gemm_handle_launches_through_the_driver_with_the_jits_results(ranks):
+    _require_gpu_build()
+    proc = run_mpi(SCRIPT, ranks, "native", "--dtype", "bf16,fp32", timeout=300,
+                   env=mpi_env(ROCMOE_TIMEOUT_S="60"))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK native") == 2 * ranks, proc.stdout
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_handles_replay_from_cuda_graphs_equal_to_eager(ranks):
     _require_gpu_build()
     proc = run_mpi(SCRIPT, ranks, "graph", "--dtype", "bf16,fp32", timeout=300,

@@ -1,0 +1,362 @@
+"""A compiled Triton kernel launched with one driver call, without Triton's Python layers.
+
+Triton's own launch of a compiled kernel costs 20-30 us of host time on an H200 (the runner,
+the tensor-descriptor wrapper that encodes every TMA map again, argument parsing), and the
+JIT's specialisation of the arguments another 10-15 us: most of a GemmAllToAll call's host
+time (benchmarks/probe_gemm_host.py). A `NativeLaunch` packs the kernel's parameters once,
+as the driver's own parameter table gives them, and a call rewrites only the arguments that
+change (pointers, M, strides, X's TMA map, cached by address and shape) and calls
+`cuLaunchKernel` through ctypes.
+
+It is built from a kernel the JIT compiled for the same arguments, so it launches exactly
+that kernel, and only while a call's arguments would get the same specialisation: each
+changing argument yields a token (a pointer's 16-byte alignment, an integer being 1 or a
+multiple of 16, a descriptor's base alignment and the divisibility of its shape and
+strides), which is at least as fine as what Triton specialises on; a call whose tokens
+differ goes back through the JIT. The parameter layout must match the driver's
+(`cuFuncGetParamInfo`: count and size of every parameter), or no native launch is made.
+
+CUDA only, and only for kernels without clusters, PDL, cooperative grids or scratch
+buffers: everywhere else (AMD included, where this has not run) callers keep Triton's
+launcher. ROCMOE_NATIVE_LAUNCH=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from typing import Optional, Sequence
+
+import torch
+
+# sizes of Triton's scalar signature types as kernel parameters (Triton's launcher passes
+# i1 as int8_t; floats are not used by rocmoe's kernels and are not supported here)
+_SCALAR = {"i1": (1, True), "i8": (1, True), "i16": (2, True), "i32": (4, True),
+           "i64": (8, True), "u1": (1, False), "u8": (1, False), "u16": (2, False),
+           "u32": (4, False), "u64": (8, False)}
+_CTYPE = {(1, True): ctypes.c_int8, (2, True): ctypes.c_int16, (4, True): ctypes.c_int32,
+          (8, True): ctypes.c_int64, (1, False): ctypes.c_uint8, (2, False): ctypes.c_uint16,
+          (4, False): ctypes.c_uint32, (8, False): ctypes.c_uint64}
+# Triton's TMA element types are numbered a little differently on the device and the host
+# (the CUtensorMapDataType the driver takes)
+_TMA_HOST_TYPE = {i: i for i in range(16)}
+_TMA_HOST_TYPE.update({8: 10, 9: 8, 10: 9})
+_TMA_MAP_BYTES = 128
+_L2_PROMOTION_128B = 2
+_MAX_MAPS = 16  # X's TMA maps kept per launch, by (address, shape, strides)
+
+stats = {"native": 0, "fallback": 0}  # launches, for tests and benchmarks
+
+
+class Unsupported(Exception):
+    """This kernel (or this machine) cannot be launched natively; use Triton's launcher."""
+
+
+def enabled() -> bool:
+    return os.environ.get("ROCMOE_NATIVE_LAUNCH", "1") != "0"
+
+
+class _Driver:
+    """The three libcuda entry points, typed once."""
+
+    def __init__(self):
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            self.launch = lib.cuLaunchKernel
+            self.param_info = lib.cuFuncGetParamInfo
+            self.encode = lib.cuTensorMapEncodeTiled
+        except (OSError, AttributeError) as exc:
+            raise Unsupported(f"libcuda lacks an entry point: {exc}") from None
+        vp, u32, sz = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+        self.launch.restype = ctypes.c_int
+        self.launch.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp]
+        self.param_info.restype = ctypes.c_int
+        self.param_info.argtypes = [vp, sz, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+        self.encode.restype = ctypes.c_int
+        self.encode.argtypes = [vp, ctypes.c_int, ctypes.c_uint32, vp,
+                                ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                                ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+
+    def params_of(self, function: int) -> list:
+        """[(offset, size)] of the kernel's parameters, as the driver sees them."""
+        out = []
+        off, size = ctypes.c_size_t(), ctypes.c_size_t()
+        while len(out) < 1024:
+            if self.param_info(function, len(out), ctypes.byref(off), ctypes.byref(size)) != 0:
+                break
+            out.append((off.value, size.value))
+        return out
+
+
+_DRIVER: Optional[_Driver] = None
+
+
+def _driver() -> _Driver:
+    global _DRIVER
+    if _DRIVER is None:
+        _DRIVER = _Driver()
+    return _DRIVER
+
+
+def _stream_getter(device: torch.device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return lambda: raw(index)
+    return lambda: torch.cuda.current_stream(index).cuda_stream
+
+
+def _int_token(v: int) -> tuple:
+    return (v == 1, v % 16 == 0, -2**31 <= v < 2**31)
+
+
+def _desc_view(arg, ndim: int):
+    """(base tensor, shape, strides) of a tensor-descriptor argument: a Triton
+    TensorDescriptor, or a tensor that stands for its own descriptor (a 3-D one as the
+    [G*K, N] matrix of its groups, as rocmoe's grouped GEMM describes it)."""
+    if isinstance(arg, torch.Tensor):
+        if arg.dim() == ndim:
+            return arg, tuple(arg.shape), tuple(arg.stride())
+        if arg.dim() == 3 and ndim == 2:
+            return arg, (arg.shape[0] * arg.shape[1], arg.shape[2]), (arg.stride(1), arg.stride(2))
+        raise Unsupported(f"a {arg.dim()}-D tensor for a {ndim}-D descriptor")
+    return arg.base, tuple(arg.shape), tuple(arg.strides)
+
+
+class _Field:
+    """One kernel parameter: its kind (ptr, int, tma, shape, stride), size, offset in the
+    parameter buffer, the ctypes cell over it (scalars) or the descriptor's (meta, ndim)."""
+    __slots__ = ("kind", "size", "signed", "cell", "desc", "offset")
+
+    def __init__(self, kind, size, signed=True):
+        self.kind, self.size, self.signed = kind, size, signed
+        self.cell = self.desc = None
+        self.offset = 0
+
+
+def parameter_fields(signature: Sequence[str], tensordesc_meta) -> tuple[list, list]:
+    """The kernel parameters of Triton's launch, in order: (fields, owner) where owner[i] is
+    the JIT argument position each field comes from (-1: the two scratch pointers Triton
+    appends). Mirrors Triton's launcher: constexprs take no parameter; a tensor descriptor
+    that the compiler lowered to TMA is its CUtensorMap, then its shape (i32) and strides
+    (i64); a pointer is 8 bytes."""
+    fields, owner = [], []
+    metas = list(tensordesc_meta or [])
+    for pos, ty in enumerate(signature):
+        if ty == "constexpr":
+            continue
+        if ty.startswith("tensordesc"):
+            if not metas or metas[0] is None:
+                raise Unsupported("a tensor descriptor the compiler did not lower to TMA")
+            meta = metas.pop(0)
+            ndim = re.match(r"tensordesc<[^[>]*\[([^]]*)\]", ty).group(1).count(",") + 1
+            new = [_Field("tma", _TMA_MAP_BYTES)] + [_Field("shape", 4) for _ in range(ndim)] \
+                + [_Field("stride", 8) for _ in range(ndim)]
+            new[0].desc = (meta, ndim)
+        elif ty.startswith("*"):
+            new = [_Field("ptr", 8, False)]
+        elif ty in _SCALAR:
+            size, signed = _SCALAR[ty]
+            new = [_Field("int", size, signed)]
+        else:
+            raise Unsupported(f"parameter type {ty}")
+        fields += new
+        owner += [pos] * len(new)
+    fields += [_Field("ptr", 8, False), _Field("ptr", 8, False)]  # global / profile scratch
+    owner += [-1, -1]
+    return fields, owner
+
+
+class NativeLaunch:
+    """cuLaunchKernel of one compiled Triton kernel with the parameters of `args` (the
+    arguments it was compiled for); `dynamic`: the argument positions a call may change."""
+
+    def __init__(self, compiled, args: Sequence, dynamic: Sequence[int], device: torch.device):
+        if not enabled() or device.type != "cuda" or getattr(torch.version, "hip", None):
+            raise Unsupported("native launches are for CUDA only")
+        md = compiled.metadata
+        if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False)
+                or getattr(md, "launch_cooperative_grid", False)
+                or getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)):
+            raise Unsupported("clusters, PDL, cooperative grids or scratch buffers")
+        drv = _driver()
+        compiled._init_handles()
+        self.function = int(compiled.function)
+        self.block = 32 * int(md.num_warps)
+        self.shared = int(md.shared)
+        signature = list(compiled.src.signature.values())
+        if len(signature) < len(args):
+            raise Unsupported("more arguments than the kernel's signature")
+        fields, owner = parameter_fields(signature, getattr(md, "tensordesc_meta", None))
+        driver_params = drv.params_of(self.function)
+        if [s for _, s in driver_params] != [f.size for f in fields]:
+            raise Unsupported(f"parameter layout {[f.size for f in fields]} is not the "
+                              f"driver's {[s for _, s in driver_params]}")
+        # one buffer, every parameter at an offset aligned to its size (a TMA map to 128 bytes,
+        # as Triton keeps its own)
+        offset = 0
+        for f in fields:
+            align = 128 if f.kind == "tma" else f.size
+            offset = (offset + align - 1) // align * align
+            f.offset = offset
+            offset += f.size
+        self._storage = (ctypes.c_uint8 * (offset + 128))()
+        base = ctypes.addressof(self._storage)
+        shift = (-base) % 128
+        self._base = base + shift
+        self._params = (ctypes.c_void_p * len(fields))(*[self._base + f.offset for f in fields])
+        for f in fields:
+            if f.kind != "tma":
+                f.cell = _CTYPE[(f.size, f.signed)].from_address(self._base + f.offset)
+        self._fields = fields
+        by_pos: dict = {}
+        for f, pos in zip(fields, owner):
+            by_pos.setdefault(pos, []).append(f)
+        self._by_pos = by_pos
+        self._maps: dict = {}
+        self._stream = _stream_getter(device)
+        self._drv = drv
+        self.dynamic = tuple(dynamic)
+        self.tokens = tuple(self._token(pos, args[pos]) for pos in self.dynamic)
+        for pos in range(len(args)):  # every argument once
+            self._write(pos, args[pos])
+        # a call runs one step per changing argument: it writes the argument and says
+        # whether its token is the one the kernel was compiled for
+        self._steps = [(pos, self._step(pos, tok)) for pos, tok in zip(self.dynamic, self.tokens)]
+
+    # -- writing arguments -----------------------------------------------------------
+    def _token(self, pos: int, a):
+        """What the JIT could specialise argument `pos` on (see the module's docstring)."""
+        fields = self._by_pos.get(pos)
+        if fields is None:  # a constexpr-specialised argument (e.g. a stride of 1)
+            return _int_token(a) if isinstance(a, int) else None
+        if fields[0].kind == "tma":
+            base, shape, strides = _desc_view(a, fields[0].desc[1])
+            return (base.data_ptr() % 16 == 0, tuple(_int_token(v) for v in shape),
+                    tuple(_int_token(v) for v in strides))
+        if fields[0].kind == "ptr":
+            return (a.data_ptr() % 16 == 0, a.dtype)
+        return _int_token(a)
+
+    def _write(self, pos: int, a) -> None:
+        fields = self._by_pos.get(pos)
+        if fields is None:
+            return
+        first = fields[0]
+        if first.kind == "ptr":
+            first.cell.value = a.data_ptr() if isinstance(a, torch.Tensor) else int(a or 0)
+        elif first.kind == "int":
+            first.cell.value = int(a)
+        else:
+            meta, ndim = first.desc
+            base, shape, strides = _desc_view(a, ndim)
+            key = (base.data_ptr(), shape, strides)
+            kept = self._maps.get((first.offset, key))
+            if kept is None:
+                kept = self._encode(meta, base, shape, strides)
+                if len(self._maps) >= _MAX_MAPS:
+                    self._maps.pop(next(iter(self._maps)))
+                self._maps[(first.offset, key)] = kept
+            ctypes.memmove(self._base + first.offset, kept[1], _TMA_MAP_BYTES)
+            for f, v in zip(fields[1:1 + ndim], shape):
+                f.cell.value = v
+            for f, v in zip(fields[1 + ndim:], strides):
+                f.cell.value = v
+
+    def _step(self, pos: int, want):
+        """The per-call work of argument `pos` as one function (the fast path is a handful
+        of attribute reads: host time per call is what this module is for)."""
+        fields = self._by_pos.get(pos)
+        if fields is None:
+            return lambda a: _int_token(a) == want
+        first = fields[0]
+        cell = first.cell
+        if first.kind == "ptr":
+            aligned, dtype = want
+
+            def ptr(a):
+                p = a.data_ptr()
+                cell.value = p
+                return (p % 16 == 0) == aligned and a.dtype == dtype
+            return ptr
+        if first.kind == "int":
+            def integer(a):
+                cell.value = a
+                return _int_token(a) == want
+            return integer
+        ndim = first.desc[1]
+        last = [None]  # the key of the map in the buffer now
+
+        def descriptor(a):
+            base, shape, strides = _desc_view(a, ndim)
+            key = (base.data_ptr(), shape, strides)
+            if key == last[0]:
+                return True
+            if self._token(pos, a) != want:
+                return False
+            self._write(pos, a)
+            last[0] = key
+            return True
+        return descriptor
+
+    def _encode(self, meta: dict, base: torch.Tensor, shape, strides):
+        """(buffer, address) of the CUtensorMap of a descriptor, as Triton's
+        fill_tma_descriptor makes it (dimensions innermost first, byte strides, no
+        interleave, 128-byte L2 promotion, no NaN fill)."""
+        if meta.get("fp4_padded") or strides[-1] != 1 or min(shape) <= 0:
+            raise Unsupported("an fp4-padded, empty or non-unit inner stride descriptor")
+        rank = len(shape)
+        elem = int(meta["elem_size"])
+        dims = (ctypes.c_uint64 * rank)(*reversed([int(s) for s in shape]))
+        byte_strides = (ctypes.c_uint64 * rank)(*([elem * int(s) for s in reversed(strides[:-1])]
+                                                  + [0]))
+        box = (ctypes.c_uint32 * rank)(*reversed([int(b) for b in meta["block_size"]]))
+        ones = (ctypes.c_uint32 * rank)(*([1] * rank))
+        buf = (ctypes.c_uint8 * (2 * _TMA_MAP_BYTES))()
+        addr = ctypes.addressof(buf)
+        addr += (-addr) % _TMA_MAP_BYTES
+        rc = self._drv.encode(addr, _TMA_HOST_TYPE[int(meta["elem_type"])], rank,
+                              base.data_ptr(), dims, byte_strides, box, ones, 0,
+                              int(meta["swizzle"]), _L2_PROMOTION_128B, 0)
+        if rc != 0:
+            raise Unsupported(f"cuTensorMapEncodeTiled returned {rc}")
+        return buf, addr
+
+    # -- launching ---------------------------------------------------------------------
+    def launch(self, grid: Sequence[int], args: Sequence) -> bool:
+        """Launch with `args` (the changing positions are rewritten). False, with nothing
+        launched, when their specialisation is not the one this kernel was compiled for."""
+        try:
+            for pos, step in self._steps:
+                if not step(args[pos]):
+                    stats["fallback"] += 1
+                    return False
+        except Unsupported:  # a map the driver will not encode: Triton's launcher decides
+            stats["fallback"] += 1
+            return False
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        rc = self._drv.launch(self.function, g[0], g[1], g[2], self.block, 1, 1, self.shared,
+                              self._stream(), self._params, None)
+        if rc != 0:
+            from .. import errors
+            raise errors.BackendUnavailableError(f"cuLaunchKernel returned CUDA error {rc}")
+        stats["native"] += 1
+        return True
+
+
+def try_native(compiled, args, dynamic, device) -> Optional[NativeLaunch]:
+    """A NativeLaunch of `compiled`, or None where the kernel or the machine has none (the
+    reason is kept in `last_refusal`)."""
+    global last_refusal
+    try:
+        return NativeLaunch(compiled, args, dynamic, device)
+    except Unsupported as exc:
+        last_refusal = str(exc)
+    except Exception as exc:  # noqa: BLE001 - another Triton's objects: its launcher stays
+        last_refusal = f"{type(exc).__name__}: {exc}"
+    return None
+
+
+last_refusal: Optional[str] = None
