@@ -451,11 +451,16 @@ class AllToAllRows(_RowsHandle):
             host_counts, dev_counts = self._counts(send_counts, rows.shape[0], 0)
         except errors.RocmoeError as exc:
             self._reject(exc)
-        counts_t = dev_counts if dev_counts is not None else torch.empty(0, dtype=torch.int64)
         if torch.is_grad_enabled():
-            return _GemmFunction.apply(rows, None, counts_t, _anchor(rows.device), self,
-                                       host_counts, 0)
+            return _GemmFunction.apply(rows, None, _counts_tensor(dev_counts),
+                                       _anchor(rows.device), self, host_counts, 0)
         return self._exchange(rows, None, host_counts, dev_counts, 0)
+
+
+def _counts_tensor(dev_counts: Optional[torch.Tensor]) -> torch.Tensor:
+    """What the autograd node saves for the counts: the device tensor, or an empty stand-in
+    when they came as a host list (made only on the autograd path: a tensor costs host time)."""
+    return dev_counts if dev_counts is not None else torch.empty(0, dtype=torch.int64)
 
 
 _ROWS_HANDLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -523,10 +528,9 @@ class GemmAllToAll(_RowsHandle):
         except errors.RocmoeError as exc:
             self._reject(exc)
         groups = self.groups if grouped else 0
-        counts_t = dev_counts if dev_counts is not None else torch.empty(0, dtype=torch.int64)
         if torch.is_grad_enabled():
-            return _GemmFunction.apply(x, w, counts_t, _anchor(x.device), self, host_counts,
-                                       groups)
+            return _GemmFunction.apply(x, w, _counts_tensor(dev_counts), _anchor(x.device),
+                                       self, host_counts, groups)
         return self._exchange(x, w, host_counts, dev_counts, groups)
 
 

@@ -32,7 +32,7 @@ def test_handles_match_reference_on_gpu(ranks):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_gemm_handle_launches_through_the_driver_with_the_jits_results(ranks):
+def test_gemm_handle_launches_natively_through_the_driver_with_the_jits_results(ranks):
     _require_gpu_build()
     proc = run_mpi(SCRIPT, ranks, "native", "--dtype", "bf16,fp32", timeout=300,
                    env=mpi_env(ROCMOE_TIMEOUT_S="60"))
