@@ -73,12 +73,13 @@ class DriftingZipf:
 
 def simulate(policy: str, experts: int, world: int, steps: int = 100, seed: int = 0,
              slots: Optional[int] = None, pairs: int = 4096, period: int = 20,
-             threshold: float = 1.05, max_copies_per_rank: int = 2, load_decay: float = 0.5
-             ) -> dict:
+             threshold: float = 1.05, max_copies_per_rank: int = 2, load_decay: float = 0.5,
+             load_trend: float = 0.5) -> dict:
     """Counts-only run of `policy` ("static", "greedy", "eplb"): per step the balance ratio,
     tokens per rank, whether every pair was routed, and the weight copies started."""
     import torch
     from ..moe.cost_model import CostModel
+    from ..moe.load_forecast import LoadForecast
     from ..moe.placement import Placement, balance_ratio, copies_needed, default_slots_per_rank
     from ..moe.policy import POLICIES
     from ..moe.vexpert_routing import assignment
@@ -88,7 +89,7 @@ def simulate(policy: str, experts: int, world: int, steps: int = 100, seed: int 
     placement = Placement.static(experts, world, slots)
     model = CostModel()
     pending = None   # (placement, first step it is used)
-    ema = None
+    forecast = LoadForecast(1.0 - load_decay, load_trend, 2.0)  # as VExpertScheduler plans
     out = {"balance_ratio": [], "tokens_per_rank": [], "routed_every_pair": [], "copies": [],
            "policy": policy, "experts": experts, "ranks": world, "slots_per_rank": slots}
     for step in range(steps):
@@ -102,10 +103,10 @@ def simulate(policy: str, experts: int, world: int, steps: int = 100, seed: int 
         out["tokens_per_rank"].append(per_rank)
         out["routed_every_pair"].append(bool(torch.equal(a.sum(dim=2),
                                                          torch.from_numpy(counts))))
-        ema = counts if ema is None else load_decay * ema + (1 - load_decay) * counts
+        forecast.update(counts)
         copies = 0
         if policy != "static" and pending is None and out["balance_ratio"][-1] > threshold:
-            new = POLICIES[policy](placement, ema, model, threshold=threshold,
+            new = POLICIES[policy](placement, forecast.forecast(), model, threshold=threshold,
                                    max_copies_per_rank=max_copies_per_rank).placement
             if new != placement:
                 copies = sum(1 for c in copies_needed(placement, new) if c[1] != c[3])
@@ -124,7 +125,8 @@ def sim_records(args) -> list[dict]:
         for policy in ("greedy", "eplb"):
             t0 = time.perf_counter()
             run = simulate(policy, experts, world, args.steps, args.seed, pairs=args.pairs,
-                           period=args.period, max_copies_per_rank=args.max_copies)
+                           period=args.period, max_copies_per_rank=args.max_copies,
+                           load_trend=args.load_trend)
             runs[(experts, world, policy)] = run
             ratios = np.asarray(run["balance_ratio"][args.skip:])
             mean = float(ratios.mean())
@@ -135,6 +137,7 @@ def sim_records(args) -> list[dict]:
                 "experts": experts, "ranks": world, "slots_per_rank": run["slots_per_rank"],
                 "steps": args.steps, "skipped_first_steps": args.skip, "zipf_s": 1.2,
                 "pairs_per_rank": args.pairs, "drift_period": args.period,
+                "seed": args.seed, "load_trend": args.load_trend,
                 "mean_balance_ratio": round(mean, 4),
                 "p95_balance_ratio": round(float(np.percentile(ratios, 95)), 4),
                 "max_balance_ratio": round(float(ratios.max()), 4),
@@ -350,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--period", type=int, default=20, help="steps between drift targets")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-copies", type=int, default=2)
+    ap.add_argument("--load-trend", type=float, default=0.5,
+                    help="the forecast's trend weight (0: plan for the averaged counts)")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)

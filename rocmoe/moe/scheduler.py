@@ -40,6 +40,7 @@ import torch
 from ..errors import ConfigurationError, PlacementError
 from .cost_model import CostModel, profile
 from .expert_copy import Copy, ExpertMover
+from .load_forecast import LoadForecast
 from .placement import Placement, balance_ratio, copies_needed
 from .policy import POLICIES
 from .rank_agreement import agree_on_fields, allgather_ints
@@ -107,11 +108,11 @@ class PolicyBackoff:
 
 
 class _LayerState:
-    def __init__(self, layer, mover):
+    def __init__(self, layer, mover, load: LoadForecast):
         self.layer = layer
         self.mover = mover
         self.pending: Optional[Placement] = None
-        self.counts_ema: Optional[np.ndarray] = None
+        self.load = load
         self.staged = None   # GPU: (pinned counts, event) of the previous step
         self.steps = 0
         self.backoff = PolicyBackoff()
@@ -123,13 +124,16 @@ class VExpertScheduler:
     policy: "greedy" (FlexMoE Alg. 2) or "eplb"; cost_model: a CostModel, or None to
     profile one at the first step; max_copies_per_rank: weight copies into one rank per
     change (its inbox room); load_decay: weight of the past in the averaged counts;
+    load_trend: weight of the newest change in the counts' trend (load_forecast.py: the
+    policy plans for the counts forecast at the step its change takes effect; 0 plans for
+    the averaged counts);
     replica_sync: how replicated experts' gradients are summed (replica_sync.py): "auto"
     (torch.distributed where the user initialized it, else MPI for CPU layers and the
     symmetric heap for GPU ones), "torch", "mpi" or "heap"."""
 
     def __init__(self, layers, optimizer, *, policy: str = "greedy",
                  cost_model: Optional[CostModel] = None, max_copies_per_rank: int = 2,
-                 group_cache_size: int = 64, load_decay: float = 0.5,
+                 group_cache_size: int = 64, load_decay: float = 0.5, load_trend: float = 0.5,
                  timeout_s: Optional[float] = None, log_steps: int = 1000,
                  replica_sync: str = "auto"):
         self.layers = _vexpert_layers(layers)
@@ -147,16 +151,24 @@ class VExpertScheduler:
         self.policy = policy
         self.cost_model = cost_model
         self.max_copies_per_rank = int(max_copies_per_rank)
-        self.load_decay = float(load_decay)
+        self.load_decay, self.load_trend = float(load_decay), float(load_trend)
+        load_ok = 0.0 <= self.load_decay < 1.0 and 0.0 <= self.load_trend <= 1.0
         if timeout_s is None:
             timeout_s = getattr(self.ctx, "timeout_s", 60.0) if self.ctx is not None else 60.0
         self.timeout_s = float(timeout_s)
         multi = self.world_size > 1
+        # a change takes effect at the next step, or one later when it copies weights
         self.states = [_LayerState(layer, ExpertMover(self.ctx, layer, optimizer, self.timeout_s)
-                                   if multi else None) for layer in self.layers]
+                                   if multi else None,
+                                   LoadForecast(1.0 - self.load_decay, self.load_trend, 2.0)
+                                   if load_ok else LoadForecast())
+                       for layer in self.layers]
         problem = None if replica_sync in REDUCERS or replica_sync == "auto" else \
             ConfigurationError(f"replica_sync must be 'auto' or one of {sorted(REDUCERS)}, "
                                f"got {replica_sync!r}")
+        if problem is None and not load_ok:  # raised on every rank, after the agreement
+            problem = ConfigurationError(f"load_decay must be in [0, 1) and load_trend in "
+                                         f"[0, 1], got {load_decay} and {load_trend}")
         self.replica_sync, self.reducer = None, None
         if problem is not None and not multi:
             raise problem
@@ -314,8 +326,7 @@ class VExpertScheduler:
                 record["layers"].append(None)
                 continue
             disp = st.layer.dispatcher
-            st.counts_ema = counts if st.counts_ema is None else \
-                self.load_decay * st.counts_ema + (1 - self.load_decay) * counts
+            st.load.update(counts)
             st.steps += 1
             if self.cost_model is None and self.world_size > 1:
                 self.cost_model = self._profile(st.layer, counts)  # once, at the start
@@ -332,7 +343,7 @@ class VExpertScheduler:
                     record["layers"].append(entry)
                     continue
                 result = POLICIES[self.policy](
-                    placement, st.counts_ema, self.cost_model,
+                    placement, st.load.forecast(), self.cost_model,
                     threshold=st.layer.balance_threshold,
                     max_copies_per_rank=self.max_copies_per_rank)
                 st.backoff.verdict(st.steps, every, ratio, result.placement != placement)
@@ -421,8 +432,8 @@ class VExpertScheduler:
         """The scheduler's own state (each layer's placement is in the layer's state_dict)."""
         return {"version": 1, "steps": self.steps, "policy": self.policy,
                 "cost_model": None if self.cost_model is None else self.cost_model.to_dict(),
-                "layers": [{"steps": st.steps, "counts_ema": None if st.counts_ema is None
-                            else st.counts_ema.tolist(), "backoff": st.backoff.state_dict()}
+                "layers": [{"steps": st.steps, "load": st.load.state_dict(),
+                            "backoff": st.backoff.state_dict()}
                            for st in self.states]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -435,8 +446,9 @@ class VExpertScheduler:
         self.cost_model = None if model is None else CostModel.from_dict(model)
         for st, saved in zip(self.states, state["layers"]):
             st.steps = int(saved["steps"])
-            ema = saved["counts_ema"]
-            st.counts_ema = None if ema is None else np.asarray(ema, dtype=np.float64)
+            # a state from before the forecast has the averaged counts alone: no trend yet
+            st.load.load_state_dict(saved["load"] if "load" in saved
+                                    else {"level": saved.get("counts_ema")})
             st.backoff.load_state_dict(saved.get("backoff"))
             st.pending = None
 

@@ -223,10 +223,30 @@ def test_the_schedulers_state_round_trips_through_its_state_dict():
     opt.step()
     sched.step()
     state = sched.state_dict()
-    assert state["steps"] == 1 and state["layers"][0]["counts_ema"] is not None
+    assert state["steps"] == 1 and state["layers"][0]["load"]["level"] is not None
     _, _, resumed = build()
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state
+
+
+def test_a_scheduler_state_from_before_the_forecast_resumes_with_its_averaged_counts():
+    from rocmoe.moe import CostModel, DroplessMoE, VExpertScheduler
+    layer = DroplessMoE(8, 16, 4, 2, block_size=16, placement="vexpert")
+    sched = VExpertScheduler(layer, None, cost_model=CostModel(ffn_ms_per_row=2e-3))
+    old = {"version": 1, "steps": 3, "policy": "greedy", "cost_model": None,
+           "layers": [{"steps": 3, "counts_ema": [[1.0, 2.0, 3.0, 4.0]], "backoff": None}]}
+    sched.load_state_dict(old)
+    load = sched.state_dict()["layers"][0]["load"]
+    assert load == {"level": [[1.0, 2.0, 3.0, 4.0]], "trend": [[0.0, 0.0, 0.0, 0.0]]}
+
+
+@pytest.mark.parametrize("bad", [dict(load_trend=1.5), dict(load_decay=1.0)])
+def test_the_scheduler_refuses_a_load_forecast_out_of_range(bad):
+    from rocmoe.errors import ConfigurationError
+    from rocmoe.moe import DroplessMoE, VExpertScheduler
+    layer = DroplessMoE(8, 16, 4, 2, block_size=16, placement="vexpert")
+    with pytest.raises(ConfigurationError, match="load_decay must be in"):
+        VExpertScheduler(layer, None, **bad)
 
 
 def test_the_scheduler_refuses_a_static_layer():
