@@ -210,7 +210,6 @@ class NativeLaunch:
         for f in fields:
             if f.kind != "tma":
                 f.cell = _CTYPE[(f.size, f.signed)].from_address(self._base + f.offset)
-        self._fields = fields
         by_pos: dict = {}
         for f, pos in zip(fields, owner):
             by_pos.setdefault(pos, []).append(f)
@@ -218,13 +217,12 @@ class NativeLaunch:
         self._maps: dict = {}
         self._stream = _stream_getter(device)
         self._drv = drv
-        self.dynamic = tuple(dynamic)
-        self.tokens = tuple(self._token(pos, args[pos]) for pos in self.dynamic)
+        tokens = [self._token(pos, args[pos]) for pos in dynamic]
         for pos in range(len(args)):  # every argument once
             self._write(pos, args[pos])
         # a call runs one step per changing argument: it writes the argument and says
         # whether its token is the one the kernel was compiled for
-        self._steps = [(pos, self._step(pos, tok)) for pos, tok in zip(self.dynamic, self.tokens)]
+        self._steps = [(pos, self._step(pos, tok)) for pos, tok in zip(dynamic, tokens)]
 
     # -- writing arguments -----------------------------------------------------------
     def _token(self, pos: int, a):
