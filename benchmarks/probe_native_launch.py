@@ -1,5 +1,5 @@
 """The parts of a GemmAllToAll call's host time once its kernel launches natively
-(rocmoe/ops/native_launch.py), on a GPU, 4096^3 bf16: the whole call, the native launch,
+(rocmoe/native_launch.py), on a GPU, 4096^3 bf16: the whole call, the native launch,
 its argument steps alone, the bare cuLaunchKernel, the stream lookup, the two torch.empty
 of the call's outputs, and torch.matmul / torch.mm(out=) for scale. Each figure is the host
 time per call over 300 calls queued behind a long GPU sleep. Prints one dict.

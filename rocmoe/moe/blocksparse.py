@@ -429,13 +429,13 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
     if tma and cfg["persistent"] > 0 and a_rows is None:
         grid = max(1, min(num_tiles, sm_count(a.device) * int(cfg["persistent"])))
         epilogue.pop("PRELOAD_SCALE")  # (the persistent kernel reads the scale late)
-        kernels.get("sdd_persistent_kernel")[(grid,)](
+        kernels.launch("sdd_persistent_kernel")[(grid,)](
             a_arg, w_arg, out, h, act_out, topo.column_indices, block_rows, first_row,
             k, f, nb, num_n, num_tiles,
             BLOCK=b, SPLIT=split, BLOCK_K=bk, GROUP_M=cfg["group_m"], **epilogue,
             **_launch(b, stages, cfg))
         return out
-    kernels.get("sdd_kernel")[(num_tiles,)](
+    kernels.launch("sdd_kernel")[(num_tiles,)](
         a_arg, a_half, w_arg, out, h, act_out, topo.column_indices, block_rows,
         topo.column_indices if a_rows is None else a_rows, first_row, k, f, nb, num_n,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
@@ -482,7 +482,7 @@ def _dsd_triton(s, w, topo, act="none"):
         w_desc = _grouped_desc(w, bk, bn)
         if s_desc is not None and w_desc is not None:
             s_arg, (w_arg, w_t), tma = s_desc, w_desc, True
-    kernels.get("dsd_kernel")[(topo.num_row_blocks * num_n,)](
+    kernels.launch("dsd_kernel")[(topo.num_row_blocks * num_n,)](
         s_arg, s_half, w_arg, out, topo.column_indices, *_layout_args(topo, tail), n, f,
         topo.blocks_per_expert, num_n,
         w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
@@ -525,14 +525,14 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None, b_rows=None):
     first_row = _layout_args(topo, False)[1]
     if tma and cfg["persistent"] > 0:
         grid = max(1, min(num_tiles, sm_count(s.device) * int(cfg["persistent"])))
-        kernels.get("dstd_persistent_kernel")[(grid,)](
+        kernels.launch("dstd_persistent_kernel")[(grid,)](
             s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, first_row, n,
             topo.ffn_size, topo.blocks_per_expert, num_n, num_tiles, b_dense.stride(0),
             b_dense.stride(1), *strides,
             BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, ACT=ACT_CODES[act], TMA_STORE=out_arg is not out,
             OUT_T=out_t, TRIM_K=trim, **gather, **_launch(b, stages, cfg))
         return out
-    kernels.get("dstd_kernel")[(num_tiles,)](
+    kernels.launch("dstd_kernel")[(num_tiles,)](
         s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, first_row, n,
         topo.ffn_size, topo.blocks_per_expert, num_n,
         b_dense.stride(0), b_dense.stride(1), *strides,

@@ -33,10 +33,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._triton import KernelRegistry
+from .._triton import KernelRegistry, interpreting
+from ..native_launch import FastKernel
 
 _REGISTRY = KernelRegistry()
 _kernel, get, names = _REGISTRY.kernel, _REGISTRY.get, _REGISTRY.names
+_FAST: dict = {}
+
+
+def launch(name: str):
+    """What the layer launches kernel `name` through: `launch(name)[grid](*args, **kw)`.
+    On a GPU a FastKernel (rocmoe/native_launch.py: after the first call of a
+    specialisation, one driver call instead of the JIT's ~50-100 us of host work, which
+    made small layers launch-bound); under the interpreter the JITFunction (`get`)."""
+    if interpreting():
+        return get(name)
+    fast = _FAST.get(name)
+    if fast is None:
+        fast = _FAST[name] = FastKernel(get(name))
+    return fast
 
 # Activation codes shared with blocksparse.py (constexpr ACT).
 ACT_NONE, ACT_GELU_TANH, ACT_RELU, ACT_SILU = 0, 1, 2, 3

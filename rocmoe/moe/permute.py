@@ -166,7 +166,7 @@ def gather_sum_rows(rows: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     if t == 0 or h == 0:
         return out
     block_h = min(128, 1 << max(0, (h - 1).bit_length()))
-    kernels.get("combine_kernel")[(-(-t // 32), -(-h // block_h))](
+    kernels.launch("combine_kernel")[(-(-t // 32), -(-h // block_h))](
         rows, rows, dest, out, t, h, k, rows.stride(0), out.stride(0),
         BLOCK_T=32, BLOCK_H=block_h, WEIGHTED=False)
     return out
@@ -180,7 +180,7 @@ class _CombineTriton(torch.autograd.Function):
         h = y.shape[1]
         out = y.new_empty(t, h)
         block_h = min(128, 1 << max(0, (h - 1).bit_length()))
-        kernels.get("combine_kernel")[(-(-t // 32), -(-h // block_h))](
+        kernels.launch("combine_kernel")[(-(-t // 32), -(-h // block_h))](
             y, weights, dest, out, t, h, k, y.stride(0), out.stride(0),
             BLOCK_T=32, BLOCK_H=block_h)
         ctx.save_for_backward(y, weights, dest)
@@ -201,7 +201,7 @@ class _CombineTriton(torch.autograd.Function):
         grad_w = torch.empty_like(weights)
         block_h = min(128, 1 << max(0, (h - 1).bit_length()))
         num_t = -(-t // 32)
-        kernels.get("combine_backward_kernel")[(num_t + plan.num_row_blocks,)](
+        kernels.launch("combine_backward_kernel")[(num_t + plan.num_row_blocks,)](
             grad_out, y, weights, dest, grad_y, grad_w, plan.block_rows, t, h, k,
             grad_out.stride(0), y.stride(0), grad_y.stride(0), num_t, BLOCK_T=32,
             BLOCK_H=block_h, BLOCK=plan.block_size)

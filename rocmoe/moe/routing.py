@@ -65,9 +65,9 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size, copy_rows, compac
     block_expert, num_valid, row_offsets = i32(num_rb), i32(1), i32(num_rb + 1)
     column_indices, row_indices, transpose_blocks = i32(nnz), i32(nnz), i32(nnz)
     column_offsets, block_rows, first_row = i32(num_cols + 1), i32(num_rb), i32(num_rb)
-    kernels.get("chunk_histogram_kernel")[(num_chunks,)](
+    kernels.launch("chunk_histogram_kernel")[(num_chunks,)](
         flat, hist, n, e, CHUNK=chunk, E_POW2=e_pow2)
-    kernels.get("routing_scan_kernel")[(1,)](
+    kernels.launch("routing_scan_kernel")[(1,)](
         hist, chunk_base, counts, row_start, scratch, block_expert, num_valid, row_offsets,
         column_indices, row_indices, column_offsets, transpose_blocks, block_rows, first_row,
         num_chunks, e, num_rb, nb,
@@ -87,7 +87,7 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size, copy_rows, compac
         # programs past the chunks mark (and with a copy zero) the padding rows, one program
         # per row block; without a copy, one program per chunk places its pairs
         grid = (num_chunks + num_rb, -(-hidden // cols_per_program) if out is not None else 1)
-        kernels.get("scatter_rows_kernel")[grid](
+        kernels.launch("scatter_rows_kernel")[grid](
             flat, chunk_base, row_start, dest, src, src if out is None else out, block_rows,
             row_token, n, e, hidden, top_k, src.stride(0),
             src.stride(0) if out is None else out.stride(0), cols_per_program, num_chunks,

@@ -146,6 +146,9 @@ class FusedHandle:
                 "create a new handle")
         if self.workspace is None:
             raise errors.ContextError(f"{type(self).__name__} was closed")
+        if self.ctx.finalized:
+            raise errors.ContextError(f"{type(self).__name__}: its context was finalized; "
+                                      "make the context and the handle again")
         status = self._status
         if status.any():
             exc = self._status_error(status.copy())
@@ -227,6 +230,7 @@ class FusedHandle:
 
     def close(self) -> None:
         """Collective: free the workspace. The handle cannot be called afterwards."""
+        self.__dict__.pop("_lean", None)
         if self.workspace is not None:
             if self.workspace.is_cuda:
                 torch.cuda.current_stream(self.workspace.device).synchronize()
@@ -451,7 +455,7 @@ class AllToAllRows(_RowsHandle):
             host_counts, dev_counts = self._counts(send_counts, rows.shape[0], 0)
         except errors.RocmoeError as exc:
             self._reject(exc)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and (self.world > 1 or rows.requires_grad):
             return _GemmFunction.apply(rows, None, _counts_tensor(dev_counts),
                                        _anchor(rows.device), self, host_counts, 0)
         return self._exchange(rows, None, host_counts, dev_counts, 0)
@@ -513,6 +517,11 @@ class GemmAllToAll(_RowsHandle):
         """x [M, K], w [K, N] ([groups, K, N]); send_counts [world] ([world, groups]): a list,
         or an integer tensor on the handle's device. Returns (out [world * max_rows, N],
         recv_counts [world] int64): rows from source 0 first, packed."""
+        lean = self.__dict__.get("_lean")
+        if lean is not None:  # GPU, after the first call (rocmoe/ops/gpu.py: lean_gemm_call)
+            result = lean(x, w, send_counts)
+            if result is not None:
+                return result
         self.check()
         grouped = self.groups > 1
         try:
@@ -528,7 +537,9 @@ class GemmAllToAll(_RowsHandle):
         except errors.RocmoeError as exc:
             self._reject(exc)
         groups = self.groups if grouped else 0
-        if torch.is_grad_enabled():
+        # (with grad enabled every rank records the collective backward, also one whose own
+        # inputs need none: the anchor; alone, a call that needs no gradient records nothing)
+        if torch.is_grad_enabled() and (self.world > 1 or x.requires_grad or w.requires_grad):
             return _GemmFunction.apply(x, w, _counts_tensor(dev_counts), _anchor(x.device),
                                        self, host_counts, groups)
         return self._exchange(x, w, host_counts, dev_counts, groups)
@@ -817,8 +828,25 @@ class GemvAllReduce(FusedHandle):
         fields = dict(N=int(N), dtype=DTYPE_CODES.get(dtype, -1))
         super().__init__(ctx, fields, problem, (int(N), 0, 0), dtype)
         self.N, self.K_local = int(N), int(K_local)
+        self._w_shape, self._x_shape = (self.N, self.K_local), (self.K_local,)
+        device = self.ctx.device
+        self._device_index = (-1 if not _on_gpu(self.ctx) or device.type != "cuda"
+                              else device.index if device.index is not None
+                              else torch.cuda.current_device())
 
     def __call__(self, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Tensor:
+        # the common GPU call, checked by identity and integer comparisons alone (a tenth
+        # of the general checks' host time); anything else takes the general path below
+        dtype, index = self.dtype, self._device_index
+        if (index >= 0 and type(w_local) is torch.Tensor and type(x_local) is torch.Tensor
+                and w_local.dtype is dtype and x_local.dtype is dtype
+                and w_local.get_device() == index and x_local.get_device() == index
+                and w_local.shape == self._w_shape and x_local.shape == self._x_shape
+                and self.broken is None and not self._status.any()
+                and self.workspace is not None and not self.ctx.finalized
+                and not (torch.is_grad_enabled()
+                         and (w_local.requires_grad or x_local.requires_grad))):
+            return self._reduce(w_local, x_local)
         self.check()
         try:
             self._check_tensor(w_local, "W_local", self.dtype, 2)

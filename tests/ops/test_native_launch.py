@@ -1,4 +1,4 @@
-"""The native launch of compiled Triton kernels (rocmoe/ops/native_launch.py) without a GPU:
+"""The native launch of compiled Triton kernels (rocmoe/native_launch.py) without a GPU:
 its parameter layout against the one the H200's driver reported for the GEMM kernel
 (benchmarks/results/probe_gemm_host_h200.json, cuFuncGetParamInfo), its specialisation
 tokens, and that it refuses where it cannot run. The launches themselves are checked on the
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from rocmoe.ops import native_launch
+from rocmoe import native_launch
 from rocmoe_testing import REPO
 
 PROBE = os.path.join(REPO, "benchmarks", "results", "probe_gemm_host_h200.json")
@@ -57,3 +57,109 @@ def test_no_native_launch_off_cuda():
         metadata = None
     assert native_launch.try_native(Compiled(), (), (), torch.device("cpu")) is None
     assert "CUDA only" in native_launch.last_refusal
+
+
+def test_a_constant_argument_token_tells_none_from_a_tensor_and_one_from_two():
+    tok = native_launch._constant_token
+    assert tok(None) != tok(torch.zeros(1))
+    assert tok(1) != tok(2) and tok(1) != tok(True)
+    assert tok(None) == tok(None)
+
+
+# -- FastKernel: which launches go through the JIT and which straight to the driver -------
+
+class _FakeJit:
+    """Stands for a JITFunction: records its launches, returns a 'compiled kernel'."""
+
+    def __init__(self):
+        self.calls = []
+        self.arg_names = ["a", "b"]
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            return ("compiled", len(self.calls))
+        return run
+
+
+class _FakeNative:
+    """Stands for a NativeLaunch: launches while the first argument is what it was made for."""
+
+    def __init__(self, compiled, args):
+        self.compiled, self.want = compiled, args[0]
+        self.launched = []
+
+    def launch(self, grid, args):
+        if args[0] != self.want:
+            return False
+        self.launched.append((grid, args))
+        return True
+
+
+@pytest.fixture
+def fake_natives(monkeypatch):
+    made = []
+
+    def fake_try_native(compiled, args, dynamic, device):
+        assert list(dynamic) == list(range(len(args)))  # every argument may change
+        made.append(_FakeNative(compiled, args))
+        return made[-1]
+    monkeypatch.setattr(native_launch, "try_native", fake_try_native)
+    monkeypatch.setattr(native_launch, "_on_cuda", lambda args: True)
+    monkeypatch.setattr(native_launch, "_current_device_getter", lambda: (lambda: 0))
+    return made
+
+
+def test_fast_kernel_runs_the_first_call_through_the_jit_and_later_ones_natively(fake_natives):
+    jit = _FakeJit()
+    fast = native_launch.FastKernel(jit)
+    fast[(4,)](1, 2, BLOCK=64)
+    fast[(8,)](1, 3, BLOCK=64)
+    fast[(8,)](1, 4, BLOCK=64)
+    assert len(jit.calls) == 1 and len(fake_natives) == 1
+    assert fake_natives[0].launched == [((8,), (1, 3)), ((8,), (1, 4))]
+
+
+def test_fast_kernel_sends_a_call_no_specialisation_fits_to_the_jit_and_keeps_it(fake_natives):
+    jit = _FakeJit()
+    fast = native_launch.FastKernel(jit)
+    fast[(1,)](1, 0, BLOCK=64)
+    fast[(1,)](16, 0, BLOCK=64)  # another specialisation: the JIT, then a second native
+    fast[(1,)](16, 5, BLOCK=64)
+    fast[(1,)](1, 5, BLOCK=64)
+    assert len(jit.calls) == 2 and len(fake_natives) == 2
+    assert [len(n.launched) for n in fake_natives] == [1, 1]
+
+
+def test_fast_kernel_keeps_other_constexprs_apart(fake_natives):
+    jit = _FakeJit()
+    fast = native_launch.FastKernel(jit)
+    fast[(1,)](1, 0, BLOCK=64)
+    fast[(1,)](1, 0, BLOCK=128)  # another kernel: the JIT compiles it
+    assert len(jit.calls) == 2 and len(fake_natives) == 2
+    fast[(1,)](1, 0, BLOCK=128)
+    assert len(jit.calls) == 2 and fake_natives[1].launched
+
+
+def test_fast_kernel_keeps_a_refused_kernel_on_the_jit_without_asking_again(monkeypatch):
+    asked = []
+    monkeypatch.setattr(native_launch, "try_native",
+                        lambda *a: asked.append(1) or None)
+    monkeypatch.setattr(native_launch, "_on_cuda", lambda args: True)
+    monkeypatch.setattr(native_launch, "_current_device_getter", lambda: (lambda: 0))
+    jit = _FakeJit()
+    fast = native_launch.FastKernel(jit)
+    for _ in range(3):
+        fast[(1,)](1, 0, BLOCK=64)
+    assert len(jit.calls) == 3 and len(asked) == 1
+
+
+def test_fast_kernel_off_cuda_launches_through_the_jit_only(monkeypatch):
+    monkeypatch.setattr(native_launch, "try_native",
+                        lambda *a: pytest.fail("no native launch for CPU tensors"))
+    jit = _FakeJit()
+    fast = native_launch.FastKernel(jit)
+    for _ in range(2):
+        fast[(1,)](torch.zeros(2), 0, BLOCK=64)
+    assert len(jit.calls) == 2
+    assert fast.arg_names == ["a", "b"]  # the JITFunction's attributes show through

@@ -3,7 +3,7 @@ via mpiexec).
 
 usage: fused_gpu_script.py OPS [--calls N] [--dtype D[,D...]]
   OPS    comma list of gemm | gemm_grouped | rows | embedding | gemv | gemm_timeout |
-         bad_counts | abort | gemv_mismatch | graph | native
+         bad_counts | abort | gemv_mismatch | graph | native | lean
 On a GPU the handles run their CUDA/HIP kernels (ipc backend); on a CPU-only machine the
 host backend's heap stands in and the Triton kernels (gemm, gemm_grouped, rows, the
 protocol cases) run under TRITON_INTERPRET=1. Every rank checks its result against a float64
@@ -362,7 +362,7 @@ def check_native(ctx, dtype, calls):
     # after its first call, a GemmAllToAll launches straight through the driver (CUDA): the
     # same bits as the JIT's launch of the same call, right for other rows and pointers, and
     # back through the JIT when an argument's specialisation changes (M = 64, M = 1)
-    from rocmoe.ops import native_launch
+    from rocmoe import native_launch
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
     k, n = 256, 192
     h = ops.GemmAllToAll(ctx, max_rows=512, K=k, N=n, dtype=dtype)
@@ -395,6 +395,69 @@ def check_native(ctx, dtype, calls):
     h.close()
 
 
+def check_lean(ctx, dtype, calls):
+    # after its first call a GemmAllToAll takes the common call through its lean path
+    # (rocmoe/ops/gpu.py: lean_gemm_call); whatever that path does not take must still get
+    # the general path's checks and results: a rejected input (every rank raises), bad
+    # device counts (found by the kernel), a column-major X, and autograd (with grad
+    # enabled every rank records the collective backward, also one whose X needs none)
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    h = ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype)
+    g = torch.Generator().manual_seed(11)  # the same X and W on every rank
+    x, w = torch.randn(2 * world, 16, generator=g), torch.randn(16, 16, generator=g)
+    x, w = x.to(dev, dtype), w.to(dev, dtype)
+    ref = gemm_reference(torch.full((world, world, 1), 2), [x.cpu().float()] * world,
+                         [w.cpu().float()[None]] * world, rank, world, dtype)
+
+    def good(xin, counts):
+        with torch.no_grad():
+            out, recv = h(xin, w, counts)
+        h.synchronize()
+        assert recv.cpu().tolist() == [2] * world, recv
+        e = rel_err(out[:2 * world], ref)
+        assert e < TOL[dtype], f"rank {rank}: relative error {e}"
+
+    good(x, [2] * world)
+    assert h.__dict__.get("_lean") is not None, "no lean path after the first call"
+    lean_epoch = h.epoch
+    good(x, torch.full((world,), 2, dtype=torch.int64, device=dev))
+    assert h.epoch == lean_epoch + 1
+    bad = x[:, :8] if rank == world - 1 else x
+    try:
+        with torch.no_grad():
+            h(bad, w, [2] * world)
+        h.synchronize()
+    except errors.InvalidArgumentError as exc:
+        assert rank == world - 1 or f"rank {world - 1} rejected" in str(exc), str(exc)
+        print(f"RANK {rank} REJECTED {exc}", flush=True)
+    else:
+        raise AssertionError("a rejected input was accepted by the lean path")
+    counts = torch.full((world,), 2, dtype=torch.int64)
+    if rank == world - 1:
+        counts[0] = 7  # more rows than X has: only the kernel sees it
+    try:
+        with torch.no_grad():
+            h(x, w, counts.to(dev))
+        h.synchronize()
+    except errors.InvalidArgumentError as exc:
+        print(f"RANK {rank} REJECTED {exc}", flush=True)
+    else:
+        raise AssertionError("bad device counts were accepted by the lean path")
+    good(x.t().contiguous().t(), [2] * world)  # column-major X: the general path copies it
+    xg = x.clone().requires_grad_(rank == 0)
+    out, recv = h(xg, w, [2] * world)
+    assert out.grad_fn is not None or (world == 1 and rank != 0), "no autograd node"
+    if out.grad_fn is not None:
+        out[:2 * world].float().sum().backward()
+    h.synchronize()
+    if rank == 0:
+        want = torch.ones(2 * world, 16, dtype=torch.float64) @ w.cpu().double().t()
+        e = rel_err(xg.grad, want)
+        assert e < TOL[dtype], f"dX relative error {e}"
+    good(x, [2] * world)
+    h.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("op")
@@ -407,7 +470,7 @@ def main():
               "embedding": check_embedding, "gemv": check_gemv,
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
               "abort": check_abort, "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,
-              "nosync": check_nosync, "native": check_native}
+              "nosync": check_nosync, "native": check_native, "lean": check_lean}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once; a failing
     # op / dtype is reported and the next one still runs (the exit status says it failed)
     failed = 0

@@ -41,6 +41,16 @@ def test_gemm_handle_launches_natively_through_the_driver_with_the_jits_results(
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
+def test_gemm_handle_lean_calls_leave_bad_input_and_autograd_to_the_checked_path(ranks):
+    _require_gpu_build()
+    proc = run_mpi(SCRIPT, ranks, "lean", "--dtype", "bf16,fp32", timeout=300,
+                   env=mpi_env(ROCMOE_TIMEOUT_S="30"))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK lean") == 2 * ranks, proc.stdout
+    assert proc.stdout.count("REJECTED") == 4 * ranks, proc.stdout
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_handles_replay_from_cuda_graphs_equal_to_eager(ranks):
     _require_gpu_build()
     proc = run_mpi(SCRIPT, ranks, "graph", "--dtype", "bf16,fp32", timeout=300,

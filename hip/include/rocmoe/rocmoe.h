@@ -375,6 +375,20 @@ int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *args, int abort);
 int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args, int abort);
 int rocmoe_gpu_embedding_inline_tables(void);
 
+/* ---- CUDA driver entry points (hip/src/cuda_driver.cpp) ----
+ * What rocmoe/native_launch.py launches compiled Triton kernels with: libcuda.so.1 is
+ * opened on first use (every build has these; without an NVIDIA driver they return
+ * ROCMOE_ERR_BACKEND). `function` is a CUfunction, `stream` a CUstream, `params` the
+ * kernel's argument pointers, `map` 64-byte aligned room for a CUtensorMap (128 bytes). */
+int rocmoe_cu_available(void);
+int rocmoe_cu_launch(uint64_t function, uint32_t grid_x, uint32_t grid_y, uint32_t grid_z,
+                     uint32_t block_x, uint32_t shared_bytes, uint64_t stream, void **params);
+int rocmoe_cu_param_info(uint64_t function, uint64_t index, uint64_t *offset, uint64_t *size);
+int rocmoe_cu_encode_tiled(void *map, int data_type, uint32_t rank, uint64_t address,
+                           const uint64_t *dims, const uint64_t *byte_strides,
+                           const uint32_t *box, const uint32_t *element_strides,
+                           int interleave, int swizzle, int l2_promotion, int oob_fill);
+
 /* ROCMOE_CDEF_END */
 
 #ifdef __cplusplus

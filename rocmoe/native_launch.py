@@ -6,7 +6,8 @@ JIT's specialisation of the arguments another 10-15 us: most of a GemmAllToAll c
 time (benchmarks/probe_gemm_host.py). A `NativeLaunch` packs the kernel's parameters once,
 as the driver's own parameter table gives them, and a call rewrites only the arguments that
 change (pointers, M, strides, X's TMA map, cached by address and shape) and calls
-`cuLaunchKernel` through ctypes.
+`cuLaunchKernel` through librocmoe's cffi binding (`rocmoe_cu_launch`: the driver opened
+by dlopen, so no CUDA headers and no ctypes).
 
 It is built from a kernel the JIT compiled for the same arguments, so it launches exactly
 that kernel, and only while a call's arguments would get the same specialisation: each
@@ -23,7 +24,6 @@ launcher. ROCMOE_NATIVE_LAUNCH=0 turns it off.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 from typing import Optional, Sequence
@@ -35,9 +35,9 @@ import torch
 _SCALAR = {"i1": (1, True), "i8": (1, True), "i16": (2, True), "i32": (4, True),
            "i64": (8, True), "u1": (1, False), "u8": (1, False), "u16": (2, False),
            "u32": (4, False), "u64": (8, False)}
-_CTYPE = {(1, True): ctypes.c_int8, (2, True): ctypes.c_int16, (4, True): ctypes.c_int32,
-          (8, True): ctypes.c_int64, (1, False): ctypes.c_uint8, (2, False): ctypes.c_uint16,
-          (4, False): ctypes.c_uint32, (8, False): ctypes.c_uint64}
+_CTYPE = {(1, True): "int8_t *", (2, True): "int16_t *", (4, True): "int32_t *",
+          (8, True): "int64_t *", (1, False): "uint8_t *", (2, False): "uint16_t *",
+          (4, False): "uint32_t *", (8, False): "uint64_t *"}
 # Triton's TMA element types are numbered a little differently on the device and the host
 # (the CUtensorMapDataType the driver takes)
 _TMA_HOST_TYPE = {i: i for i in range(16)}
@@ -58,35 +58,25 @@ def enabled() -> bool:
 
 
 class _Driver:
-    """The three libcuda entry points, typed once."""
+    """The three driver entry points, through librocmoe (hip/src/cuda_driver.cpp)."""
 
     def __init__(self):
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            self.launch = lib.cuLaunchKernel
-            self.param_info = lib.cuFuncGetParamInfo
-            self.encode = lib.cuTensorMapEncodeTiled
-        except (OSError, AttributeError) as exc:
-            raise Unsupported(f"libcuda lacks an entry point: {exc}") from None
-        vp, u32, sz = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
-        self.launch.restype = ctypes.c_int
-        self.launch.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, vp, vp]
-        self.param_info.restype = ctypes.c_int
-        self.param_info.argtypes = [vp, sz, ctypes.POINTER(sz), ctypes.POINTER(sz)]
-        self.encode.restype = ctypes.c_int
-        self.encode.argtypes = [vp, ctypes.c_int, ctypes.c_uint32, vp,
-                                ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
-                                ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
-                                ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        from ._native import ffi, lib
+        if not lib.rocmoe_cu_available():
+            raise Unsupported("no CUDA driver with cuLaunchKernel, cuFuncGetParamInfo and "
+                              "cuTensorMapEncodeTiled")
+        self.ffi, self.lib = ffi, lib
+        self.launch = lib.rocmoe_cu_launch
+        self.encode = lib.rocmoe_cu_encode_tiled
 
     def params_of(self, function: int) -> list:
         """[(offset, size)] of the kernel's parameters, as the driver sees them."""
         out = []
-        off, size = ctypes.c_size_t(), ctypes.c_size_t()
+        off, size = self.ffi.new("uint64_t *"), self.ffi.new("uint64_t *")
         while len(out) < 1024:
-            if self.param_info(function, len(out), ctypes.byref(off), ctypes.byref(size)) != 0:
+            if self.lib.rocmoe_cu_param_info(function, len(out), off, size) != 0:
                 break
-            out.append((off.value, size.value))
+            out.append((off[0], size[0]))
         return out
 
 
@@ -112,6 +102,21 @@ def _int_token(v: int) -> tuple:
     return (v == 1, v % 16 == 0, -2**31 <= v < 2**31)
 
 
+def _constant_token(a) -> tuple:
+    """What an argument the JIT turned into a constant must equal: the same value of the
+    same type (None, an integer 1)."""
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return (type(a), a)
+    return ("object", type(a))
+
+
+def _block_of(a):
+    """A descriptor's box (its shape is part of the kernel's signature); None for a tensor
+    that stands for a descriptor whose box the caller fixes."""
+    block = getattr(a, "block_shape", None)
+    return tuple(block) if block is not None else None
+
+
 def _desc_view(arg, ndim: int):
     """(base tensor, shape, strides) of a tensor-descriptor argument: a Triton
     TensorDescriptor, or a tensor that stands for its own descriptor (a 3-D one as the
@@ -127,7 +132,8 @@ def _desc_view(arg, ndim: int):
 
 class _Field:
     """One kernel parameter: its kind (ptr, int, tma, shape, stride), size, offset in the
-    parameter buffer, the ctypes cell over it (scalars) or the descriptor's (meta, ndim)."""
+    parameter buffer, the typed pointer to it (scalars: `cell[0] = v` writes the value)
+    or the descriptor's (meta, ndim)."""
     __slots__ = ("kind", "size", "signed", "cell", "desc", "offset")
 
     def __init__(self, kind, size, signed=True):
@@ -189,6 +195,8 @@ class NativeLaunch:
         signature = list(compiled.src.signature.values())
         if len(signature) < len(args):
             raise Unsupported("more arguments than the kernel's signature")
+        if any(ty != "constexpr" for ty in signature[len(args):]):
+            raise Unsupported("a kernel parameter passed by keyword (only constexprs may be)")
         fields, owner = parameter_fields(signature, getattr(md, "tensordesc_meta", None))
         driver_params = drv.params_of(self.function)
         if [s for _, s in driver_params] != [f.size for f in fields]:
@@ -202,14 +210,15 @@ class NativeLaunch:
             offset = (offset + align - 1) // align * align
             f.offset = offset
             offset += f.size
-        self._storage = (ctypes.c_uint8 * (offset + 128))()
-        base = ctypes.addressof(self._storage)
-        shift = (-base) % 128
-        self._base = base + shift
-        self._params = (ctypes.c_void_p * len(fields))(*[self._base + f.offset for f in fields])
+        ffi = drv.ffi
+        self._storage = ffi.new("uint8_t[]", offset + 128)
+        base = int(ffi.cast("uintptr_t", self._storage))
+        self._base = base + (-base) % 128
+        self._params = ffi.new("void *[]", [ffi.cast("void *", self._base + f.offset)
+                                            for f in fields])
         for f in fields:
             if f.kind != "tma":
-                f.cell = _CTYPE[(f.size, f.signed)].from_address(self._base + f.offset)
+                f.cell = ffi.cast(_CTYPE[(f.size, f.signed)], self._base + f.offset)
         by_pos: dict = {}
         for f, pos in zip(fields, owner):
             by_pos.setdefault(pos, []).append(f)
@@ -228,12 +237,12 @@ class NativeLaunch:
     def _token(self, pos: int, a):
         """What the JIT could specialise argument `pos` on (see the module's docstring)."""
         fields = self._by_pos.get(pos)
-        if fields is None:  # a constexpr-specialised argument (e.g. a stride of 1)
-            return _int_token(a) if isinstance(a, int) else None
+        if fields is None:  # a constexpr-specialised argument (a None, an integer 1)
+            return _constant_token(a)
         if fields[0].kind == "tma":
             base, shape, strides = _desc_view(a, fields[0].desc[1])
             return (base.data_ptr() % 16 == 0, tuple(_int_token(v) for v in shape),
-                    tuple(_int_token(v) for v in strides))
+                    tuple(_int_token(v) for v in strides), _block_of(a), base.dtype)
         if fields[0].kind == "ptr":
             return (a.data_ptr() % 16 == 0, a.dtype)
         return _int_token(a)
@@ -244,9 +253,9 @@ class NativeLaunch:
             return
         first = fields[0]
         if first.kind == "ptr":
-            first.cell.value = a.data_ptr() if isinstance(a, torch.Tensor) else int(a or 0)
+            first.cell[0] = a.data_ptr() if isinstance(a, torch.Tensor) else int(a or 0)
         elif first.kind == "int":
-            first.cell.value = int(a)
+            first.cell[0] = int(a)
         else:
             meta, ndim = first.desc
             base, shape, strides = _desc_view(a, ndim)
@@ -257,18 +266,19 @@ class NativeLaunch:
                 if len(self._maps) >= _MAX_MAPS:
                     self._maps.pop(next(iter(self._maps)))
                 self._maps[(first.offset, key)] = kept
-            ctypes.memmove(self._base + first.offset, kept[1], _TMA_MAP_BYTES)
+            self._drv.ffi.memmove(self._drv.ffi.cast("void *", self._base + first.offset),
+                                  kept[1], _TMA_MAP_BYTES)
             for f, v in zip(fields[1:1 + ndim], shape):
-                f.cell.value = v
+                f.cell[0] = v
             for f, v in zip(fields[1 + ndim:], strides):
-                f.cell.value = v
+                f.cell[0] = v
 
     def _step(self, pos: int, want):
         """The per-call work of argument `pos` as one function (the fast path is a handful
         of attribute reads: host time per call is what this module is for)."""
         fields = self._by_pos.get(pos)
         if fields is None:
-            return lambda a: _int_token(a) == want
+            return lambda a: _constant_token(a) == want
         first = fields[0]
         cell = first.cell
         if first.kind == "ptr":
@@ -276,12 +286,12 @@ class NativeLaunch:
 
             def ptr(a):
                 p = a.data_ptr()
-                cell.value = p
+                cell[0] = p
                 return (p % 16 == 0) == aligned and a.dtype == dtype
             return ptr
         if first.kind == "int":
             def integer(a):
-                cell.value = a
+                cell[0] = a
                 return _int_token(a) == want
             return integer
         ndim = first.desc[1]
@@ -289,7 +299,7 @@ class NativeLaunch:
 
         def descriptor(a):
             base, shape, strides = _desc_view(a, ndim)
-            key = (base.data_ptr(), shape, strides)
+            key = (base.data_ptr(), shape, strides, _block_of(a), base.dtype)
             if key == last[0]:
                 return True
             if self._token(pos, a) != want:
@@ -307,20 +317,21 @@ class NativeLaunch:
             raise Unsupported("an fp4-padded, empty or non-unit inner stride descriptor")
         rank = len(shape)
         elem = int(meta["elem_size"])
-        dims = (ctypes.c_uint64 * rank)(*reversed([int(s) for s in shape]))
-        byte_strides = (ctypes.c_uint64 * rank)(*([elem * int(s) for s in reversed(strides[:-1])]
-                                                  + [0]))
-        box = (ctypes.c_uint32 * rank)(*reversed([int(b) for b in meta["block_size"]]))
-        ones = (ctypes.c_uint32 * rank)(*([1] * rank))
-        buf = (ctypes.c_uint8 * (2 * _TMA_MAP_BYTES))()
-        addr = ctypes.addressof(buf)
+        ffi = self._drv.ffi
+        dims = ffi.new("uint64_t[]", [int(s) for s in reversed(shape)])
+        byte_strides = ffi.new("uint64_t[]", [elem * int(s) for s in reversed(strides[:-1])]
+                               + [0])
+        box = ffi.new("uint32_t[]", [int(b) for b in reversed(meta["block_size"])])
+        ones = ffi.new("uint32_t[]", [1] * rank)
+        buf = ffi.new("uint8_t[]", 2 * _TMA_MAP_BYTES)
+        addr = int(ffi.cast("uintptr_t", buf))
         addr += (-addr) % _TMA_MAP_BYTES
-        rc = self._drv.encode(addr, _TMA_HOST_TYPE[int(meta["elem_type"])], rank,
-                              base.data_ptr(), dims, byte_strides, box, ones, 0,
+        rc = self._drv.encode(ffi.cast("void *", addr), _TMA_HOST_TYPE[int(meta["elem_type"])],
+                              rank, base.data_ptr(), dims, byte_strides, box, ones, 0,
                               int(meta["swizzle"]), _L2_PROMOTION_128B, 0)
         if rc != 0:
-            raise Unsupported(f"cuTensorMapEncodeTiled returned {rc}")
-        return buf, addr
+            raise Unsupported(f"cuTensorMapEncodeTiled refused the map ({rc})")
+        return buf, ffi.cast("void *", addr)
 
     # -- launching ---------------------------------------------------------------------
     def launch(self, grid: Sequence[int], args: Sequence) -> bool:
@@ -331,15 +342,17 @@ class NativeLaunch:
                 if not step(args[pos]):
                     stats["fallback"] += 1
                     return False
-        except Unsupported:  # a map the driver will not encode: Triton's launcher decides
+        except Exception:  # noqa: BLE001 - a map the driver will not encode, an argument of
+            # another kind than the kernel was compiled for (None for a tensor): the JIT decides
             stats["fallback"] += 1
             return False
-        g = tuple(grid) + (1,) * (3 - len(grid))
-        rc = self._drv.launch(self.function, g[0], g[1], g[2], self.block, 1, 1, self.shared,
-                              self._stream(), self._params, None)
+        n = len(grid)
+        rc = self._drv.launch(self.function, grid[0], grid[1] if n > 1 else 1,
+                              grid[2] if n > 2 else 1, self.block, self.shared, self._stream(),
+                              self._params)
         if rc != 0:
-            from .. import errors
-            raise errors.BackendUnavailableError(f"cuLaunchKernel returned CUDA error {rc}")
+            from ._native import check
+            check(rc, "native launch")
         stats["native"] += 1
         return True
 
@@ -358,3 +371,81 @@ def try_native(compiled, args, dynamic, device) -> Optional[NativeLaunch]:
 
 
 last_refusal: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------------------
+# Any jitted kernel: the JIT on the first call of a specialisation, the driver after
+# ---------------------------------------------------------------------------------------
+
+_MAX_SPECIALISATIONS = 4  # native launches kept per (device, argument count, constexprs)
+
+
+class FastKernel:
+    """A jitted Triton kernel launched as `fast[grid](*args, **constexprs)`, like the
+    JITFunction itself, with the host work of every launch after the first cut to a
+    NativeLaunch's argument steps and one cuLaunchKernel.
+
+    Launches are grouped by the current device, the number of positional arguments and the
+    keyword arguments (the constexprs and launch options, which must be hashable); within a
+    group each specialisation the JIT compiled gets its own NativeLaunch (up to four), and a
+    call whose arguments fit none of them goes through the JIT, which compiles or finds the
+    kernel, and then gets one. Every positional argument may change from call to call; the
+    NativeLaunch's tokens say when a call needs another kernel. Where the kernel or the
+    machine has no native launch (AMD, the interpreter, a float argument, a cooperative
+    grid) every call goes through the JIT, as before. A grid given as a function goes
+    through the JIT too."""
+
+    __slots__ = ("jit", "_groups", "_device_of")
+
+    def __init__(self, jit_fn):
+        self.jit = jit_fn
+        self._groups: dict = {}
+        self._device_of = None
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.run(grid, args, kwargs)
+
+    def run(self, grid, args: tuple, kwargs: dict):
+        if self._device_of is None:
+            self._device_of = _current_device_getter()
+        try:
+            key = (self._device_of(), len(args), tuple(kwargs.items()))
+            group = self._groups.get(key)
+        except TypeError:  # an unhashable keyword argument: no grouping, the JIT launches
+            return self.jit[grid](*args, **kwargs)
+        if group and not callable(grid):
+            for native in group:
+                if native.launch(grid, args):
+                    return None
+        compiled = self.jit[grid](*args, **kwargs)
+        if group is None:
+            group = self._groups[key] = []
+        if (compiled is not None and group is not False and len(group) < _MAX_SPECIALISATIONS
+                and not callable(grid)):
+            # (the JIT launched on the current device's stream: so does the native launch)
+            device = torch.device("cuda", key[0]) if key[0] >= 0 and _on_cuda(args) else None
+            native = try_native(compiled, args, range(len(args)), device) if device else None
+            if native is not None:
+                group.append(native)
+            elif not group:
+                self._groups[key] = False  # refused: this group stays on the JIT
+        return compiled
+
+    def __getattr__(self, name):  # the JITFunction's own attributes (arg_names, params, ...)
+        return getattr(self.jit, name)
+
+
+def _current_device_getter():
+    if torch.cuda.is_available():
+        return torch.cuda.current_device
+    return lambda: -1
+
+
+def _on_cuda(args) -> bool:
+    """Whether the first tensor among the arguments (a descriptor's base counts) is on a
+    CUDA device."""
+    for a in args:
+        t = a if isinstance(a, torch.Tensor) else getattr(a, "base", None)
+        if isinstance(t, torch.Tensor):
+            return t.is_cuda
+    return False
