@@ -122,3 +122,20 @@ def test_gpu_suite_refuses_an_unknown_part(machine):
     proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": "4"})
     assert proc.returncode == 2 and "GPU_SUITE_PART" in proc.stdout
     assert "-m pytest" not in calls
+
+
+def test_host_time_session_fails_when_a_gpu_test_fails_and_still_runs_the_benches(machine):
+    proc, calls = machine("benchmarks/gpu_host_time.sh", pytest=1)
+    assert proc.returncode == 1, proc.stdout
+    assert "-m rocmoe.bench.fused_gpu" in calls and "-m rocmoe.bench.moe --layer" in calls
+
+
+def test_host_time_session_stops_when_the_build_fails(machine):
+    proc, calls = machine("benchmarks/gpu_host_time.sh", cmake=1)
+    assert proc.returncode == 4, proc.stdout
+    assert "pytest" not in calls
+
+
+def test_host_time_session_passes_when_every_stage_passes(machine):
+    proc, _ = machine("benchmarks/gpu_host_time.sh")
+    assert proc.returncode == 0, proc.stdout

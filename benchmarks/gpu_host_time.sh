@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One GPU command for the host-time work of issues 14 and 17 (the native launch of every
+# Triton kernel, the lean handle calls, the GEMV kernel): build librocmoe for CUDA, run the
+# GPU tests those changes touch, then the benchmarks against the torch ops and the
+# grouped-GEMM layer. Stages run in order, each bounded by its own timeout, so one command
+# fits the device's 10-minute limit; what ran is in $OUT/session.log.
+#
+#   OUT=/some/dir bash benchmarks/gpu_host_time.sh [STAGES]
+#
+# STAGES (comma list; default build,fused_tests,fused_bench,layer_bench):
+#   build        librocmoe for CUDA in place (benchmarks/device_env.sh: build_cuda)
+#   fused_tests  pytest -m gpu on the fused handles: native launch, lean calls, graphs,
+#                no syncs, bad input (tests/ops_gpu/test_fused_gpu.py)
+#   moe_tests    pytest -m gpu tests/moe/test_gpu.py (the layer's kernels, syncs, memory)
+#   ep_tests     pytest -m gpu on expert parallelism and vExpert
+#   fused_bench  rocmoe bench fused_gpu --only gemm,gemv,embedding,overlap
+#   layer_bench  rocmoe bench moe --layer on $LAYER_SHAPES (default: the losing shapes)
+#   profile      benchmarks/profile_moe_host.py on 8192,1024,4096,64 (host functions)
+#   gemv         benchmarks/gemv_variants.py (the GEMV kernel's variants against torch.mv)
+# Files under $OUT (at most eight come back): session.log, build.log, fused.jsonl,
+# layer.jsonl, gemv.jsonl. Exits 1 when a stage failed (after running the others), 4 when
+# the build failed.
+set -u
+OUT=${OUT:-device_out}; mkdir -p "$OUT"
+STAGES=${1:-build,fused_tests,fused_bench,layer_bench}
+source benchmarks/device_env.sh || exit 3
+export TRITON_DEFAULT_FP_FUSION=1
+LOG="$OUT/session.log"
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+t0=$(date +%s); stamp() { echo "=== [$(( $(date +%s) - t0 ))s] $*" | tee -a "$LOG"; }
+failed=0
+run() {
+  "$@" 2>&1 | tee -a "$LOG" | tail -${TAIL:-15}
+  local rc=${PIPESTATUS[0]}
+  echo "rc=$rc" | tee -a "$LOG"
+  [ "$rc" = 0 ] || failed=1
+}
+set -o pipefail
+stamp "stages $STAGES"
+if has build; then
+  stamp build
+  build_cuda "$OUT/build.log" || exit 4
+  python3 -c "import rocmoe._native as n, torch, triton; print('platform', n.gpu_platform(), torch.__version__, triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
+fi
+PYTEST="python3 -m pytest -m gpu -rs -q -p no:cacheprovider"
+if has fused_tests; then
+  stamp fused_tests
+  run timeout ${FUSED_TESTS_S:-240} $PYTEST tests/ops_gpu/test_fused_gpu.py \
+    -k "${FUSED_TESTS_K:-native or lean or graph or sync or bad}"
+fi
+if has moe_tests; then
+  stamp moe_tests
+  run timeout ${MOE_TESTS_S:-330} $PYTEST tests/moe/test_gpu.py
+fi
+if has ep_tests; then
+  stamp ep_tests
+  run timeout ${EP_TESTS_S:-300} $PYTEST tests/moe/test_expert_parallel_gpu.py tests/moe/test_vexpert_gpu.py
+fi
+if has fused_bench; then
+  stamp fused_bench
+  TAIL=40 run timeout ${FUSED_BENCH_S:-200} python3 -m rocmoe.bench.fused_gpu \
+    --only ${FUSED_ONLY:-gemm,gemv,embedding,overlap} --reps ${FUSED_REPS:-9} --output "$OUT/fused.jsonl"
+  python3 benchmarks/fused_table.py "$OUT/fused.jsonl" 2>&1 | tee -a "$LOG" | tail -30
+fi
+if has layer_bench; then
+  stamp layer_bench
+  run timeout ${LAYER_BENCH_S:-200} python3 -m rocmoe.bench.moe --layer --variants none \
+    --shapes "${LAYER_SHAPES:-8192,1024,4096,64;32768,768,3072,64;4096,2048,1408,64}" \
+    --budget-s ${LAYER_BUDGET_S:-150} --output "$OUT/layer.jsonl"
+  python3 benchmarks/moe_layer_table.py "$OUT/layer.jsonl" 2>&1 | tee -a "$LOG" | tail -30
+fi
+if has profile; then
+  stamp profile
+  TAIL=60 run timeout 120 python3 benchmarks/profile_moe_host.py 8192,1024,4096,64
+fi
+if has gemv; then
+  stamp gemv
+  TAIL=40 run timeout ${GEMV_S:-200} python3 benchmarks/gemv_variants.py --out "$OUT/gemv.jsonl"
+fi
+stamp "done (failed=$failed)"
+exit $failed
