@@ -17,6 +17,7 @@ triton = require_module("triton", "ahead-of-time builds of the GEMM+All-to-All k
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from rocmoe.ops import gpu as gpu_ops  # noqa: E402
 from rocmoe.ops import triton_gemm_a2a as kernels  # noqa: E402
 
 TARGETS = {
@@ -165,3 +166,22 @@ def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2
     ptx = triton.compile(src, target=target, options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
     assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"
+
+
+@pytest.mark.parametrize("extra", [c for c in gpu_ops._TUNE_CANDIDATES + gpu_ops._TUNE_SKINNY
+                                   if "BLOCK_M" in c],
+                         ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}")
+def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
+    # the first call of a GemmAllToAll shape times these tiles on the GPU; each must build
+    # for Hopper with its TMA loads and matrix instructions (local mode, as the tuner runs)
+    cfg = dict(kernels.default_config("cuda"), **extra)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
+               x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
+    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    cfg.pop("USE_TMA", None)
+    constexprs = dict(cfg, WORLD_P2=2, GROUPS_P2=1, MODE=kernels.MODE_LOCAL, COPY=False,
+                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True)
+    src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
+    ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx

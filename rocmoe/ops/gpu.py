@@ -328,6 +328,14 @@ _TUNE_CANDIDATES = (
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
     dict(PROGRAMS_PER_SM=1),
 )
+# and for skinny X (at most _SKINNY_ROWS rows in the tuning call): 64 x 64 tiles, so that
+# 128 x 4096 times 4096 x 4096 is 128 tiles, about one per SM of an H200, where the
+# default's 128 x 256 tiles made 16 (0.76 of torch.matmul under CUDA graphs)
+_SKINNY_ROWS = 1024
+_TUNE_SKINNY = (
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=6),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+)
 
 
 class _GemmLaunch:
@@ -475,7 +483,8 @@ def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
     scratch_status = torch.zeros(3 * team.world + 2, dtype=torch.int32, device=x.device)
     scratch_recv = torch.empty(1, dtype=torch.int64, device=x.device)
     best, best_ms = None, float("inf")
-    for extra in _TUNE_CANDIDATES:
+    candidates = _TUNE_CANDIDATES + (_TUNE_SKINNY if x.shape[0] <= _SKINNY_ROWS else ())
+    for extra in candidates:
         cfg = dict(base, **extra)
         plan = _GemmLaunch(handle, scratch_team, x, w, groups, cfg,
                            scratch_status=scratch_status.data_ptr())
