@@ -19,9 +19,15 @@ Every JSON line names its baseline (the static placement, measured in the same r
   weights and data, alternated step by step, under a router that sends (almost) every
   token to rank 0's experts. ``ratio`` = static's median step time over vExpert's, steps
   after ``--warmup``.
-* ``cost_model_error``: the scheduler's cost model (profiled at its first step) predicts each
-  timed step's layer part (forward + backward + replica sync) from that step's placement
-  and counts; the record has the mean and max relative error, for both layers.
+* ``cost_model_error``: the scheduler's cost model (profiled at its first step, scaled by
+  the median of its last steps' measured / predicted times: cost_calibration.py) predicts
+  each timed step's layer part (forward + backward + replica sync) from that step's
+  placement and counts, with the calibration as it was before the step; the record has the
+  mean and max relative error. ``vexpert``: the scheduler's own calibration; ``static``:
+  the same mechanism on the static layer's steps (its forward + backward timed by the same
+  hooks, vexpert_clock.py); ``static_by_vexpert_calibration``: the static steps predicted
+  by the vExpert layer's calibrated model (another placement than the one it learnt on);
+  ``*_uncalibrated``: the profiled model alone.
 * ``scheduler_share``: the scheduler's own time (statistics, policy, agreeing, installing
   copies; not the gradient sum, which is training work) over the vExpert step time.
 * ``png``: tokens per rank over steps, static against vExpert (simulation and measured).
@@ -105,7 +111,11 @@ def simulate(policy: str, experts: int, world: int, steps: int = 100, seed: int 
                                                          torch.from_numpy(counts))))
         forecast.update(counts)
         copies = 0
-        if policy != "static" and pending is None and out["balance_ratio"][-1] > threshold:
+        # as the scheduler: due when this step or the forecast at the step a change would
+        # take effect is above the threshold
+        due = max(out["balance_ratio"][-1],
+                  balance_ratio(placement.rank_loads(forecast.forecast().sum(axis=0))))
+        if policy != "static" and pending is None and due > threshold:
             new = POLICIES[policy](placement, forecast.forecast(), model, threshold=threshold,
                                    max_copies_per_rank=max_copies_per_rank).placement
             if new != placement:
@@ -170,8 +180,10 @@ def measured(args) -> list[dict]:
     from mpi4py import MPI
     import rocmoe
     from ..moe import DroplessMoE, VExpertScheduler
+    from ..moe.cost_calibration import RatioWindow, split_prediction
     from ..moe.cost_model import prediction_error
     from ..moe.placement import Placement
+    from ..moe.vexpert_clock import LayerClock
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     if args.device == "cuda":   # the ranks share GPU 0 (ipc heap)
@@ -209,12 +221,21 @@ def measured(args) -> list[dict]:
     x = x.to(device)
     static_placement = Placement.static(args.experts, world, e_local)
     rows = {"static": [], "vexpert": []}
+    # the static layer's steps calibrate a model as the scheduler's do its layer's: the
+    # same hooks, the slowest rank's time, the median of the last ratios
+    static_clock = LayerClock(static)
+    static_window = RatioWindow(sched.calibration_window or 1)
 
     def timed(layer, opt, scheduler):
         sync()
         ctx.barrier()
         placement = layer.dispatcher.placement if scheduler else static_placement
         sync0 = sched.timings["sync_ms"] if scheduler else 0.0
+        # the models that predict this step, as they are before it
+        model = sched.calibrated_model(vex)
+        calibration = {"vexpert": model, "raw": sched.cost_model,
+                       "static": None if sched.cost_model is None else
+                       sched.cost_model.scaled(static_window.factor())}
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = ((layer(x) - target) ** 2).mean()
@@ -228,13 +249,19 @@ def measured(args) -> list[dict]:
             scheduler.step()
         else:
             counts = np.stack(comm.allgather(layer.tokens_per_expert.cpu().numpy()))
+            static_clock.close_step()
+            timed_ms = (static_clock.last_step() or (None, float("nan")))[1]
+            timed_ms = comm.allreduce(timed_ms, op=MPI.MAX)
+            if sched.cost_model is not None:
+                static_window.observe(split_prediction(sched.cost_model, placement, counts)[0],
+                                      timed_ms)
         sync()
         t2 = time.perf_counter()
         # the step ends when the slowest rank is done (the exchanges keep them in step)
         layer_ms = comm.allreduce((t1 - t0) * 1e3 + sync_ms, op=MPI.MAX)
         step_ms = comm.allreduce((t2 - t0) * 1e3, op=MPI.MAX)
         return {"layer_ms": layer_ms, "step_ms": step_ms, "placement": placement,
-                "counts": counts, "loss": float(loss.detach())}
+                "counts": counts, "loss": float(loss.detach()), "models": calibration}
 
     decide0 = None
     for step in range(args.measured_steps):
@@ -242,7 +269,6 @@ def measured(args) -> list[dict]:
         if step == args.warmup:
             decide0 = dict(sched.timings)
         rows["vexpert"].append(timed(vex, opt_v, sched))
-    model = sched.cost_model
     records = []
     if rank == 0:
         keep = slice(args.warmup, None)
@@ -267,26 +293,39 @@ def measured(args) -> list[dict]:
             "goal": ">= 1.3 under strong skew", "meets_goal": med["static"] / med["vexpert"] >= 1.3,
             "dropped_changes": sched.dropped_changes,
         })
-        for name, series in rows.items():
-            pred = [model.predict_ms(r["placement"], r["counts"]) for r in series[keep]]
-            meas = [r["layer_ms"] for r in series[keep]]
+        series_models = (("vexpert", "vexpert", "vexpert"), ("static", "static", "static"),
+                         ("static_by_vexpert_calibration", "static", "vexpert"),
+                         ("vexpert_uncalibrated", "vexpert", "raw"),
+                         ("static_uncalibrated", "static", "raw"))
+        for name, layer_name, which in series_models:
+            series = rows[layer_name][keep]
+            pred = [r["models"][which].predict_ms(r["placement"], r["counts"]) for r in series]
+            meas = [r["layer_ms"] for r in series]
             err = prediction_error(pred, meas)
+            last = series[-1]["models"][which]
             records.append({
                 "bench": "vexpert", "metric": "cost_model_error", "layer": name,
                 "what": "layer forward + backward + replica sync, slowest rank",
+                "predicted_by": {"vexpert": "the scheduler's model, calibrated on the vExpert "
+                                            "layer's steps before this one",
+                                 "static": "the profiled model calibrated on the static "
+                                           "layer's steps before this one",
+                                 "raw": "the profiled model, uncalibrated"}[which],
                 "predicted_ms_median": round(float(np.median(pred)), 2),
                 "measured_ms_median": round(float(np.median(meas)), 2),
                 "mean_abs_error": round(err["mean_abs_error"], 4),
                 "max_abs_error": round(err["max_abs_error"], 4),
                 "median_error": round(err["median_error"], 4), "steps": err["steps"],
+                "predicted_ms_steps": [round(v, 2) for v in pred],
+                "measured_ms_steps": [round(v, 2) for v in meas],
                 "predicted_terms_last_step_ms": {
-                    k: round(v, 3) for k, v in model.breakdown(series[-1]["placement"],
-                                                               series[-1]["counts"]).items()},
+                    k: round(v, 3) for k, v in last.breakdown(series[-1]["placement"],
+                                                              series[-1]["counts"]).items()},
                 "baseline": "measured step",
                 "goal": "<= 0.03 on the H200" if device.type == "cuda" else "<= 0.05 on host ranks",
                 "meets_goal": err["mean_abs_error"] <= (0.03 if device.type == "cuda" else 0.05),
                 "loadavg_1m": round(os.getloadavg()[0], 2),
-                "model": {k: v for k, v in model.to_dict().items()},
+                "model": last.to_dict(),
             })
         spent = {k: sched.timings[k] - decide0[k] for k in sched.timings}
         total = sum(r["step_ms"] for r in rows["vexpert"][keep])
@@ -308,6 +347,7 @@ def measured(args) -> list[dict]:
             "losses_static": [r["loss"] for r in rows["static"]],
             "losses_vexpert": [r["loss"] for r in rows["vexpert"]],
         })
+    static_clock.remove()
     sched.close()
     ctx.finalize()
     return records

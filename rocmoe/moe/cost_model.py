@@ -22,7 +22,7 @@ mean, so that every rank's policy makes the same decisions.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -56,33 +56,36 @@ class CostModel:
         holds = (reps > 0).T                                              # [W, E]
         kept = np.where(holds, np.minimum(counts, quota.T), 0.0)          # [W, E]
         rows = quota.sum(axis=0)
-        groups = ((quota > 0) & (placement.weight_slots() >= 0)).sum(axis=0)
+        groups = ((quota > 0) & holds.T).sum(axis=0)     # a rank's vExperts share a copy
         comp = self.ffn_fixed_ms * groups + self.ffn_ms_per_row * rows
-        # pairs that leave their rank, spread over the expert's other holders by their spare
-        # room (the routing fills exactly that room): flows [src, E, dst]
-        rest = counts - kept
-        spare = np.clip(quota - kept.T, 0.0, None)                        # [E, W]
-        other = 1.0 - np.eye(world)
-        weight = spare[None, :, :] * other[:, None, :]
-        norm = weight.sum(axis=2, keepdims=True)
-        flows = rest[:, :, None] * np.divide(weight, norm, out=np.zeros_like(weight),
-                                             where=norm > 0)
-        per_pair = flows.sum(axis=1)                                      # [src, dst]
         nodes = (np.arange(world) // self.ranks_per_node if self.ranks_per_node
                  else np.zeros(world, dtype=np.int64))
         cross = nodes[:, None] != nodes[None, :]
+        rates = {kind: self.a2a_ms_per_byte.get(kind, self.a2a_ms_per_byte.get("intra", 0.0))
+                 for kind in ("intra", "inter")}
         a2a = np.full(world, self.a2a_latency_ms)
-        for kind, mask in (("intra", ~cross), ("inter", cross)):
-            pairs = per_pair * mask
-            moved = np.maximum(pairs.sum(axis=1), pairs.sum(axis=0))      # sent, received
-            rate = self.a2a_ms_per_byte.get(kind, self.a2a_ms_per_byte.get("intra", 0.0))
-            a2a = a2a + rate * self.row_bytes * moved
+        if any(rates.values()):
+            # pairs that leave their rank, spread over the expert's other holders by their
+            # spare room (the routing fills exactly that room): flows [src, E, dst]
+            rest = counts - kept
+            spare = np.clip(quota - kept.T, 0.0, None)                    # [E, W]
+            other = 1.0 - np.eye(world)
+            weight = spare[None, :, :] * other[:, None, :]
+            norm = weight.sum(axis=2, keepdims=True)
+            flows = rest[:, :, None] * np.divide(weight, norm, out=np.zeros_like(weight),
+                                                 where=norm > 0)
+            per_pair = flows.sum(axis=1)                                  # [src, dst]
+            for kind, mask in (("intra", ~cross), ("inter", cross)):
+                pairs = per_pair * mask
+                moved = np.maximum(pairs.sum(axis=1), pairs.sum(axis=0))  # sent, received
+                a2a = a2a + rates[kind] * self.row_bytes * moved
         a2a = 4 * a2a
-        holds_e = reps > 0                                                # [E, W]
+        holds_e = holds.T                                                 # [E, W]
         members = holds_e.sum(axis=1)
-        per_group = np.array([self.allreduce_ms(int(m), self.expert_grad_bytes) if m > 1
-                              else 0.0 for m in members])
-        sync = (holds_e * per_group[:, None]).sum(axis=0)
+        sync = np.zeros(world)
+        for m in np.unique(members[members > 1]).tolist():
+            ms = self.allreduce_ms(int(m), self.expert_grad_bytes)
+            sync = sync + ms * holds_e[members == m].sum(axis=0)
         return {"comp": comp, "a2a": a2a, "sync": sync}
 
     def allreduce_ms(self, group_size: int, nbytes: int) -> float:
@@ -103,6 +106,17 @@ class CostModel:
         terms = self.rank_terms(placement, counts)
         return {"fixed_ms": self.fixed_ms, "comp_ms": float(terms["comp"].max()),
                 "a2a_ms": float(terms["a2a"].max()), "sync_ms": float(terms["sync"].max())}
+
+    def scaled(self, compute: float = 1.0, sync: float = 1.0) -> "CostModel":
+        """This model with the layer's forward + backward terms (fixed, FFN, exchanges)
+        times `compute` and the replica sums times `sync` (cost_calibration.py)."""
+        return replace(
+            self, ffn_fixed_ms=self.ffn_fixed_ms * compute,
+            ffn_ms_per_row=self.ffn_ms_per_row * compute,
+            a2a_latency_ms=self.a2a_latency_ms * compute,
+            a2a_ms_per_byte={k: v * compute for k, v in self.a2a_ms_per_byte.items()},
+            fixed_ms=self.fixed_ms * compute,
+            allreduce={g: [v[0] * sync, v[1] * sync] for g, v in self.allreduce.items()})
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -3,12 +3,16 @@
 Both are pure functions of (placement, pair counts [world, E], cost model) on the host and
 return a new placement; every rank runs them on the same inputs and gets the same answer.
 
-* :func:`greedy_policy` (FlexMoE): while the balance ratio is above the threshold, take the
-  hottest expert (most pairs per vExpert) and simulate Expand(hottest) into a free slot of a
-  rank, or Expand(hottest) + Shrink(coldest) to make the room, on every candidate rank;
-  keep the best if the cost model predicts a shorter step. Then Migrate: swap two slots
-  when that shrinks replica groups (fewer ranks to all-reduce over) and the model predicts
-  no longer step. Changes that need weight copies are limited per destination rank.
+* :func:`greedy_policy` (FlexMoE): first Shrink the vExperts of experts that cooled (each
+  carrying less than the threshold's margin of a rank's load) where the model predicts no
+  longer step, so that their slots serve again. Then, while the balance ratio is above the
+  threshold, take the straggler's hottest experts (most pairs per vExpert) and simulate
+  Expand(hot) into a free slot of a rank, or Expand(hot) + Shrink(coldest) to make the
+  room, on every candidate rank, each also followed by handing the receiving rank's other
+  vExperts on to ranks with room when it became the straggler itself; keep the best if
+  the cost model predicts a shorter step. Then Migrate: swap two slots when that shrinks
+  replica groups (fewer ranks to all-reduce over) and the model predicts no longer step.
+  Changes that need weight copies are limited per destination rank.
 * :func:`eplb_policy` (DeepSeek EPLB's idea, rewritten): start over every time: give each
   expert replicas greedily by load per replica until every slot is used, then pack the
   replicas onto ranks heaviest first, each onto the least loaded rank with a free slot
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost_model import CostModel
-from .placement import FREE, Placement, balance_ratio, copies_needed
+from .placement import FREE, Placement, balance_ratio
 
 
 # Once started (balance ratio above the threshold), the policy keeps improving until the
@@ -43,11 +47,10 @@ class PolicyResult:
 
 
 def _copies_per_rank(old: Placement, new: Placement) -> np.ndarray:
-    out = np.zeros(new.world_size, dtype=np.int64)
-    for c in copies_needed(old, new):
-        if c[1] != c[3]:
-            out[c[3]] += 1
-    return out
+    """[world] weight copies from another rank that turning `old` into `new` needs per
+    destination: one for each expert a rank holds in `new` and did not in `old` (the
+    cross-rank entries of copies_needed; a copy within a rank is not limited)."""
+    return ((new.replicas() > 0) & (old.replicas() == 0)).sum(axis=0)
 
 
 def greedy_policy(placement: Placement, counts, model: CostModel, threshold: float = 1.05,
@@ -59,6 +62,9 @@ def greedy_policy(placement: Placement, counts, model: CostModel, threshold: flo
     current_ms = model.predict_ms(current, counts)
     base_ms = current_ms
     result = PolicyResult(placement, current_ms, base_ms)
+    current, current_ms, result.shrinks = _reclaim(
+        current, loads, counts, model, current_ms,
+        below=(threshold - 1.0) * loads.sum() / current.world_size)
     for _ in range(max_moves):
         rank_loads = current.rank_loads(loads)
         if balance_ratio(rank_loads) <= 1.0 + (threshold - 1.0) * TARGET_FRACTION:
@@ -77,11 +83,17 @@ def greedy_policy(placement: Placement, counts, model: CostModel, threshold: flo
                 if rank == straggler:
                     continue
                 for kind, cand in _candidates(current, hot, rank, straggler, reps, per_vexpert):
-                    if (_copies_per_rank(start, cand) > max_copies_per_rank).any():
-                        continue
-                    ms = model.predict_ms(cand, counts)
-                    if best is None or ms < best[0] - 1e-12:
-                        best = (ms, kind, cand)
+                    options = [(kind, cand)]
+                    if kind != "move":
+                        handed = _hand_on(start, cand, rank, hot, loads, max_copies_per_rank)
+                        if handed != cand:
+                            options.append((kind, handed))
+                    for kind, cand in options:
+                        if (_copies_per_rank(start, cand) > max_copies_per_rank).any():
+                            continue
+                        ms = model.predict_ms(cand, counts)
+                        if best is None or ms < best[0] - 1e-12:
+                            best = (ms, kind, cand)
         if best is None or best[0] >= current_ms * (1 - 1e-6):
             break
         current_ms, kind, current = best
@@ -93,6 +105,66 @@ def greedy_policy(placement: Placement, counts, model: CostModel, threshold: flo
     result.placement, result.predicted_ms = current, current_ms
     result.migrates += migrates
     return result
+
+
+def _reclaim(current: Placement, loads, counts, model: CostModel, current_ms: float,
+             below: float) -> tuple[Placement, float, int]:
+    """Shrink vExperts that carry fewer than `below` pairs each, coldest first, where the
+    model predicts no longer step. An expert that was hot keeps its vExperts after it cools
+    until something frees them; without this they pile up (on a drifting Zipf load at 64
+    experts over 8 ranks one cold expert held 11 slots) and the policy finds no room left
+    for the experts that are hot now."""
+    freed = 0
+    reps = current.replicas().sum(axis=1)
+    options = sorted((loads[e] / reps[e], e, r) for r in range(current.world_size)
+                     for e in current.slot_expert[r].tolist()
+                     if e >= 0 and reps[e] > 1 and loads[e] / reps[e] < below)
+    for _, e, r in options:
+        left = int((current.slot_expert == e).sum())
+        if left < 2 or loads[e] / (left - 1) >= below:   # what the others would carry
+            continue
+        cand = current.shrunk(e, r)
+        ms = model.predict_ms(cand, counts)
+        if ms <= current_ms * (1 + 1e-9):
+            current, current_ms = cand, ms
+            freed += 1
+    return current, current_ms, freed
+
+
+def _hand_on(start: Placement, cand: Placement, rank: int, hot: int, loads,
+             max_copies_per_rank: int) -> Placement:
+    """`cand` gave `rank` a vExpert of `hot`; when that made `rank` the most loaded, move
+    its other vExperts, one at a time, to ranks with a free slot (the least loaded, so
+    often the ones whose share of `hot` just shrank), each where the larger of the two
+    loads ends up smallest, while that is below `rank`'s load. A hot expert whose vExperts
+    each carry more than the gap to the mean can only gain one this way: on its own the
+    Expand makes the receiving rank the straggler."""
+    held_before = start.replicas() > 0                                     # [E, W]
+    world = cand.world_size
+    for _ in range(cand.slots_per_rank):
+        reps = cand.replicas()
+        total = reps.sum(axis=1)
+        rank_loads = (loads[:, None] * reps / total[:, None]).sum(axis=0)
+        if rank_loads[rank] <= np.delete(rank_loads, rank).max():
+            break
+        experts = np.unique(cand.slot_expert[rank])
+        experts = experts[(experts >= 0) & (experts != hot)]
+        room = np.array([q for q in range(world)
+                         if q != rank and (cand.slot_expert[q] == FREE).any()], dtype=np.int64)
+        if not experts.size or not room.size:
+            break
+        share = loads[experts] / total[experts]                           # one vExpert's
+        worst = np.maximum(rank_loads[rank] - share[:, None],
+                           rank_loads[room][None, :] + share[:, None])
+        copies = ((reps > 0) & ~held_before).sum(axis=0)
+        new_copy = ~held_before[np.ix_(experts, room)] & (reps[np.ix_(experts, room)] == 0)
+        worst[new_copy & (copies[room] >= max_copies_per_rank)[None, :]] = np.inf
+        i, j = np.unravel_index(int(np.argmin(worst)), worst.shape)
+        if not worst[i, j] < rank_loads[rank] * (1 - 1e-9):
+            break
+        e, q = int(experts[i]), int(room[j])
+        cand = cand.expanded(e, q).shrunk(e, rank)
+    return cand
 
 
 def _candidates(current: Placement, hot: int, rank: int, straggler: int, reps, per_vexpert):

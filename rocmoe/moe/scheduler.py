@@ -20,16 +20,21 @@ Timeline of a change decided by ``scheduler.step()`` after step t:
 
 The gradient sum of replicated experts (replica_sync.py) happens in the pre-hook every
 step. The policy (policy.py) runs every ``rebalance_every`` steps of a layer while its
-balance ratio is above ``balance_threshold`` (backing off, up to 16 intervals, after runs
-that changed nothing: PolicyBackoff), on the pair counts every rank has seen (an
-exponential average), with the cost model (cost_model.py) profiled at the first step.
-Every rank computes the same decision; the new placement's fingerprint is compared across
-ranks before it is used. On a GPU the statistics are one step older (their copy to the host
-runs in the background), so ``step()`` never waits for the device.
+balance ratio, or the one forecast for the step a change would take effect, is above
+``balance_threshold`` (backing off, up to 16 intervals, after runs that changed nothing:
+PolicyBackoff), on the forecast of the pair counts every rank has seen
+(load_forecast.py), with the cost model (cost_model.py) profiled at the first step and
+scaled by what its predictions of the last steps missed (cost_calibration.py: the layer's
+forward + backward timed by hooks, vexpert_clock.py, and the replica sum; the slowest
+rank's times, agreed by one all-gather a step). Every rank computes the same decision; the
+new placement's fingerprint is compared across ranks before it is used. On a GPU the
+statistics are one step older (their copy to the host runs in the background), so
+``step()`` never waits for the device.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Optional
@@ -38,6 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigurationError, PlacementError
+from .cost_calibration import RatioWindow, split_prediction
 from .cost_model import CostModel, profile
 from .expert_copy import Copy, ExpertMover
 from .load_forecast import LoadForecast
@@ -45,6 +51,7 @@ from .placement import Placement, balance_ratio, copies_needed
 from .policy import POLICIES
 from .rank_agreement import agree_on_fields, allgather_ints
 from .replica_sync import REDUCERS, ReplicaGroup, auto_reducer, reduce_dtype
+from .vexpert_clock import LayerClock
 from .vexpert_routing import VExpertDispatcher
 
 
@@ -108,7 +115,7 @@ class PolicyBackoff:
 
 
 class _LayerState:
-    def __init__(self, layer, mover, load: LoadForecast):
+    def __init__(self, layer, mover, load: LoadForecast, window: int):
         self.layer = layer
         self.mover = mover
         self.pending: Optional[Placement] = None
@@ -116,6 +123,8 @@ class _LayerState:
         self.staged = None   # GPU: (pinned counts, event) of the previous step
         self.steps = 0
         self.backoff = PolicyBackoff()
+        self.compute = RatioWindow(max(window, 1))   # measured / predicted forward + backward
+        self.clock: Optional[LayerClock] = None      # attached once the ranks agreed
 
 
 class VExpertScheduler:
@@ -129,13 +138,15 @@ class VExpertScheduler:
     the averaged counts);
     replica_sync: how replicated experts' gradients are summed (replica_sync.py): "auto"
     (torch.distributed where the user initialized it, else MPI for CPU layers and the
-    symmetric heap for GPU ones), "torch", "mpi" or "heap"."""
+    symmetric heap for GPU ones), "torch", "mpi" or "heap";
+    calibration_window: the cost model is scaled by the median of this many last steps'
+    measured / predicted times (cost_calibration.py); 0 keeps the profiled model as it is."""
 
     def __init__(self, layers, optimizer, *, policy: str = "greedy",
                  cost_model: Optional[CostModel] = None, max_copies_per_rank: int = 2,
                  group_cache_size: int = 64, load_decay: float = 0.5, load_trend: float = 0.5,
                  timeout_s: Optional[float] = None, log_steps: int = 1000,
-                 replica_sync: str = "auto"):
+                 replica_sync: str = "auto", calibration_window: int = 8):
         self.layers = _vexpert_layers(layers)
         if not self.layers:
             raise ConfigurationError("VExpertScheduler found no DroplessMoE layer with "
@@ -153,6 +164,9 @@ class VExpertScheduler:
         self.max_copies_per_rank = int(max_copies_per_rank)
         self.load_decay, self.load_trend = float(load_decay), float(load_trend)
         load_ok = 0.0 <= self.load_decay < 1.0 and 0.0 <= self.load_trend <= 1.0
+        window_ok = isinstance(calibration_window, int) and not isinstance(
+            calibration_window, bool) and calibration_window >= 0
+        self.calibration_window = int(calibration_window) if window_ok else 0
         if timeout_s is None:
             timeout_s = getattr(self.ctx, "timeout_s", 60.0) if self.ctx is not None else 60.0
         self.timeout_s = float(timeout_s)
@@ -161,14 +175,19 @@ class VExpertScheduler:
         self.states = [_LayerState(layer, ExpertMover(self.ctx, layer, optimizer, self.timeout_s)
                                    if multi else None,
                                    LoadForecast(1.0 - self.load_decay, self.load_trend, 2.0)
-                                   if load_ok else LoadForecast())
+                                   if load_ok else LoadForecast(), self.calibration_window)
                        for layer in self.layers]
+        self.sync = RatioWindow(max(self.calibration_window, 1))  # the replica sums'
+        self._sync_ms = float("nan")   # the last pre-hook's replica sum, this rank
         problem = None if replica_sync in REDUCERS or replica_sync == "auto" else \
             ConfigurationError(f"replica_sync must be 'auto' or one of {sorted(REDUCERS)}, "
                                f"got {replica_sync!r}")
         if problem is None and not load_ok:  # raised on every rank, after the agreement
             problem = ConfigurationError(f"load_decay must be in [0, 1) and load_trend in "
                                          f"[0, 1], got {load_decay} and {load_trend}")
+        if problem is None and not window_ok:
+            problem = ConfigurationError(f"calibration_window must be an int >= 0 (0: no "
+                                         f"calibration), got {calibration_window!r}")
         self.replica_sync, self.reducer = None, None
         if problem is not None and not multi:
             raise problem
@@ -178,11 +197,15 @@ class VExpertScheduler:
             # a rank that chose another reducer would wait in another collective
             choices = sorted(REDUCERS)
             agree_on_fields(self.ctx, {"replica_sync": choices.index(replica_sync)
-                                       if problem is None else -1},
+                                       if problem is None else -1,
+                                       "calibration_window": self.calibration_window},
                             "VExpertScheduler", problem, labels={"replica_sync": choices})
             self.replica_sync = replica_sync
             options = {} if replica_sync == "heap" else {"cache_size": group_cache_size}
             self.reducer = REDUCERS[replica_sync](self.ctx, self.timeout_s, **options)
+            if self.calibration_window:
+                for st in self.states:
+                    st.clock = LayerClock(st.layer)
         self.steps = 0
         # one record per step (statistics, decisions), the most recent ones
         self.log: "deque[dict]" = deque(maxlen=log_steps)
@@ -240,6 +263,7 @@ class VExpertScheduler:
         t1 = time.perf_counter()
         self._sum_replica_gradients(commit)
         t2 = time.perf_counter()
+        self._sync_ms = (t2 - t1) * 1e3
         for st in self.states:
             if id(st) in commit:
                 st.mover.install()
@@ -315,11 +339,13 @@ class VExpertScheduler:
 
     # -- after the optimizer step: statistics and decisions ---------------------------------
     def step(self) -> None:
-        """Collective (every rank, after optimizer.step()): read the last step's loads,
-        run the policy where due, start the changes it decides."""
+        """Collective (every rank, after optimizer.step()): read the last step's loads and
+        times, calibrate the cost model, run the policy where due, start the changes it
+        decides."""
         t0 = time.perf_counter()
         self.steps += 1
         record = {"step": self.steps, "layers": []}
+        timed = self._agree_on_times()
         for index, st in enumerate(self.states):
             counts = self._read_counts(st)
             if counts is None:
@@ -334,19 +360,27 @@ class VExpertScheduler:
             ratio = balance_ratio(placement.rank_loads(counts.sum(axis=0)))
             entry = {"balance_ratio": ratio, "rank_loads":
                      placement.rank_loads(counts.sum(axis=0)).tolist(), "decision": None}
+            if timed is not None and timed[0][index][0] is not None:
+                entry["cost_model"] = self._calibrate(st, counts, *timed[0][index])
+            forecast = st.load.forecast()
+            # the change would take effect when the forecast is for: act on a rise before
+            # the rank that takes it is the straggler
+            ahead = balance_ratio(placement.rank_loads(forecast.sum(axis=0)))
+            entry["forecast_balance_ratio"] = ahead
+            due = max(ratio, ahead)
             every = st.layer.rebalance_every
             if self.world_size > 1 and st.pending is None and st.steps % every == 0 \
-                    and ratio > st.layer.balance_threshold:
-                if not st.backoff.due(st.steps, ratio):
+                    and due > st.layer.balance_threshold:
+                if not st.backoff.due(st.steps, due):
                     entry["decision"] = {"skipped": "backoff", "next_step":
                                          st.backoff.next_step}
                     record["layers"].append(entry)
                     continue
                 result = POLICIES[self.policy](
-                    placement, st.load.forecast(), self.cost_model,
+                    placement, forecast, self.calibrated_model(st.layer),
                     threshold=st.layer.balance_threshold,
                     max_copies_per_rank=self.max_copies_per_rank)
-                st.backoff.verdict(st.steps, every, ratio, result.placement != placement)
+                st.backoff.verdict(st.steps, every, due, result.placement != placement)
                 if result.placement != placement:
                     entry["decision"] = self._change(st, result.placement)
                     entry["decision"].update(expands=result.expands, shrinks=result.shrinks,
@@ -354,8 +388,58 @@ class VExpertScheduler:
                                              predicted_ms=result.predicted_ms,
                                              baseline_ms=result.baseline_ms)
             record["layers"].append(entry)
+        if timed is not None:
+            record["replica_sum"] = self._calibrate_sync(timed[1])
+        self._sync_ms = float("nan")
         self.log.append(record)
         self.timings["decide_ms"] += (time.perf_counter() - t0) * 1e3
+
+    # -- the cost model's calibration -----------------------------------------------------
+    def calibrated_model(self, layer) -> Optional[CostModel]:
+        """The cost model scaled by what it missed on the last steps (cost_calibration.py):
+        what the policy decides with, and the next step's prediction. None before the
+        profile."""
+        if self.cost_model is None:
+            return None
+        return self.cost_model.scaled(self._state(layer).compute.factor(), self.sync.factor())
+
+    def _agree_on_times(self):
+        """Collective: the slowest rank's forward + backward ms of each layer's timed step
+        (NaN where a rank did not time it) and of this step's replica sum; None without
+        calibration."""
+        if self.world_size == 1 or not self.calibration_window:
+            return None
+        for st in self.states:
+            st.clock.close_step()
+        mine = [st.clock.last_step() for st in self.states]
+        values = [float("nan") if m is None else m[1] for m in mine] + [self._sync_ms]
+        slowest = self._allgather_floats(values).max(axis=0)   # NaN where any rank has one
+        return [(None if m is None else m[0], float(ms))
+                for m, ms in zip(mine, slowest[:-1])], float(slowest[-1])
+
+    def _calibrate(self, st: _LayerState, counts, placement, measured_ms: float) -> dict:
+        """Compare the timed step with what the model, as calibrated before it, predicted,
+        then take its ratio into the layer's calibration. `counts` are the timed step's
+        (on a GPU both are a step old)."""
+        compute_ms, _ = split_prediction(self.cost_model, placement, counts)
+        out = {"predicted_ms": compute_ms * st.compute.factor(), "measured_ms": measured_ms,
+               "uncalibrated_ms": compute_ms}
+        st.compute.observe(compute_ms, measured_ms)
+        return out
+
+    def _calibrate_sync(self, sync_ms: float) -> Optional[dict]:
+        """The same for the replica sums of the step's pre-hook (every layer's at once)."""
+        placements = [st.clock.current_placement() for st in self.states]
+        if self.cost_model is None or None in placements or not math.isfinite(sync_ms):
+            return None
+        predicted = sum(split_prediction(self.cost_model, p, np.zeros(
+            (self.world_size, p.num_experts)))[1] for p in placements)
+        if predicted <= 1e-6:     # nothing replicated: nothing the model would scale
+            return None
+        out = {"predicted_ms": predicted * self.sync.factor(), "measured_ms": sync_ms,
+               "uncalibrated_ms": predicted}
+        self.sync.observe(predicted, sync_ms)
+        return out
 
     def _read_counts(self, st: _LayerState) -> Optional[np.ndarray]:
         """The last forward's [world, E] pair counts on the host. On a GPU without waiting
@@ -432,8 +516,10 @@ class VExpertScheduler:
         """The scheduler's own state (each layer's placement is in the layer's state_dict)."""
         return {"version": 1, "steps": self.steps, "policy": self.policy,
                 "cost_model": None if self.cost_model is None else self.cost_model.to_dict(),
+                "sync_calibration": self.sync.state_dict(),
                 "layers": [{"steps": st.steps, "load": st.load.state_dict(),
-                            "backoff": st.backoff.state_dict()}
+                            "backoff": st.backoff.state_dict(),
+                            "calibration": st.compute.state_dict()}
                            for st in self.states]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -444,12 +530,15 @@ class VExpertScheduler:
         self.policy = state["policy"]
         model = state.get("cost_model")
         self.cost_model = None if model is None else CostModel.from_dict(model)
+        # a state from before the calibration: the profiled model as it was
+        self.sync.load_state_dict(state.get("sync_calibration"))
         for st, saved in zip(self.states, state["layers"]):
             st.steps = int(saved["steps"])
             # a state from before the forecast has the averaged counts alone: no trend yet
             st.load.load_state_dict(saved["load"] if "load" in saved
                                     else {"level": saved.get("counts_ema")})
             st.backoff.load_state_dict(saved.get("backoff"))
+            st.compute.load_state_dict(saved.get("calibration"))
             st.pending = None
 
     def close(self) -> None:
@@ -458,6 +547,9 @@ class VExpertScheduler:
             self._hook.remove()
             self._hook = None
         for st in self.states:
+            if st.clock is not None:
+                st.clock.remove()
+                st.clock = None
             if st.mover is not None:
                 st.mover.free()
         if self.reducer is not None:

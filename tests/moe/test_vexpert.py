@@ -21,7 +21,8 @@ def _launch(ranks, checks, *args):
 # cores); each test below reads its own check's lines.
 @pytest.fixture(scope="module")
 def two_ranks():
-    return _launch(2, "equal,primitives,train,bad,config,reducer_timeout,profile")
+    return _launch(2, "equal,primitives,train,bad,config,reducer_timeout,profile,"
+                      "forecast_trigger,calibration")
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +120,18 @@ def test_a_replica_sum_member_that_never_joins_makes_the_others_raise_comm_timeo
     assert "rank=0 missing_member=CommTimeoutError after" in out
 
 
+@pytest.mark.mpi
+def test_the_policy_runs_when_the_forecast_is_above_the_threshold_before_the_load_is(
+        two_ranks):
+    _passed(two_ranks, "forecast_trigger", 2)
+
+
+@pytest.mark.mpi
+def test_each_step_is_predicted_by_the_model_calibrated_on_the_steps_before_it(two_ranks):
+    # and every rank logs the same prediction and time (the slowest rank's)
+    _passed(two_ranks, "calibration", 2)
+
+
 # -- counts only: the policies under a drifting Zipf(1.2) load -------------------------------
 def _simulate(policy, experts, world, steps=60, seed=0):
     from rocmoe.bench.vexpert import simulate
@@ -153,3 +166,47 @@ def test_bench_vexpert_sim_prints_one_record_per_policy_and_config_with_its_base
         # the ratio is the one of the two means it reports (each rounded to 4 places)
         assert abs(r["ratio"] - r["baseline_mean_balance_ratio"] / r["mean_balance_ratio"]) < 1e-3
         assert r["every_pair_routed"]
+
+
+def _policy_on(placement, loads, **kw):
+    from rocmoe.moe.cost_model import CostModel
+    from rocmoe.moe.policy import greedy_policy
+    loads = np.asarray(loads, dtype=np.float64)
+    counts = np.tile(loads / placement.world_size, (placement.world_size, 1))
+    return greedy_policy(placement, counts, CostModel(), **kw)
+
+
+def test_greedy_policy_frees_the_slots_of_an_expert_that_cooled():
+    from rocmoe.moe.placement import Placement
+    # expert 5 was hot and kept three vExperts; it now carries 1 pair of 251
+    start = Placement([[0, 1, -1, -1], [2, 3, 5, 5], [4, 5, -1, -1]], 6)
+    result = _policy_on(start, [100, 20, 40, 40, 50, 1])
+    assert (result.placement.slot_expert == 5).sum() == 1
+    assert result.predicted_ms < result.baseline_ms
+
+
+def test_greedy_policy_gives_an_expert_whose_holders_hold_nothing_else_a_third_vexpert():
+    from rocmoe.moe.placement import Placement
+    # expert 7 (240 of 400 pairs) alone on ranks 2 and 3: an Expand onto rank 0 or 1 alone
+    # makes that rank the straggler; it pays once that rank hands experts on to 2 and 3
+    start = Placement([[0, 1, 2, 3], [4, 5, 6, -1], [7, -1, -1, -1], [7, -1, -1, -1]], 8)
+    result = _policy_on(start, [30, 25, 20, 15, 35, 20, 15, 240])
+    assert len(result.placement.holders(7)) >= 3
+    assert result.predicted_ms < result.baseline_ms
+
+
+def test_greedy_policy_copies_at_most_max_copies_per_rank_weights_into_a_rank():
+    from rocmoe.bench.vexpert import DriftingZipf
+    from rocmoe.moe.cost_model import CostModel
+    from rocmoe.moe.placement import Placement, copies_needed
+    from rocmoe.moe.policy import greedy_policy
+    rng = np.random.default_rng(3)
+    load = DriftingZipf(32, 5, rng)
+    placement = Placement.static(32, 4, 12)
+    for step in range(40):
+        counts = np.stack([rng.multinomial(2048, load.probs(step)) for _ in range(4)])
+        new = greedy_policy(placement, counts, CostModel(), max_copies_per_rank=1).placement
+        into = np.bincount([c[3] for c in copies_needed(placement, new) if c[1] != c[3]],
+                           minlength=4)
+        assert into.max() <= 1, (step, into)
+        placement = new

@@ -19,7 +19,13 @@ Checks (each prints ``VX_OK <check> rank=<r> ...`` or ``VX_FAIL <check> ...``):
 * ``reducer_sums``: the heap reducer's sums are the float64 sums in member order, the same
   bits on every member, and equal to the MPI reducer's;
 * ``reducer_timeout``: a member that never joins a heap sum makes the waiting members raise
-  CommTimeoutError within the timeout, and a new reducer works after.
+  CommTimeoutError within the timeout, and a new reducer works after;
+* ``forecast_trigger``: a load rising on rank 0 whose last step is still under the
+  threshold but whose forecast is above it makes the policy run;
+* ``calibration``: training steps under a scheduler with a one-step calibration window:
+  each step's logged prediction is the uncalibrated one times the step before's measured /
+  uncalibrated ratio (made before the step it predicts), the same on every rank; the
+  calibration travels in the scheduler's state_dict.
 """
 
 from __future__ import annotations
@@ -555,10 +561,74 @@ def check_reducer_timeout(ctx, dtype, tol):
                   + ("" if ok else f" problems={problems}"))
 
 
+def check_forecast_trigger(ctx, dtype, tol):
+    """Counts set by hand: expert 0 (rank 0's) rises by 5 pairs from each source a step.
+    The policy must run at the first step whose forecast is above the threshold even
+    though that step's own balance ratio is not."""
+    rank, world = ctx.rank, ctx.world_size
+    layer = DroplessMoE(H, F, E, K, block_size=BLOCK, ctx=ctx, placement="vexpert",
+                        slots_per_rank=E // world + 2, rebalance_every=1,
+                        balance_threshold=1.05).to(DEVICE, dtype)
+    sched = VExpertScheduler([layer], None, cost_model=CostModel(), replica_sync=REPLICA_SYNC)
+    ran_early, steps = None, []
+    for t in range(8):
+        counts = torch.full((world, E), 40, dtype=torch.int64)
+        counts[:, 0] += 5 * t
+        layer.dispatcher.last_counts = counts
+        sched.step()
+        entry = sched.log[-1]["layers"][0]
+        steps.append((round(entry["balance_ratio"], 4),
+                      round(entry["forecast_balance_ratio"], 4), entry["decision"] is not None))
+        if entry["balance_ratio"] <= 1.05 < entry["forecast_balance_ratio"]:
+            ran_early = entry["decision"] is not None
+            break
+    sched.close()
+    return report("forecast_trigger", bool(ran_early), rank, f"steps={steps}")
+
+
+def check_calibration(ctx, dtype, tol, steps=6):
+    rank, world = ctx.rank, ctx.world_size
+    torch.manual_seed(5)
+    vex = DroplessMoE(H, F, E, K, block_size=BLOCK, ctx=ctx, placement="vexpert",
+                      slots_per_rank=E // world + 2, rebalance_every=1).to(DEVICE, dtype)
+    opt = torch.optim.SGD(vex.parameters(), lr=0.05)
+    model = CostModel(ffn_ms_per_row=1e-3, fixed_ms=0.1)
+    sched = VExpertScheduler([vex], opt, cost_model=model, replica_sync=REPLICA_SYNC,
+                             calibration_window=1)
+    xs = batches(world, dtype, seed=21, skew=3.0)
+    for _ in range(steps):
+        train_step(vex, opt, sched, xs[rank], torch.tanh(xs[rank]))
+    timed = [r["layers"][0]["cost_model"] for r in sched.log
+             if r["layers"][0] and r["layers"][0].get("cost_model")]
+    problems = []
+    if len(timed) != steps:
+        problems.append(f"{len(timed)} of {steps} steps timed")
+    for before, now in zip(timed, timed[1:]):
+        expected = now["uncalibrated_ms"] * before["measured_ms"] / before["uncalibrated_ms"]
+        if not abs(now["predicted_ms"] - expected) <= 1e-9 * expected:
+            problems.append(f"predicted {now['predicted_ms']} != {expected}")
+    if not all(t["measured_ms"] > 0 for t in timed):
+        problems.append("a step without a positive time")
+    everyone = COMM.allgather(json.dumps(timed))
+    if len(set(everyone)) != 1:
+        problems.append("the ranks logged different predictions")
+    state = sched.state_dict()
+    ratios = state["layers"][0]["calibration"]
+    if len(ratios) != 1 or abs(ratios[0] - timed[-1]["measured_ms"]
+                               / timed[-1]["uncalibrated_ms"]) > 1e-12 * ratios[0]:
+        problems.append(f"state_dict calibration {ratios}")
+    calibrated = sched.calibrated_model(vex).ffn_ms_per_row
+    sched.close()
+    return report("calibration", not problems, rank,
+                  f"timed={len(timed)} ffn_ms_per_row={calibrated:.3g}"
+                  + (f" problems={problems}" if problems else ""))
+
+
 CHECKS = {"equal": check_equal, "syncs": check_syncs, "primitives": check_primitives, "train": check_train,
           "bad": check_bad, "config": check_config, "reducer_sums": check_reducer_sums,
           "reducer_timeout": check_reducer_timeout,
-          "profile": check_profile}
+          "profile": check_profile, "forecast_trigger": check_forecast_trigger,
+          "calibration": check_calibration}
 
 
 def main(argv=None) -> int:
