@@ -1,28 +1,63 @@
 // Fused GEMV + AllReduce: y = sum_r W_r x_r, two-phase direct all-reduce.
 //
-// One persistent kernel runs the three phases (one launch: separate phase-2, wait, copy and
-// ack launches cost ~25 us on a 0.14 ms GEMV on an H200, most of the gap to torch's matvec).
-// Phase 1 (reduce-scatter by stores), on the schedule:
-//   slice  owner o: rows [split_begin(N, world, o), split_begin(N, world, o + 1)) of the
-//          partial product W_r x_r; they are stored as fp32 straight into o's receive
-//          buffer at partials[r][row - chunk begin]
-//   task   rows_per_tile rows (32 by default); one wave computes one row's dot product at a time
-// Phase 2 (all-gather by stores), the task numbers after phase 1's:
-//   each workgroup first waits (bounded) for every rank's phase-1 signal of this rank's
-//   chunk, then for each destination d and tile of kReduceTile rows sums the partials in
-//   rank order (so every rank gets bit-identical y) and stores the tile, converted to the
-//   op's dtype, into d's receive buffer at gather_offset; the slice completer signals d.
-// Phase 3 (the last workgroup out): wait for every owner's phase-2 signal; when the caller
-//   passes `out`, copy y out of the receive buffer into it and acknowledge every peer (its
-//   next-but-one call may reuse this buffer).
+// World size 1 (ROCMOE_GEMV_DIRECT=1, the default) runs a plain GEMV with no protocol at all:
+// no task counter, no barrier, no signal. The rows are cut in groups of kRows; the groups
+// are split statically and evenly over every wave of a grid that is resident all at once
+// (wave_groups), so every compute unit streams the same share of W and the waves finish
+// together; each wave writes y of its groups straight into `out`. Block 0 only advances the
+// epoch word, as the protocol kernel would. Two kernels do this:
+//   gemv_async_kernel   (NVIDIA, the default there) each lane copies its 16-byte vectors of
+//                       W (kRows rows) and x with cp.async into its own slots of a
+//                       kStages-deep ring in shared memory and computes the step that landed
+//                       kStages - 1 steps ago (stream_steps): the bytes in flight are not
+//                       bounded by registers, and the pipeline runs on across row groups
+//   gemv_direct_kernel  (AMD; NVIDIA when ROCMOE_GEMV_STAGES=0 or the rows are not 16-byte
+//                       vectors) kUnroll 16-byte loads per row in flight in registers
+// Both compute kRows rows at a time, so that each vector of x serves kRows rows: one wave per
+// row loaded x once per row, as many x loads as W loads (for bf16 a 16-byte load is only 8
+// elements).
 //
-// The handle protocol (rocmoe.h): the epoch comes from the workspace (the last workgroup out
-// advances it), phase-1 deliveries carry a count (N; a rank that rejected its input sends
-// ROCMOE_COUNT_ABORTED instead), and writes into a destination wait for its acknowledgement
-// of call epoch - 2. At world size 1 there is no one to reduce with: phase 1 writes y itself.
+// Otherwise: gemv_all_reduce_kernel, one persistent kernel for the three phases (one launch:
+// separate phase-2, wait, copy and ack launches cost ~25 us on a 0.14 ms GEMV on an H200,
+// most of the gap to torch's matvec).
+//   Phase 1 (reduce-scatter by stores), on the schedule:
+//     slice  owner o: rows [split_begin(N, world, o), split_begin(N, world, o + 1)) of the
+//            partial product W_r x_r; they are stored as fp32 straight into o's receive
+//            buffer at partials[r][row - chunk begin]
+//     task   rows_per_tile rows (ROCMOE_GEMV_ROWS; by default about N / workgroups, so that
+//            each workgroup claims about once); its waves take groups of kRows rows in turn
+//   Phase 2 (all-gather by stores), the task numbers after phase 1's:
+//     each workgroup first waits (bounded) for every rank's phase-1 signal of this rank's
+//     chunk, then for each destination d and tile of kReduceTile rows sums the partials in
+//     rank order (so every rank gets bit-identical y) and stores the tile, converted to the
+//     op's dtype, into d's receive buffer at gather_offset; the slice completer signals d.
+//   Phase 3 (the last workgroup out): wait for every owner's phase-2 signal; when the caller
+//     passes `out`, copy y out of the receive buffer into it and acknowledge every peer (its
+//     next-but-one call may reuse this buffer).
+//   The handle protocol (rocmoe.h): the epoch comes from the workspace (the last workgroup
+//   out advances it), phase-1 deliveries carry a count (N; a rank that rejected its input
+//   sends ROCMOE_COUNT_ABORTED instead), and writes into a destination wait for its
+//   acknowledgement of call epoch - 2. At world size 1 (ROCMOE_GEMV_DIRECT=0) phase 1 writes
+//   y itself.
 //
-// Bandwidth: phase 1 reads W once with read-only 16-byte loads, kUnroll in flight per lane;
-// x (K_r elements) stays in the caches. Phase 2 moves N * world floats, negligible next to W.
+// Accumulation is fp32 everywhere. Knobs, read once per process (benchmarks/gemv_variants.py
+// sweeps them; the defaults are a guess until that sweep has run on an H200):
+//   ROCMOE_GEMV_ROWS_PER_WARP  kRows: rows a wave computes at once
+//   ROCMOE_GEMV_STAGES         NVIDIA, world size 1: cp.async ring depth (0: registers);
+//                              (rows, stages) built: 1x4 1x6 2x3 2x4, others the default 2x4
+//   ROCMOE_GEMV_UNROLL         register kernels: 16-byte loads in flight per row and lane;
+//                              (rows, unroll) built: 1x4 1x8 2x2 2x4 4x1 4x2, others 2x4
+//   ROCMOE_GEMV_LOAD           NVIDIA, register kernel at world size 1: W's loads are
+//                              0 ld.global.nc, 1 + L1::no_allocate, 2 + L2::256B prefetch
+//   ROCMOE_GEMV_PER_CU         workgroups per compute unit (at most what fits)
+//   ROCMOE_GEMV_DIRECT         0: world size 1 runs the protocol kernel too
+//   ROCMOE_GEMV_ROWS           rows per phase-1 task of the protocol kernel (0: automatic)
+// Four workgroups of kThreads fit on a compute unit (64 registers on sm_90, 48 KiB of shared
+// memory at most): the H200 sweep ran the old GEMV at 0.58 of copy bandwidth with three
+// resident, 0.74-0.78 with four.
+//
+// ROCMOE_GEMV_SCHEDULE_ONLY (tests/ops/test_gemv_schedule.py): only the schedule helpers,
+// no kernels launched, so a host program can include this file and run them on the CPU.
 #include "fused_common.hpp"
 
 #include "../internal.hpp"
@@ -33,8 +68,15 @@ namespace rocmoe {
 namespace fused {
 namespace {
 
-constexpr int kDefaultRowsPerTile = 32;
 constexpr int kReduceTile = 2048;
+constexpr int kGemvMinBlocks = 4;
+
+constexpr int kDefaultRows = 2;
+constexpr int kDefaultUnroll = 4;
+constexpr int kDefaultStages = 4;
+constexpr int kDefaultLoad = 2;
+
+enum WeightLoad : int { kLoadCached = 0, kLoadNoL1 = 1, kLoadNoL1Prefetch = 2 };
 
 struct GemvParams {
     const void *w;
@@ -43,12 +85,109 @@ struct GemvParams {
     int64_t chunk_stride;     // ceil(n / world): floats per source in the partials area
     uint64_t gather_offset;   // bytes
     uint64_t rows_per_tile;   // rows of a phase-1 task
+    int vec;                  // 16-byte loads: K a multiple of a vector, W and x aligned
 };
 
-// Read-only loads: W and x are not written while the kernel runs, so the non-coherent
-// path (ld.global.nc on NVIDIA) may serve them.
-__device__ __forceinline__ uint4 load_ro(const uint4 *p) {
-#if defined(ROCMOE_PLATFORM_IS_CUDA)
+// --- schedule (host and device: tests/ops/test_gemv_schedule.py runs it on the CPU) -----
+
+// Row groups [begin, end) of wave q when `groups` groups are split over `waves` waves: the
+// counts differ by one at most.
+struct GroupRange {
+    int64_t begin, end;
+};
+
+ROCMOE_HD inline GroupRange wave_groups(int64_t groups, int32_t waves, int32_t q) {
+    return GroupRange{sched::split_begin(groups, waves, q),
+                      sched::split_begin(groups, waves, q + 1)};
+}
+
+// One wave's software pipeline over its row groups: each group is `steps` steps (a step:
+// one 16-byte vector per lane of each of the group's rows, and of x), taken in order
+// across the groups, so the pipeline never drains between two groups. Step t goes into
+// slot t % kStages; kStages - 1 steps are in flight while one is computed. `ops`:
+//   issue(slot, group, step)  start copying a step into a slot
+//   commit()                  close the copies issued since the last commit into one group
+//                             (also when none was issued, so that the count stays exact)
+//   wait()                    until at most kStages - 2 committed groups are incomplete
+//   consume(slot)             accumulate the step in the slot
+//   finish(group)             the group's steps are all consumed: reduce and store it
+// The slot a step is issued into was consumed one iteration earlier (by this same thread,
+// which alone reads and writes its slots), so no barrier is needed.
+template <int kStages, class Ops>
+ROCMOE_HD inline void stream_steps(Ops &ops, GroupRange groups, int32_t steps) {
+    static_assert(kStages >= 2, "a pipeline has two stages at least");
+    if (steps <= 0) {  // K == 0: y = 0
+        for (int64_t g = groups.begin; g < groups.end; ++g) ops.finish(g);
+        return;
+    }
+    int64_t issue_group = groups.begin;
+    int32_t issue_step = 0;
+    int issue_slot = 0;
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (issue_group < groups.end) {
+            ops.issue(issue_slot, issue_group, issue_step);
+            if (++issue_step == steps) {
+                issue_step = 0;
+                ++issue_group;
+            }
+        }
+        ops.commit();
+        issue_slot = issue_slot + 1 == kStages ? 0 : issue_slot + 1;
+    }
+    int slot = 0;
+    int32_t step = 0;
+    for (int64_t g = groups.begin; g < groups.end;) {
+        ops.wait();
+        if (issue_group < groups.end) {
+            ops.issue(issue_slot, issue_group, issue_step);
+            if (++issue_step == steps) {
+                issue_step = 0;
+                ++issue_group;
+            }
+        }
+        ops.commit();
+        issue_slot = issue_slot + 1 == kStages ? 0 : issue_slot + 1;
+        ops.consume(slot);
+        slot = slot + 1 == kStages ? 0 : slot + 1;
+        if (++step == steps) {
+            step = 0;
+            ops.finish(g);
+            ++g;
+        }
+    }
+}
+
+#if !defined(ROCMOE_GEMV_SCHEDULE_ONLY)
+// --- loads --------------------------------------------------------------------------------
+
+// W: read once and not written while the kernel runs, so the non-coherent path
+// (ld.global.nc) may serve it; kLoad says whether it allocates in L1 and whether the L2
+// fetches 256 bytes at a time. AMD: a plain load.
+template <int kLoad>
+__device__ __forceinline__ uint4 load_weights(const uint4 *p) {
+#if defined(ROCMOE_PLATFORM_NVIDIA)
+    if constexpr (kLoad == kLoadCached) {
+        return __ldg(p);
+    } else {
+        uint4 v;
+        if constexpr (kLoad == kLoadNoL1)
+            asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                : "l"(p));
+        else
+            asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                : "l"(p));
+        return v;
+    }
+#else
+    return *p;
+#endif
+}
+
+// x: read by every wave, kept in L1
+__device__ __forceinline__ uint4 load_x(const uint4 *p) {
+#if defined(ROCMOE_PLATFORM_NVIDIA)
     return __ldg(p);
 #else
     return *p;
@@ -59,48 +198,247 @@ __device__ __forceinline__ int64_t chunk_begin(const GemvParams &p, int world, i
     return sched::split_begin(p.n, world, o);
 }
 
-template <class T, bool kVec, int kUnroll>
-__device__ __forceinline__ float row_dot(const typename T::storage *row,
-                                         const typename T::storage *x, int64_t K, int lane) {
-    float acc = 0.f;
-    if constexpr (kVec) {
+// even + odd += the dot product of the 16-byte vector wv with fx (two chains of FMAs)
+template <class T>
+__device__ __forceinline__ void dot_vector(const uint4 &wv, const float *fx, float &even,
+                                           float &odd) {
+    constexpr int V = vec_elems<T>();
+    float fw[V];
+    unpack<T>(wv, fw);
+#pragma unroll
+    for (int e = 0; e < V; e += 2) {
+        even = fmaf(fw[e], fx[e], even);
+        odd = fmaf(fw[e + 1], fx[e + 1], odd);
+    }
+}
+
+// One wave: the dot products of kRows rows of W (row j at row0 + j * k; rows at and past
+// `valid` repeat row valid - 1, so the loads need no branch, and only valid rows are
+// stored) with x, kUnroll 16-byte loads per row in flight. acc[j]: this lane's share.
+template <class T, int kRows, int kUnroll, int kLoad>
+__device__ __forceinline__ void rows_dot(const typename T::storage *row0, int valid,
+                                         const typename T::storage *x, int64_t k, bool vec,
+                                         int lane, float (&acc)[kRows]) {
+    using S = typename T::storage;
+    float even[kRows], odd[kRows];
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) even[j] = odd[j] = 0.f;
+    if (vec) {
         constexpr int V = vec_elems<T>();
-        const uint4 *rv = reinterpret_cast<const uint4 *>(row);
+        const int64_t nvec = k / V;
+        const uint4 *w[kRows];
+#pragma unroll
+        for (int j = 0; j < kRows; ++j)
+            w[j] = reinterpret_cast<const uint4 *>(row0 + int64_t(j < valid ? j : valid - 1) * k);
         const uint4 *xv = reinterpret_cast<const uint4 *>(x);
-        const int64_t nvec = K / V;
         int64_t i = lane;
-        // one accumulator per load in flight: a single one made every FMA of an iteration
-        // wait for the previous (V * kUnroll dependent FMAs per 16-byte load group)
-        float part[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) part[u] = 0.f;
         for (; i + (kUnroll - 1) * ROCMOE_WAVE_SIZE < nvec; i += kUnroll * ROCMOE_WAVE_SIZE) {
-            uint4 a[kUnroll], b[kUnroll];
+            uint4 a[kRows][kUnroll];
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) a[u] = load_ro(rv + i + u * ROCMOE_WAVE_SIZE);
+            for (int j = 0; j < kRows; ++j)
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) b[u] = load_ro(xv + i + u * ROCMOE_WAVE_SIZE);
+                for (int u = 0; u < kUnroll; ++u)
+                    a[j][u] = load_weights<kLoad>(w[j] + i + u * ROCMOE_WAVE_SIZE);
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
-                float fa[V], fb[V];
-                unpack<T>(a[u], fa);
-                unpack<T>(b[u], fb);
-                for (int e = 0; e < V; ++e) part[u] += fa[e] * fb[e];
+                float fx[V];
+                unpack<T>(load_x(xv + i + u * ROCMOE_WAVE_SIZE), fx);
+#pragma unroll
+                for (int j = 0; j < kRows; ++j) dot_vector<T>(a[j][u], fx, even[j], odd[j]);
             }
         }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) acc += part[u];
         for (; i < nvec; i += ROCMOE_WAVE_SIZE) {
-            float fa[V], fb[V];
-            unpack<T>(load_ro(rv + i), fa);
-            unpack<T>(load_ro(xv + i), fb);
-            for (int e = 0; e < V; ++e) acc += fa[e] * fb[e];
+            uint4 a[kRows];
+#pragma unroll
+            for (int j = 0; j < kRows; ++j) a[j] = load_weights<kLoad>(w[j] + i);
+            float fx[V];
+            unpack<T>(load_x(xv + i), fx);
+#pragma unroll
+            for (int j = 0; j < kRows; ++j) dot_vector<T>(a[j], fx, even[j], odd[j]);
         }
     } else {
-        for (int64_t i = lane; i < K; i += ROCMOE_WAVE_SIZE) acc += T::load(row[i]) * T::load(x[i]);
+        // K not a multiple of a vector, or W / x not 16-byte aligned: element by element
+        for (int64_t i = lane; i < k; i += ROCMOE_WAVE_SIZE) {
+            const float xf = T::load(x[i]);
+#pragma unroll
+            for (int j = 0; j < kRows; ++j) {
+                const S *row = row0 + int64_t(j < valid ? j : valid - 1) * k;
+                even[j] = fmaf(T::load(row[i]), xf, even[j]);
+            }
+        }
     }
-    return wave_sum(acc);
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) acc[j] = even[j] + odd[j];
 }
+
+// the handle's call count, advanced as the protocol kernel does (nothing at world size 1
+// waits on it; the abort kernel and the next call read it)
+__device__ __forceinline__ void advance_epoch(uint64_t *epoch_word) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        volatile uint64_t *e = epoch_word;
+        *e = *e + 1;
+    }
+}
+
+// World size 1, registers: wave q of the grid computes its wave_groups, kRows rows at a time.
+template <class T, int kRows, int kUnroll, int kLoad>
+__global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
+    gemv_direct_kernel(const typename T::storage *W, const typename T::storage *x,
+                       typename T::storage *y, int64_t n, int64_t k, int vec,
+                       uint64_t *epoch_word) {
+    advance_epoch(epoch_word);
+    const int lane = threadIdx.x % ROCMOE_WAVE_SIZE;
+    const int32_t q = int32_t(blockIdx.x) * kWaves + int32_t(threadIdx.x / ROCMOE_WAVE_SIZE);
+    const GroupRange mine = wave_groups((n + kRows - 1) / kRows, int32_t(gridDim.x) * kWaves, q);
+    for (int64_t g = mine.begin; g < mine.end; ++g) {
+        const int64_t r0 = g * kRows;
+        const int valid = int(n - r0 < kRows ? n - r0 : kRows);
+        float acc[kRows];
+        rows_dot<T, kRows, kUnroll, kLoad>(W + r0 * k, valid, x, k, vec != 0, lane, acc);
+#pragma unroll
+        for (int j = 0; j < kRows; ++j) acc[j] = wave_sum(acc[j]);
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < kRows; ++j)
+                if (j < valid) y[r0 + j] = T::store(acc[j]);
+        }
+    }
+}
+
+#if defined(ROCMOE_PLATFORM_NVIDIA)
+// --- cp.async pipeline (sm_80 and later) ----------------------------------------------
+
+// 16 bytes from global to shared memory, asynchronously; src_bytes 0 writes zeros and reads
+// nothing. W: L2 only (it is read once), fetched 256 bytes at a time; x: through L1 (every
+// wave reads it).
+__device__ __forceinline__ void copy_weights_async(uint4 *dst, const uint4 *src, int src_bytes) {
+    const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(to), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_x_async(uint4 *dst, const uint4 *src, int src_bytes) {
+    const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+
+template <int kPending>
+__device__ __forceinline__ void wait_async() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+constexpr int kSharedLimit = 48 << 10;  // dynamic shared memory without an opt-in
+
+// Shared memory of gemv_async_kernel: per thread, kStages slots of kRows + 1 vectors (the
+// rows, then x), laid out [slot][vector][thread] so a wave's 16-byte accesses are contiguous.
+template <int kRows, int kStages>
+constexpr int async_shared_bytes() {
+    return kStages * (kRows + 1) * kThreads * 16;
+}
+
+// stream_steps' operations for one lane of gemv_async_kernel
+template <class T, int kRows, int kStages>
+struct AsyncLane {
+    using S = typename T::storage;
+    const uint4 *w;   // W as vectors
+    const uint4 *x;
+    S *y;
+    int64_t n;        // rows
+    int64_t nvec;     // vectors per row
+    uint4 *slots;     // this thread's first vector
+    int lane;
+    // the issue side: this lane's next vector of the group's first row and of x, how many
+    // vectors of a row are left from there, and the group's rows inside W
+    const uint4 *next_w, *next_x;
+    int64_t left;
+    int valid;
+    float even[kRows], odd[kRows];
+
+    __device__ __forceinline__ uint4 *slot(int s, int v) const {
+        return slots + (s * (kRows + 1) + v) * kThreads;
+    }
+    __device__ __forceinline__ void issue(int s, int64_t group, int32_t step) {
+        if (step == 0) {
+            const int64_t r0 = group * kRows;
+            next_w = w + r0 * nvec + lane;
+            next_x = x + lane;
+            left = nvec - lane;
+            valid = int(n - r0 < kRows ? n - r0 : kRows);
+        }
+        const bool in_row = left > 0;  // past the row's end: zeros, nothing read
+#pragma unroll
+        for (int j = 0; j < kRows; ++j) {
+            const bool ok = in_row && j < valid;
+            copy_weights_async(slot(s, j), ok ? next_w + j * nvec : w, ok ? 16 : 0);
+        }
+        copy_x_async(slot(s, kRows), in_row ? next_x : x, in_row ? 16 : 0);
+        next_w += ROCMOE_WAVE_SIZE;
+        next_x += ROCMOE_WAVE_SIZE;
+        left -= ROCMOE_WAVE_SIZE;
+    }
+    __device__ __forceinline__ void commit() {
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    __device__ __forceinline__ void wait() { wait_async<kStages - 2>(); }
+    __device__ __forceinline__ void consume(int s) {
+        float fx[vec_elems<T>()];
+        unpack<T>(*slot(s, kRows), fx);
+#pragma unroll
+        for (int j = 0; j < kRows; ++j) dot_vector<T>(*slot(s, j), fx, even[j], odd[j]);
+    }
+    __device__ __forceinline__ void finish(int64_t group) {
+#pragma unroll
+        for (int j = 0; j < kRows; ++j) {
+            const float v = wave_sum(even[j] + odd[j]);
+            const int64_t r = group * kRows + j;
+            if (lane == 0 && r < n) y[r] = T::store(v);
+            even[j] = odd[j] = 0.f;
+        }
+    }
+};
+
+// World size 1, cp.async: wave q of the grid computes its wave_groups through stream_steps.
+// Needs 16-byte vectors (K a multiple of one, W and x aligned).
+template <class T, int kRows, int kStages>
+__global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
+    gemv_async_kernel(const typename T::storage *W, const typename T::storage *x,
+                      typename T::storage *y, int64_t n, int64_t k, uint64_t *epoch_word) {
+    extern __shared__ __align__(16) uint4 gemv_stages[];
+    advance_epoch(epoch_word);
+    const int lane = threadIdx.x % ROCMOE_WAVE_SIZE;
+    const int32_t q = int32_t(blockIdx.x) * kWaves + int32_t(threadIdx.x / ROCMOE_WAVE_SIZE);
+    const GroupRange mine = wave_groups((n + kRows - 1) / kRows, int32_t(gridDim.x) * kWaves, q);
+    AsyncLane<T, kRows, kStages> ops;
+    ops.w = reinterpret_cast<const uint4 *>(W);
+    ops.x = reinterpret_cast<const uint4 *>(x);
+    ops.y = y;
+    ops.n = n;
+    ops.nvec = k / vec_elems<T>();
+    ops.slots = gemv_stages + threadIdx.x;
+    ops.lane = lane;
+    ops.next_w = ops.w;  // set by the first issue (step 0 of a group)
+    ops.next_x = ops.x;
+    ops.left = 0;
+    ops.valid = 0;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) ops.even[j] = ops.odd[j] = 0.f;
+    const int32_t steps = int32_t((ops.nvec + ROCMOE_WAVE_SIZE - 1) / ROCMOE_WAVE_SIZE);
+    stream_steps<kStages>(ops, mine, steps);
+}
+#endif  // ROCMOE_PLATFORM_NVIDIA
+
+template <int kRows>
+__device__ __forceinline__ void wave_sums(float (&acc)[kRows]) {
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) acc[j] = wave_sum(acc[j]);
+}
+
+// W's loads in the protocol kernel: the plain read-only path, as before the world-size-1
+// kernels (what the others would do there has not been measured with peers)
+constexpr int kProtocolLoad = kLoadCached;
 
 // builds tasks_per_dest / prefix in shared memory from per-destination row counts
 template <class RowsOf>
@@ -119,11 +457,7 @@ __device__ __forceinline__ sched::Plan shared_plan(const Common &c, uint32_t *sm
 // [total1, total1 + total2) phase-2 tasks, and the last workgroup out runs phase 3. Phase-2
 // tasks are claimed only after every phase-1 task has been claimed by a running workgroup,
 // so a workgroup waiting for phase-1 results never holds back the work it waits for.
-// Four workgroups per compute unit must fit (64 registers on sm_90): the H200 sweep ran the
-// GEMV at 0.58 of copy bandwidth with three resident, 0.74-0.78 with four.
-constexpr int kGemvMinBlocks = 4;
-
-template <class T, bool kVec, int kUnroll>
+template <class T, int kRows, int kUnroll>
 __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     gemv_all_reduce_kernel(Common c, GemvParams p, void *out, uint32_t workers) {
     using S = typename T::storage;
@@ -191,23 +525,41 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
             const int64_t rows = chunk_begin(p, world, task.dest + 1) - cb;
             const uint64_t first = sched::tile_begin(task.tile, p.rows_per_tile, rows);
             const uint64_t last = sched::tile_end(task.tile, p.rows_per_tile, rows);
+            // the tile's rows in groups of kRows, taken by the waves in turn
+            const uint64_t groups = (last - first + kRows - 1) / kRows;
             if (alone) {
                 // y itself, in the op's dtype, straight into the output
-                S *y = static_cast<S *>(out);
-                for (uint64_t r = first + wave; r < last; r += kWaves) {
-                    const float v =
-                        row_dot<T, kVec, kUnroll>(W + (cb + int64_t(r)) * p.k, x, p.k, lane);
-                    if (lane == 0) y[cb + int64_t(r)] = T::store(v);
+                S *y = static_cast<S *>(out) + cb;
+                for (uint64_t g = wave; g < groups; g += kWaves) {
+                    const uint64_t r0 = first + g * kRows;
+                    const int valid = int(last - r0 < kRows ? last - r0 : kRows);
+                    float acc[kRows];
+                    rows_dot<T, kRows, kUnroll, kProtocolLoad>(W + (cb + int64_t(r0)) * p.k, valid,
+                                                               x, p.k, p.vec != 0, lane, acc);
+                    wave_sums(acc);
+                    if (lane == 0) {
+#pragma unroll
+                        for (int j = 0; j < kRows; ++j)
+                            if (j < valid) y[r0 + j] = T::store(acc[j]);
+                    }
                 }
                 continue;
             }
             float *partials = static_cast<float *>(shmem::peer_ptr(c.team, recv, task.dest));
             if (free_to_write && partials != nullptr) {
                 float *dst = partials + int64_t(me) * p.chunk_stride;
-                for (uint64_t r = first + wave; r < last; r += kWaves) {
-                    const float v =
-                        row_dot<T, kVec, kUnroll>(W + (cb + int64_t(r)) * p.k, x, p.k, lane);
-                    if (lane == 0) dst[r] = v;
+                for (uint64_t g = wave; g < groups; g += kWaves) {
+                    const uint64_t r0 = first + g * kRows;
+                    const int valid = int(last - r0 < kRows ? last - r0 : kRows);
+                    float acc[kRows];
+                    rows_dot<T, kRows, kUnroll, kProtocolLoad>(W + (cb + int64_t(r0)) * p.k, valid,
+                                                               x, p.k, p.vec != 0, lane, acc);
+                    wave_sums(acc);
+                    if (lane == 0) {
+#pragma unroll
+                        for (int j = 0; j < kRows; ++j)
+                            if (j < valid) dst[r0 + j] = acc[j];
+                    }
                 }
             } else if (free_to_write && tid == 0) {
                 // the partials are 4-byte scattered stores: this kernel needs load/store reach
@@ -264,28 +616,114 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     for (int d = tid; d < world; d += kThreads) shmem::signal_set(c.team, c.ack(me), epoch, d);
 }
 
-// Tuning knobs read once (benchmarks sweep them): loads in flight per lane (4 or 8) and rows
-// per phase-1 task.
 int env_int(const char *name, int fallback) {
     const char *v = getenv(name);
     return (v != nullptr && *v != '\0') ? atoi(v) : fallback;
 }
 
-template <class T, int kUnroll>
-void launch_kernel(bool vec, int workers, size_t smem, hipStream_t stream, const Common &c,
-                   const GemvParams &p, void *out) {
-    if (vec)
-        hipLaunchKernelGGL((gemv_all_reduce_kernel<T, true, kUnroll>), dim3(workers),
-                           dim3(kThreads), smem, stream, c, p, out, uint32_t(workers));
-    else
-        hipLaunchKernelGGL((gemv_all_reduce_kernel<T, false, kUnroll>), dim3(workers),
-                           dim3(kThreads), smem, stream, c, p, out, uint32_t(workers));
+// The knobs (see the top of this file), read once per process.
+struct Tuning {
+    int rows;           // ROCMOE_GEMV_ROWS_PER_WARP
+    int unroll;         // ROCMOE_GEMV_UNROLL
+    int stages;         // ROCMOE_GEMV_STAGES
+    int load;           // ROCMOE_GEMV_LOAD
+    int per_cu;         // ROCMOE_GEMV_PER_CU
+    int direct;         // ROCMOE_GEMV_DIRECT
+    int rows_per_task;  // ROCMOE_GEMV_ROWS (<= 0: automatic)
+};
+
+const Tuning &tuning() {
+    static const Tuning t = {env_int("ROCMOE_GEMV_ROWS_PER_WARP", kDefaultRows),
+                             env_int("ROCMOE_GEMV_UNROLL", kDefaultUnroll),
+                             env_int("ROCMOE_GEMV_STAGES", kDefaultStages),
+                             env_int("ROCMOE_GEMV_LOAD", kDefaultLoad),
+                             env_int("ROCMOE_GEMV_PER_CU", kGemvMinBlocks),
+                             env_int("ROCMOE_GEMV_DIRECT", 1),
+                             env_int("ROCMOE_GEMV_ROWS", 0)};
+    return t;
 }
 
-template <class T>
-int launch(const Common &c, const GemvParams &p, int requested, void *out, hipStream_t stream) {
+int launched() {
+    const hipError_t e = hipGetLastError();
+    if (e != hipSuccess)
+        return fail(ROCMOE_ERR_SYSTEM, "gemv_all_reduce: kernel launch failed: %s",
+                    hipGetErrorString(e));
+    return ROCMOE_OK;
+}
+
+// Workgroups of `kernel` that fit on a compute unit together. The static split of the
+// world-size-1 kernels is balanced only when the whole grid is resident at once.
+template <class K>
+int resident_per_cu(K kernel, size_t shared_bytes) {
+    int blocks = 0;
+    if (hipOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, shared_bytes) !=
+            hipSuccess ||
+        blocks <= 0) {
+        (void)hipGetLastError();  // not this call's error to report
+        blocks = kGemvMinBlocks;
+    }
+    return blocks;
+}
+
+// World-size-1 grid: what fits (at most ROCMOE_GEMV_PER_CU a compute unit), and no more
+// workgroups than there are row groups for their waves.
+int direct_workgroups(const GemvParams &p, int rows, int requested, int fits) {
+    const int per_cu = tuning().per_cu > 0 && tuning().per_cu < fits ? tuning().per_cu : fits;
+    const uint64_t groups = (uint64_t(p.n) + uint64_t(rows) - 1) / uint64_t(rows);
+    const uint64_t wanted = (groups + kWaves - 1) / kWaves;
+    return persistent_workgroups(requested, uint32_t(wanted < 0x7fffffffu ? wanted : 0x7fffffffu),
+                                 per_cu);
+}
+
+uint64_t *epoch_word_of(const Common &c) {
+    return reinterpret_cast<uint64_t *>(c.ws + ws::epoch_word(c.layout));
+}
+
+template <class T, int kRows, int kUnroll, int kLoad>
+int launch_direct(const Common &c, const GemvParams &p, int requested, void *out,
+                  hipStream_t stream) {
+    using S = typename T::storage;
+    static const int fits = resident_per_cu(gemv_direct_kernel<T, kRows, kUnroll, kLoad>, 0);
+    const int workers = direct_workgroups(p, kRows, requested, fits);
+    hipLaunchKernelGGL((gemv_direct_kernel<T, kRows, kUnroll, kLoad>), dim3(workers),
+                       dim3(kThreads), 0, stream, static_cast<const S *>(p.w),
+                       static_cast<const S *>(p.x), static_cast<S *>(out), p.n, p.k, p.vec,
+                       epoch_word_of(c));
+    return launched();
+}
+
+#if defined(ROCMOE_PLATFORM_NVIDIA)
+template <class T, int kRows, int kStages>
+int launch_async(const Common &c, const GemvParams &p, int requested, void *out,
+                 hipStream_t stream) {
+    using S = typename T::storage;
+    constexpr int shared = async_shared_bytes<kRows, kStages>();
+    static_assert(shared <= kSharedLimit, "the ring must fit without a shared-memory opt-in");
+    static const int fits = resident_per_cu(gemv_async_kernel<T, kRows, kStages>, shared);
+    const int workers = direct_workgroups(p, kRows, requested, fits);
+    hipLaunchKernelGGL((gemv_async_kernel<T, kRows, kStages>), dim3(workers), dim3(kThreads),
+                       shared, stream, static_cast<const S *>(p.w), static_cast<const S *>(p.x),
+                       static_cast<S *>(out), p.n, p.k, epoch_word_of(c));
+    return launched();
+}
+#endif
+
+template <class T, int kRows, int kUnroll>
+int launch_protocol(const Common &c, GemvParams p, int requested, void *out, hipStream_t stream) {
     const int world = c.topo.world;
     const size_t smem = sizeof(uint32_t) * 2 * (2 * size_t(world) + 1);  // two plans
+    const int per_cu = tuning().per_cu > 0 ? tuning().per_cu : kGemvMinBlocks;
+    if (tuning().rows_per_task > 0) {
+        p.rows_per_tile = uint64_t(tuning().rows_per_task);
+    } else {
+        // about one phase-1 task per workgroup: the claim, the barriers and the fence of a
+        // task are paid about once per workgroup, and no workgroup is left without one
+        const uint64_t most = uint64_t(persistent_workgroups(requested, 0x7fffffffu, per_cu));
+        uint64_t tile = (uint64_t(p.n) + most - 1) / (most > 0 ? most : 1);
+        tile = (tile + kRows - 1) / kRows * kRows;
+        const uint64_t least = uint64_t(kWaves) * kRows;  // a group for every wave
+        p.rows_per_tile = tile > least ? tile : least;
+    }
     uint32_t total1 = 0;
     for (int o = 0; o < world; ++o) {
         const int64_t rows = sched::split_begin(p.n, world, o + 1) - sched::split_begin(p.n, world, o);
@@ -294,26 +732,59 @@ int launch(const Common &c, const GemvParams &p, int requested, void *out, hipSt
     const int64_t mine = sched::split_begin(p.n, world, c.topo.rank + 1) -
                          sched::split_begin(p.n, world, c.topo.rank);
     const uint32_t total2 = uint32_t(world) * sched::tasks_for_rows(uint64_t(mine), kReduceTile);
-    static const int per_cu = env_int("ROCMOE_GEMV_PER_CU", 4);
     const int workers = persistent_workgroups(requested, total1 + total2, per_cu);
-    const bool vec = p.k % vec_elems<T>() == 0 &&
-                     ((reinterpret_cast<uintptr_t>(p.w) | reinterpret_cast<uintptr_t>(p.x)) & 15u) == 0;
-    static const int unroll = env_int("ROCMOE_GEMV_UNROLL", 4);
-    if (unroll >= 8)
-        launch_kernel<T, 8>(vec, workers, smem, stream, c, p, out);
-    else
-        launch_kernel<T, 4>(vec, workers, smem, stream, c, p, out);
-    const hipError_t e = hipGetLastError();
-    if (e != hipSuccess)
-        return fail(ROCMOE_ERR_SYSTEM, "gemv_all_reduce: kernel launch failed: %s",
-                    hipGetErrorString(e));
-    return ROCMOE_OK;
+    hipLaunchKernelGGL((gemv_all_reduce_kernel<T, kRows, kUnroll>), dim3(workers),
+                       dim3(kThreads), smem, stream, c, p, out, uint32_t(workers));
+    return launched();
 }
+
+// register kernels: the world-size-1 one (with W's load flavour) or the protocol kernel
+template <class T, int kRows, int kUnroll>
+int launch_registers(const Common &c, const GemvParams &p, int requested, void *out,
+                     hipStream_t stream) {
+    if (c.topo.world > 1 || tuning().direct == 0)
+        return launch_protocol<T, kRows, kUnroll>(c, p, requested, out, stream);
+#if defined(ROCMOE_PLATFORM_NVIDIA)
+    if (tuning().load == kLoadCached)
+        return launch_direct<T, kRows, kUnroll, kLoadCached>(c, p, requested, out, stream);
+    if (tuning().load == kLoadNoL1)
+        return launch_direct<T, kRows, kUnroll, kLoadNoL1>(c, p, requested, out, stream);
+    return launch_direct<T, kRows, kUnroll, kLoadNoL1Prefetch>(c, p, requested, out, stream);
+#else
+    return launch_direct<T, kRows, kUnroll, kLoadCached>(c, p, requested, out, stream);
+#endif
+}
+
+template <class T>
+int launch(const Common &c, const GemvParams &p, int requested, void *out, hipStream_t stream) {
+    const Tuning &t = tuning();
+#if defined(ROCMOE_PLATFORM_NVIDIA)
+    if (c.topo.world == 1 && t.direct != 0 && t.stages > 0 && p.vec) {
+        switch (t.rows * 100 + t.stages) {
+            case 104: return launch_async<T, 1, 4>(c, p, requested, out, stream);
+            case 106: return launch_async<T, 1, 6>(c, p, requested, out, stream);
+            case 203: return launch_async<T, 2, 3>(c, p, requested, out, stream);
+            default: return launch_async<T, 2, 4>(c, p, requested, out, stream);
+        }
+    }
+#endif
+    switch (t.rows * 100 + t.unroll) {
+        case 104: return launch_registers<T, 1, 4>(c, p, requested, out, stream);
+        case 108: return launch_registers<T, 1, 8>(c, p, requested, out, stream);
+        case 202: return launch_registers<T, 2, 2>(c, p, requested, out, stream);
+        case 401: return launch_registers<T, 4, 1>(c, p, requested, out, stream);
+        case 402: return launch_registers<T, 4, 2>(c, p, requested, out, stream);
+        default: return launch_registers<T, 2, 4>(c, p, requested, out, stream);
+    }
+}
+
+#endif  // !ROCMOE_GEMV_SCHEDULE_ONLY
 
 }  // namespace
 }  // namespace fused
 }  // namespace rocmoe
 
+#if !defined(ROCMOE_GEMV_SCHEDULE_ONLY)
 extern "C" int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args, int abort) {
     using namespace rocmoe::fused;
     if (args == nullptr) return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: args is NULL");
@@ -336,16 +807,25 @@ extern "C" int rocmoe_gpu_gemv_allreduce(const rocmoe_gpu_gemv_args *args, int a
     p.k = args->k;
     p.chunk_stride = (args->n + world - 1) / world;
     p.gather_offset = l.gather_offset;
-    {
-        static const int rows = env_int("ROCMOE_GEMV_ROWS", kDefaultRowsPerTile);
-        p.rows_per_tile = uint64_t(rows > 0 ? rows : kDefaultRowsPerTile);
-    }
+    p.rows_per_tile = 0;  // launch_protocol chooses it
+    const bool aligned =
+        ((reinterpret_cast<uintptr_t>(p.w) | reinterpret_cast<uintptr_t>(p.x)) & 15u) == 0;
     switch (l.dtype) {
-        case ROCMOE_DTYPE_F32: rc = launch<F32>(c, p, args->fused.workgroups, args->out, stream); break;
-        case ROCMOE_DTYPE_BF16: rc = launch<BF16>(c, p, args->fused.workgroups, args->out, stream); break;
-        case ROCMOE_DTYPE_F16: rc = launch<F16>(c, p, args->fused.workgroups, args->out, stream); break;
+        case ROCMOE_DTYPE_F32:
+            p.vec = aligned && p.k % vec_elems<F32>() == 0;
+            rc = launch<F32>(c, p, args->fused.workgroups, args->out, stream);
+            break;
+        case ROCMOE_DTYPE_BF16:
+            p.vec = aligned && p.k % vec_elems<BF16>() == 0;
+            rc = launch<BF16>(c, p, args->fused.workgroups, args->out, stream);
+            break;
+        case ROCMOE_DTYPE_F16:
+            p.vec = aligned && p.k % vec_elems<F16>() == 0;
+            rc = launch<F16>(c, p, args->fused.workgroups, args->out, stream);
+            break;
         default:
             return rocmoe::fail(ROCMOE_ERR_INVALID, "gemv_all_reduce: dtype %d unknown", l.dtype);
     }
     return rc;
 }
+#endif  // !ROCMOE_GEMV_SCHEDULE_ONLY
