@@ -2,7 +2,7 @@
 # One GPU session of tuning sweeps (repo root, on a GPU machine):
 #   OUT=/some/dir bash benchmarks/gpu_sweep.sh [STAGES]
 # STAGES (comma list, default all): build, check (GEMV correctness at 1 and 2 ranks after
-# the one-launch epilogue), gemv (unroll / rows per task / workgroups per CU),
+# the one-launch epilogue), gemv (benchmarks/gemv_variants.py: the kernel's variants),
 # gemm (GEMM+A2A tiles and grid size), moe (block-sparse kernels per tile config, both
 # activation fusions, compiled IR dumped to $OUT/moe_ir.tar.gz); and the reported runs:
 # moetest (tests/moe/test_gpu.py), ep (expert-parallel layer at 2 and 4 ranks sharing the
@@ -41,17 +41,11 @@ if has check; then
   grep -E "RANK|Error" "$OUT/timeout_check.log" | head -4
 fi
 if has gemv; then
+  # the GEMV kernel's variants (rows a wave, cp.async stages or register loads, the
+  # protocol kernel at world size 1, the kernel as it was) against torch.mv
   stamp "gemv sweep"
-  for v in 4:32:4 8:32:4 4:8:4 8:8:4 8:16:8 4:32:2; do
-    IFS=: read u r c <<< "$v"
-    ROCMOE_GEMV_UNROLL=$u ROCMOE_GEMV_ROWS=$r ROCMOE_GEMV_PER_CU=$c timeout 40 \
-      python3 -m rocmoe.bench.fused_gpu --only gemv 2>&1 | grep gemv_allreduce |
-      sed "s/^/{\"unroll\": $u, \"rows\": $r, \"per_cu\": $c, \"rec\": /; s/\$/}/"
-  done | tee "$OUT/gemv_sweep.jsonl" | python3 -c "
-import json,sys
-for l in sys.stdin:
-    d=json.loads(l); r=d['rec']
-    print(d['unroll'],d['rows'],d['per_cu'],r.get('dtype'),'ratio',round(r.get('ratio',0),3),'ovh',round(r.get('overhead',0),3),'ms',round(r.get('ms',0),4),'torch',r.get('torch_matvec_ms'))"
+  timeout 200 python3 benchmarks/gemv_variants.py --out "$OUT/gemv_variants.jsonl" 2>&1 |
+    tail -40
 fi
 if has gemm; then
   stamp "gemm sweep"

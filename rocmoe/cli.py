@@ -38,9 +38,19 @@ ENV_KNOBS = (
     ("ROCMOE_GEMM_CONFIG", "", "JSON overrides of the GEMM+A2A tile config, e.g. "
                                '{"BLOCK_N": 128, "USE_TMA": false, "PROGRAMS_PER_SM": 1}'),
     ("ROCMOE_GPU_WORKGROUPS", "0", "workgroups of the HIP fused kernels (0: per the GPU)"),
-    ("ROCMOE_GEMV_UNROLL", "4", "GEMV+AllReduce: 16-byte loads in flight per lane (4 or 8)"),
-    ("ROCMOE_GEMV_ROWS", "32", "GEMV+AllReduce: rows per phase-1 task"),
-    ("ROCMOE_GEMV_PER_CU", "4", "GEMV+AllReduce: workgroups per compute unit"),
+    # GEMV+AllReduce (hip/src/gpu/fused_gemv.hip; benchmarks/gemv_variants.py sweeps them)
+    ("ROCMOE_GEMV_DIRECT", "1", "GEMV at world size 1: 1 a plain GEMV kernel, 0 the protocol "
+                                "kernel"),
+    ("ROCMOE_GEMV_ROWS_PER_WARP", "2", "GEMV: rows a wave computes at once (1, 2 or 4)"),
+    ("ROCMOE_GEMV_STAGES", "4", "GEMV at world size 1 on NVIDIA: cp.async ring depth "
+                                "(0: loads into registers)"),
+    ("ROCMOE_GEMV_UNROLL", "4", "GEMV register kernels: 16-byte loads in flight per row and "
+                                "lane"),
+    ("ROCMOE_GEMV_LOAD", "2", "GEMV register kernel on NVIDIA: W's loads 0 ld.global.nc, "
+                              "1 + L1::no_allocate, 2 + L2::256B prefetch"),
+    ("ROCMOE_GEMV_ROWS", "0", "GEMV protocol kernel: rows per phase-1 task (0: about N / "
+                              "workgroups)"),
+    ("ROCMOE_GEMV_PER_CU", "4", "GEMV: workgroups per compute unit (at most what fits)"),
 )
 
 
