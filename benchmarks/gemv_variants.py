@@ -29,7 +29,8 @@ import sys
 import time
 
 # name -> knobs (every other ROCMOE_GEMV_* is removed from the child's environment); the
-# first is the built-in default (cp.async ring, 2 rows a wave, 4 stages), the second the
+# first is the built-in default (since the H200 sweep of 2026-12-02 the register kernel, one
+# row a wave, 4 loads in flight, ld.global.nc: what reg_r1_u4_l0 names), the second the
 # kernel as it was (one wave per row, the persistent protocol kernel at world size 1, 32-row
 # tasks, L1-cached loads). The last four run only when named (or with --variants all).
 VARIANTS = {

@@ -41,12 +41,13 @@ ENV_KNOBS = (
     # GEMV+AllReduce (hip/src/gpu/fused_gemv.hip; benchmarks/gemv_variants.py sweeps them)
     ("ROCMOE_GEMV_DIRECT", "1", "GEMV at world size 1: 1 a plain GEMV kernel, 0 the protocol "
                                 "kernel"),
-    ("ROCMOE_GEMV_ROWS_PER_WARP", "2", "GEMV: rows a wave computes at once (1, 2 or 4)"),
-    ("ROCMOE_GEMV_STAGES", "4", "GEMV at world size 1 on NVIDIA: cp.async ring depth "
+    ("ROCMOE_GEMV_ROWS_PER_WARP", "", "GEMV: rows a wave computes at once (1, 2 or 4; "
+                                      "unset: 1 at world size 1, 2 in the protocol kernel)"),
+    ("ROCMOE_GEMV_STAGES", "0", "GEMV at world size 1 on NVIDIA: cp.async ring depth "
                                 "(0: loads into registers)"),
     ("ROCMOE_GEMV_UNROLL", "4", "GEMV register kernels: 16-byte loads in flight per row and "
                                 "lane"),
-    ("ROCMOE_GEMV_LOAD", "2", "GEMV register kernel on NVIDIA: W's loads 0 ld.global.nc, "
+    ("ROCMOE_GEMV_LOAD", "0", "GEMV register kernel on NVIDIA: W's loads 0 ld.global.nc, "
                               "1 + L1::no_allocate, 2 + L2::256B prefetch"),
     ("ROCMOE_GEMV_ROWS", "0", "GEMV protocol kernel: rows per phase-1 task (0: about N / "
                               "workgroups)"),

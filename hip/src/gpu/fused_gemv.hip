@@ -41,8 +41,9 @@
 //   y itself.
 //
 // Accumulation is fp32 everywhere. Knobs, read once per process (benchmarks/gemv_variants.py
-// sweeps them; the defaults are a guess until that sweep has run on an H200):
-//   ROCMOE_GEMV_ROWS_PER_WARP  kRows: rows a wave computes at once
+// sweeps them; the defaults are the H200 sweep's best, see kDefaultRows):
+//   ROCMOE_GEMV_ROWS_PER_WARP  kRows: rows a wave computes at once (default 1 at world
+//                              size 1, 2 in the protocol kernel)
 //   ROCMOE_GEMV_STAGES         NVIDIA, world size 1: cp.async ring depth (0: registers);
 //                              (rows, stages) built: 1x4 1x6 2x3 2x4, others the default 2x4
 //   ROCMOE_GEMV_UNROLL         register kernels: 16-byte loads in flight per row and lane;
@@ -71,10 +72,19 @@ namespace {
 constexpr int kReduceTile = 2048;
 constexpr int kGemvMinBlocks = 4;
 
-constexpr int kDefaultRows = 2;
+// Defaults from the H200 sweep of 2026-12-02 (benchmarks/results/gemv_variants_h200.jsonl,
+// CUDA-graph replay against torch.mv): at world size 1 the register kernel with one row a
+// wave, four 16-byte loads in flight and plain ld.global.nc loads was the fastest or within
+// 0.03 of it on every shape and dtype (bf16 8192^2 1.02, 28672 x 8192 0.99, 16384^2 0.96;
+// fp32 1.06-1.42), ahead of the cp.async ring (0.90-0.94 on bf16); the protocol kernel
+// (world size > 1) keeps two rows a wave, its best at world size 1 (0.80 against the old
+// kernel's 0.73 on bf16 8192^2).
+constexpr int kDefaultRows = 1;
 constexpr int kDefaultUnroll = 4;
-constexpr int kDefaultStages = 4;
-constexpr int kDefaultLoad = 2;
+constexpr int kDefaultStages = 0;
+constexpr int kDefaultLoad = 0;
+constexpr int kProtocolRows = 2;
+constexpr int kProtocolUnroll = 4;
 
 enum WeightLoad : int { kLoadCached = 0, kLoadNoL1 = 1, kLoadNoL1Prefetch = 2 };
 
@@ -633,8 +643,8 @@ struct Tuning {
 };
 
 const Tuning &tuning() {
-    static const Tuning t = {env_int("ROCMOE_GEMV_ROWS_PER_WARP", kDefaultRows),
-                             env_int("ROCMOE_GEMV_UNROLL", kDefaultUnroll),
+    static const Tuning t = {env_int("ROCMOE_GEMV_ROWS_PER_WARP", 0),
+                             env_int("ROCMOE_GEMV_UNROLL", 0),
                              env_int("ROCMOE_GEMV_STAGES", kDefaultStages),
                              env_int("ROCMOE_GEMV_LOAD", kDefaultLoad),
                              env_int("ROCMOE_GEMV_PER_CU", kGemvMinBlocks),
@@ -758,9 +768,13 @@ int launch_registers(const Common &c, const GemvParams &p, int requested, void *
 template <class T>
 int launch(const Common &c, const GemvParams &p, int requested, void *out, hipStream_t stream) {
     const Tuning &t = tuning();
+    const bool protocol = c.topo.world > 1 || t.direct == 0;
+    // rows a wave and loads in flight: the knobs where set, else the path's own defaults
+    const int rows = t.rows > 0 ? t.rows : protocol ? kProtocolRows : kDefaultRows;
+    const int unroll = t.unroll > 0 ? t.unroll : protocol ? kProtocolUnroll : kDefaultUnroll;
 #if defined(ROCMOE_PLATFORM_NVIDIA)
-    if (c.topo.world == 1 && t.direct != 0 && t.stages > 0 && p.vec) {
-        switch (t.rows * 100 + t.stages) {
+    if (!protocol && t.stages > 0 && p.vec) {
+        switch (rows * 100 + t.stages) {
             case 104: return launch_async<T, 1, 4>(c, p, requested, out, stream);
             case 106: return launch_async<T, 1, 6>(c, p, requested, out, stream);
             case 203: return launch_async<T, 2, 3>(c, p, requested, out, stream);
@@ -768,7 +782,7 @@ int launch(const Common &c, const GemvParams &p, int requested, void *out, hipSt
         }
     }
 #endif
-    switch (t.rows * 100 + t.unroll) {
+    switch (rows * 100 + unroll) {
         case 104: return launch_registers<T, 1, 4>(c, p, requested, out, stream);
         case 108: return launch_registers<T, 1, 8>(c, p, requested, out, stream);
         case 202: return launch_registers<T, 2, 2>(c, p, requested, out, stream);
