@@ -287,7 +287,8 @@ class NativeLaunch:
             def ptr(a):
                 p = a.data_ptr()
                 cell[0] = p
-                return (p % 16 == 0) == aligned and a.dtype == dtype
+                # (a tensor off the GPU, a meta one among them, must not reach the kernel)
+                return (p % 16 == 0) == aligned and a.dtype is dtype and a.is_cuda
             return ptr
         if first.kind == "int":
             def integer(a):
@@ -302,7 +303,7 @@ class NativeLaunch:
             key = (base.data_ptr(), shape, strides, _block_of(a), base.dtype)
             if key == last[0]:
                 return True
-            if self._token(pos, a) != want:
+            if self._token(pos, a) != want or not base.is_cuda:
                 return False
             self._write(pos, a)
             last[0] = key

@@ -35,13 +35,16 @@ class _SkippedLaunch:
 def launches_skipped():
     """Run the MoE launchers for the GPU with no kernel launched (for meta tensors)."""
     from rocmoe.moe import backend, kernels
-    real_get, real_backend = kernels.get, backend.get_backend()
-    kernels.get = lambda name: _SkippedLaunch()
+    # the layer launches through kernels.launch (FastKernel on a GPU, which after a real run
+    # holds native launches that would take the meta tensors' null pointers); get is what
+    # the AOT builds and the interpreter take
+    real_get, real_launch, real_backend = kernels.get, kernels.launch, backend.get_backend()
+    kernels.get = kernels.launch = lambda name: _SkippedLaunch()
     backend.set_backend("triton")
     try:
         yield
     finally:
-        kernels.get = real_get
+        kernels.get, kernels.launch = real_get, real_launch
         backend.set_backend(real_backend)
 
 

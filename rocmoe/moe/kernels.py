@@ -45,12 +45,14 @@ def launch(name: str):
     """What the layer launches kernel `name` through: `launch(name)[grid](*args, **kw)`.
     On a GPU a FastKernel (rocmoe/native_launch.py: after the first call of a
     specialisation, one driver call instead of the JIT's ~50-100 us of host work, which
-    made small layers launch-bound); under the interpreter the JITFunction (`get`)."""
+    made small layers launch-bound); under the interpreter the JITFunction (`get`). Whether
+    Triton interprets is read at a kernel's first launch in the process."""
+    fast = _FAST.get(name)  # (first: the environment lookup costs about a microsecond)
+    if fast is not None:
+        return fast
     if interpreting():
         return get(name)
-    fast = _FAST.get(name)
-    if fast is None:
-        fast = _FAST[name] = FastKernel(get(name))
+    fast = _FAST[name] = FastKernel(get(name))
     return fast
 
 # Activation codes shared with blocksparse.py (constexpr ACT).

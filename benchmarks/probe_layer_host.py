@@ -1,0 +1,147 @@
+"""Where a DroplessMoE step's host time goes, stage by stage, next to the grouped-GEMM
+layer's (GPU machine). Each stage's host wall time is summed over steps run while the GPU
+is kept busy by a long sleep queued first (so the host never waits for it): the Python,
+checks and launches alone. Then the host cost of single operations the step is made of: a
+FastKernel launch, torch.empty, a Triton TensorDescriptor, the interpreter check.
+
+    python3 benchmarks/probe_layer_host.py [T,H,F,E] [--steps N]
+
+Prints one JSON line per shape: us per step for each stage, and the micro costs in us.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from rocmoe.bench.moe_layer import router_inputs
+from rocmoe.moe import DroplessMoE
+from rocmoe.moe import blocksparse as bs
+from rocmoe.moe.layer import expert_ffn, route_and_permute, unpermute_combine
+from rocmoe.moe.reference import grouped_gemm_moe
+
+
+def _busy(ms: float) -> None:
+    torch.cuda._sleep(int(ms * 2e6))  # ~2 cycles a ns on an H200: a rough, long sleep
+
+
+def staged(step, steps: int, batch: int = 8) -> dict:
+    """us per step of each stage `step(mark)` marks, the GPU busy all along."""
+    totals: dict = {}
+    done = 0
+    while done < steps:
+        torch.cuda.synchronize()
+        _busy(60.0)
+        for _ in range(min(batch, steps - done)):
+            last = [time.perf_counter()]
+
+            def mark(name):
+                now = time.perf_counter()
+                totals[name] = totals.get(name, 0.0) + now - last[0]
+                last[0] = now
+            step(mark)
+            done += 1
+    torch.cuda.synchronize()
+    return {k: round(v * 1e6 / steps, 1) for k, v in totals.items()}
+
+
+def host_us(fn, calls: int = 200) -> float:
+    torch.cuda.synchronize()
+    _busy(100.0)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) * 1e6 / calls
+    torch.cuda.synchronize()
+    return round(us, 2)
+
+
+def probe(shape, steps: int) -> dict:
+    tokens, hidden, ffn, experts = shape
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(0)
+    layer = DroplessMoE(hidden, ffn, experts, 2, device=dev, dtype=dtype)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    x, _ = router_inputs(layer.router.weight, tokens, 2, "uniform", gen)
+    x.requires_grad_(True)
+    gy = torch.randn(tokens, hidden, device=dev, dtype=dtype, generator=gen)
+    params = [x, layer.router.weight, layer.w1, layer.w2]
+    gather = bs.KERNEL_CONFIG["gather_rows"]
+
+    def ours(mark):
+        ids, weights = layer.router.route(x)
+        mark("router")
+        with torch.no_grad():
+            plan, topo, x_perm = route_and_permute(
+                x, ids, experts, layer.block_size, ffn, copy_rows=gather is not True,
+                compact_values=bs.KERNEL_CONFIG["compact_values"])
+        mark("route_and_permute")
+        y_perm = expert_ffn(x, layer.w1, layer.w2, None, topo, layer.activation, plan=plan,
+                            rows=x_perm, keep_rows=gather is False)
+        mark("ffn_forward")
+        y = unpermute_combine(y_perm, weights, plan)
+        mark("combine")
+        torch.autograd.grad(y, params, gy)
+        mark("backward")
+        layer.router.aux_loss = None
+
+    def base(mark):
+        ids, weights = layer.router.route(x)
+        mark("router")
+        y = grouped_gemm_moe(x, ids, weights, layer.w1, layer.w2)
+        mark("layer_forward")
+        torch.autograd.grad(y, params, gy)
+        mark("backward")
+        layer.router.aux_loss = None
+
+    for fn in (ours, base):  # compile, warm up
+        for _ in range(3):
+            fn(lambda name: None)
+    rec = dict(shape=list(shape), ours_us=staged(ours, steps), base_us=staged(base, steps))
+    rec["ours_total_us"] = round(sum(rec["ours_us"].values()), 1)
+    rec["base_total_us"] = round(sum(rec["base_us"].values()), 1)
+    return rec
+
+
+def micro() -> dict:
+    from rocmoe._triton import interpreting, tensor_descriptor
+    from rocmoe.moe import kernels
+    dev = torch.device("cuda")
+    t, h = 4096, 1024
+    rows = torch.randn(t * 2, h, device=dev, dtype=torch.bfloat16)
+    dest = torch.randint(0, t * 2, (t, 2), device=dev)
+    out = torch.empty(t, h, device=dev, dtype=torch.bfloat16)
+    launcher = kernels.launch("combine_kernel")
+
+    def combine():
+        launcher[(t // 32, h // 128)](rows, rows, dest, out, t, h, 2, rows.stride(0),
+                                      out.stride(0), BLOCK_T=32, BLOCK_H=128, WEIGHTED=False)
+    combine()
+    jit = kernels.get("combine_kernel")
+
+    def combine_jit():
+        jit[(t // 32, h // 128)](rows, rows, dest, out, t, h, 2, rows.stride(0),
+                                 out.stride(0), BLOCK_T=32, BLOCK_H=128, WEIGHTED=False)
+    a = torch.randn(h, h, device=dev, dtype=torch.bfloat16)
+    return dict(
+        fast_launch_combine=host_us(combine), jit_launch_combine=host_us(combine_jit),
+        torch_add=host_us(lambda: torch.add(a, a)),
+        torch_empty=host_us(lambda: torch.empty(t, h, device=dev, dtype=torch.bfloat16)),
+        tensor_descriptor=host_us(lambda: tensor_descriptor(a, h, h, h, [64, 64])),
+        interpreting=host_us(interpreting, 2000),
+        kernels_launch_lookup=host_us(lambda: kernels.launch("combine_kernel"), 2000))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shapes", nargs="?", default="8192,1024,4096,64;4096,2048,1408,64")
+    ap.add_argument("--steps", type=int, default=24)
+    args = ap.parse_args()
+    for s in args.shapes.split(";"):
+        print(json.dumps(probe(tuple(int(v) for v in s.split(",")), args.steps)), flush=True)
+    print(json.dumps(dict(micro_us=micro())), flush=True)
+
+
+if __name__ == "__main__":
+    main()
