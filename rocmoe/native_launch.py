@@ -232,6 +232,7 @@ class NativeLaunch:
         # a call runs one step per changing argument: it writes the argument and says
         # whether its token is the one the kernel was compiled for
         self._steps = [(pos, self._step(pos, tok)) for pos, tok in zip(dynamic, tokens)]
+        self._write_args = self._generated(dynamic, tokens)
 
     # -- writing arguments -----------------------------------------------------------
     def _token(self, pos: int, a):
@@ -310,6 +311,33 @@ class NativeLaunch:
             return True
         return descriptor
 
+    def _generated(self, dynamic, tokens):
+        """The steps as one generated function `write(args) -> bool`: pointers and integers
+        written and checked inline (a call per argument cost about as much as the check),
+        descriptors and folded constants through their step. Same results as the steps."""
+        lines, env = ["def write(args):"], {}
+        for (pos, step), want in zip(self._steps, tokens):
+            fields = self._by_pos.get(pos)
+            kind = fields[0].kind if fields is not None else None
+            env[f"c{pos}"] = fields[0].cell if kind in ("ptr", "int") else None
+            if kind == "ptr":
+                env[f"d{pos}"] = want[1]
+                lines += [f"    a = args[{pos}]", "    p = a.data_ptr()", f"    c{pos}[0] = p",
+                          f"    if ((p & 15) == 0) is not {bool(want[0])} or a.dtype is not "
+                          f"d{pos} or not a.is_cuda:", "        return False"]
+            elif kind == "int":
+                one, by16, narrow = (bool(v) for v in want)
+                lines += [f"    a = args[{pos}]", f"    c{pos}[0] = a",
+                          f"    if (a == 1) is not {one} or (a % 16 == 0) is not {by16} or "
+                          f"(-2147483648 <= a < 2147483648) is not {narrow}:",
+                          "        return False"]
+            else:
+                env[f"s{pos}"] = step
+                lines += [f"    if not s{pos}(args[{pos}]):", "        return False"]
+        lines.append("    return True")
+        exec("\n".join(lines), env)  # noqa: S102 - our own text, from the kernel's fields
+        return env["write"]
+
     def _encode(self, meta: dict, base: torch.Tensor, shape, strides):
         """(buffer, address) of the CUtensorMap of a descriptor, as Triton's
         fill_tma_descriptor makes it (dimensions innermost first, byte strides, no
@@ -339,10 +367,9 @@ class NativeLaunch:
         """Launch with `args` (the changing positions are rewritten). False, with nothing
         launched, when their specialisation is not the one this kernel was compiled for."""
         try:
-            for pos, step in self._steps:
-                if not step(args[pos]):
-                    stats["fallback"] += 1
-                    return False
+            if not self._write_args(args):
+                stats["fallback"] += 1
+                return False
         except Exception:  # noqa: BLE001 - a map the driver will not encode, an argument of
             # another kind than the kernel was compiled for (None for a tensor): the JIT decides
             stats["fallback"] += 1

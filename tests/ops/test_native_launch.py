@@ -163,3 +163,58 @@ def test_fast_kernel_off_cuda_launches_through_the_jit_only(monkeypatch):
         fast[(1,)](torch.zeros(2), 0, BLOCK=64)
     assert len(jit.calls) == 2
     assert fast.arg_names == ["a", "b"]  # the JITFunction's attributes show through
+
+
+class _FakeTensor:
+    """What a native launch reads of a tensor argument."""
+
+    def __init__(self, ptr, dtype=torch.bfloat16, is_cuda=True):
+        self.ptr, self.dtype, self.is_cuda = ptr, dtype, is_cuda
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def _launch_without_gpu(args, kinds):
+    """A NativeLaunch's argument writing, made without a kernel: `kinds` per position
+    ("ptr", "int" or None for a constant the JIT folded)."""
+    from rocmoe._native import ffi
+    nl = native_launch.NativeLaunch.__new__(native_launch.NativeLaunch)
+    nl._by_pos = {}
+    for pos, kind in enumerate(kinds):
+        if kind is not None:
+            f = native_launch._Field(kind, 8)
+            f.cell = ffi.new("int64_t[1]")
+            nl._by_pos[pos] = [f]
+    dynamic = range(len(args))
+    tokens = [nl._token(pos, args[pos]) for pos in dynamic]
+    nl._steps = [(pos, nl._step(pos, tok)) for pos, tok in zip(dynamic, tokens)]
+    return nl, nl._generated(dynamic, tokens)
+
+
+def test_generated_argument_writer_agrees_with_the_steps():
+    # the arguments the kernel was made for, then each one changed alone to every
+    # alternative: the generated writer must accept and reject exactly what the steps do
+    kinds = ["ptr", "int", None, "ptr", "int", "int"]
+    made = (_FakeTensor(4096), 48, None, _FakeTensor(8192, torch.float32), 1, 2**33)
+    nl, write = _launch_without_gpu(made, kinds)
+    ints = [1, 16, 32, 17, 3, -16, 2**31, 2**33, 2**33 + 16]
+    alternatives = {
+        0: [_FakeTensor(p, d, c) for p in (4096, 4104, 0) for d in (torch.bfloat16,
+                                                                     torch.float32)
+            for c in (True, False)],
+        1: ints, 2: [None, 0, 1], 3: [_FakeTensor(8200, torch.float32),
+                                      _FakeTensor(8192, torch.bfloat16)],
+        4: ints, 5: ints}
+    assert write(made)
+    outcomes = set()
+    for pos, values in alternatives.items():
+        for v in values:
+            args = made[:pos] + (v,) + made[pos + 1:]
+            by_steps = all(step(args[q]) for q, step in nl._steps)
+            assert write(args) == by_steps, (pos, v)
+            outcomes.add(by_steps)
+            if by_steps:
+                assert nl._by_pos[0][0].cell[0] == args[0].ptr
+                assert nl._by_pos[5][0].cell[0] == args[5]
+    assert outcomes == {True, False}
