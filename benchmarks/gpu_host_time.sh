@@ -12,7 +12,10 @@
 #   fused_tests  pytest -m gpu on the fused handles: native launch, lean calls, graphs,
 #                no syncs, bad input (tests/ops_gpu/test_fused_gpu.py)
 #   moe_tests    pytest -m gpu tests/moe/test_gpu.py (the layer's kernels, syncs, memory)
-#   ep_tests     pytest -m gpu on expert parallelism and vExpert
+#   ep_tests     pytest -m gpu on expert parallelism (tests/moe/test_expert_parallel_gpu.py)
+#   vexpert_tests  pytest -m gpu tests/moe/test_vexpert_gpu.py
+#   (each test stage takes a -k expression from $FUSED_TESTS_K, $MOE_TESTS_K, $EP_TESTS_K,
+#   $VEXPERT_TESTS_K, and a timeout in seconds from $..._S)
 #   fused_bench  rocmoe bench fused_gpu --only gemm,gemv,embedding,overlap
 #   layer_bench  rocmoe bench moe --layer on $LAYER_SHAPES (default: the losing shapes)
 #   profile      benchmarks/profile_moe_host.py on 8192,1024,4096,64 (host functions)
@@ -50,11 +53,15 @@ if has fused_tests; then
 fi
 if has moe_tests; then
   stamp moe_tests
-  run timeout ${MOE_TESTS_S:-330} $PYTEST tests/moe/test_gpu.py
+  run timeout ${MOE_TESTS_S:-330} $PYTEST tests/moe/test_gpu.py -k "${MOE_TESTS_K:-}"
 fi
 if has ep_tests; then
   stamp ep_tests
-  run timeout ${EP_TESTS_S:-300} $PYTEST tests/moe/test_expert_parallel_gpu.py tests/moe/test_vexpert_gpu.py
+  run timeout ${EP_TESTS_S:-200} $PYTEST tests/moe/test_expert_parallel_gpu.py -k "${EP_TESTS_K:-}"
+fi
+if has vexpert_tests; then
+  stamp vexpert_tests
+  run timeout ${VEXPERT_TESTS_S:-200} $PYTEST tests/moe/test_vexpert_gpu.py -k "${VEXPERT_TESTS_K:-}"
 fi
 if has fused_bench; then
   stamp fused_bench
