@@ -13,7 +13,8 @@ Every JSON line names its baseline (the static placement, measured in the same r
   counts it was decided on, one without copies one step after. ``ratio`` = static's mean
   balance ratio over the policy's. The policies predict with a counts-only cost model
   (time = the busiest rank's rows).
-* ``host_step_time`` (``--part measured``, 2 ranks under mpiexec, OMP_NUM_THREADS=1): a
+* ``host_step_time`` (``--part measured``, 2 ranks under mpiexec, OMP_NUM_THREADS=1, glibc
+  malloc keeping freed memory unless ``--malloc default``): a
   training step (forward, backward, optimizer step with the replica gradient sum, and for
   vExpert ``scheduler.step()``) of a static and a vExpert DroplessMoE layer with the same
   weights and data, alternated step by step, under a router that sends (almost) every
@@ -47,6 +48,7 @@ import numpy as np
 from . import emit, inside_mpi_job, relaunch_under_mpiexec
 
 SIM_CONFIGS = ((8, 2), (16, 4), (32, 4), (64, 8))
+MALLOC_KEEP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
 # -- the simulation ------------------------------------------------------------------------
@@ -292,6 +294,7 @@ def measured(args) -> list[dict]:
             "vexpert_balance_ratio_last": float(vex.dispatcher.balance_ratio),
             "goal": ">= 1.3 under strong skew", "meets_goal": med["static"] / med["vexpert"] >= 1.3,
             "dropped_changes": sched.dropped_changes,
+            "malloc": {k: os.environ.get(k) for k in MALLOC_KEEP},
         })
         series_models = (("vexpert", "vexpert", "vexpert"), ("static", "static", "static"),
                          ("static_by_vexpert_calibration", "static", "vexpert"),
@@ -404,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threshold", type=float, default=1.05)
     ap.add_argument("--measured-steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                    help="measured part: keep: the ranks' glibc malloc keeps freed memory "
+                         "(MALLOC_MMAP_THRESHOLD_=32 MiB, MALLOC_TRIM_THRESHOLD_=1 GiB) so that "
+                         "steps do not page-fault it in again by chance; default: glibc's")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="measured part: host ranks, or ranks sharing GPU 0 (ipc heap)")
     return ap
@@ -432,6 +439,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "measured" in parts:
         os.environ["OMP_NUM_THREADS"] = "1"   # one core per rank: imbalance makes stragglers
         os.environ["MKL_NUM_THREADS"] = "1"
+        if args.malloc == "keep":
+            # glibc hands freed blocks of a step back to the kernel and faults them in again
+            # the next step, a different amount each time: on the 2-core VM 0-24,000 page
+            # faults a step, steps of the same work 185-316 ms (mean deviation 0.14 of the
+            # median); keeping them (blocks up to 32 MiB from the heap, no trimming): 0.04
+            for name, value in MALLOC_KEEP.items():
+                os.environ.setdefault(name, value)
         forwarded = [a for a in (argv if argv is not None else sys.argv[1:])]
         series_file = args.output or os.path.join(
             os.environ.get("TMPDIR", "/tmp"), f"rocmoe_vexpert_{os.getpid()}.jsonl")

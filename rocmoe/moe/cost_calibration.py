@@ -63,4 +63,10 @@ def split_prediction(model, placement, counts) -> tuple[float, float]:
     return parts["fixed_ms"] + parts["comp_ms"] + parts["a2a_ms"], parts["sync_ms"]
 
 
-__all__ = ["RatioWindow", "split_prediction"]
+def sync_prediction(model, placements) -> float:
+    """ms the uncalibrated model predicts for the replica sums of these layers' placements
+    (one optimizer pre-hook sums them all)."""
+    return float(sum(model.rank_sync_ms(p) for p in placements).max())
+
+
+__all__ = ["RatioWindow", "split_prediction", "sync_prediction"]

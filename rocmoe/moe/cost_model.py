@@ -80,13 +80,18 @@ class CostModel:
                 moved = np.maximum(pairs.sum(axis=1), pairs.sum(axis=0))  # sent, received
                 a2a = a2a + rates[kind] * self.row_bytes * moved
         a2a = 4 * a2a
-        holds_e = holds.T                                                 # [E, W]
+        return {"comp": comp, "a2a": a2a, "sync": self.rank_sync_ms(placement)}
+
+    def rank_sync_ms(self, placement: Placement) -> np.ndarray:
+        """[world] ms of the replica gradient sums each rank takes part in (no counts
+        needed: every replicated expert's group sums once a step)."""
+        holds_e = placement.replicas() > 0                                # [E, W]
         members = holds_e.sum(axis=1)
-        sync = np.zeros(world)
+        sync = np.zeros(placement.world_size)
         for m in np.unique(members[members > 1]).tolist():
             ms = self.allreduce_ms(int(m), self.expert_grad_bytes)
             sync = sync + ms * holds_e[members == m].sum(axis=0)
-        return {"comp": comp, "a2a": a2a, "sync": sync}
+        return sync
 
     def allreduce_ms(self, group_size: int, nbytes: int) -> float:
         if not self.allreduce:

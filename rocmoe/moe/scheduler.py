@@ -26,10 +26,10 @@ PolicyBackoff), on the forecast of the pair counts every rank has seen
 (load_forecast.py), with the cost model (cost_model.py) profiled at the first step and
 scaled by what its predictions of the last steps missed (cost_calibration.py: the layer's
 forward + backward timed by hooks, vexpert_clock.py, and the replica sum; the slowest
-rank's times, agreed by one all-gather a step). Every rank computes the same decision; the
-new placement's fingerprint is compared across ranks before it is used. On a GPU the
-statistics are one step older (their copy to the host runs in the background), so
-``step()`` never waits for the device.
+rank's times, agreed by one all-gather at the steps where a policy run is due). Every rank
+computes the same decision; the new placement's fingerprint is compared across ranks
+before it is used. On a GPU the statistics are one step older (their copy to the host runs
+in the background), so ``step()`` never waits for the device.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigurationError, PlacementError
-from .cost_calibration import RatioWindow, split_prediction
+from .cost_calibration import RatioWindow, split_prediction, sync_prediction
 from .cost_model import CostModel, profile
 from .expert_copy import Copy, ExpertMover
 from .load_forecast import LoadForecast
@@ -125,6 +125,9 @@ class _LayerState:
         self.backoff = PolicyBackoff()
         self.compute = RatioWindow(max(window, 1))   # measured / predicted forward + backward
         self.clock: Optional[LayerClock] = None      # attached once the ranks agreed
+        # timed steps whose slowest-rank time the ranks have not agreed on yet:
+        # [placement, counts, this rank's ms, the calibration factor before it, log entry]
+        self.unagreed: "deque[list]" = deque(maxlen=max(window, 1))
 
 
 class VExpertScheduler:
@@ -179,6 +182,7 @@ class VExpertScheduler:
                        for layer in self.layers]
         self.sync = RatioWindow(max(self.calibration_window, 1))  # the replica sums'
         self._sync_ms = float("nan")   # the last pre-hook's replica sum, this rank
+        self._sync_unagreed: "deque[list]" = deque(maxlen=max(self.calibration_window, 1))
         problem = None if replica_sync in REDUCERS or replica_sync == "auto" else \
             ConfigurationError(f"replica_sync must be 'auto' or one of {sorted(REDUCERS)}, "
                                f"got {replica_sync!r}")
@@ -340,41 +344,49 @@ class VExpertScheduler:
     # -- after the optimizer step: statistics and decisions ---------------------------------
     def step(self) -> None:
         """Collective (every rank, after optimizer.step()): read the last step's loads and
-        times, calibrate the cost model, run the policy where due, start the changes it
-        decides."""
+        times, calibrate the cost model where a policy run is due, run the policy, start the
+        changes it decides."""
         t0 = time.perf_counter()
         self.steps += 1
         record = {"step": self.steps, "layers": []}
-        timed = self._agree_on_times()
-        for index, st in enumerate(self.states):
+        work = []
+        for st in self.states:
+            if st.clock is not None:
+                st.clock.close_step()
             counts = self._read_counts(st)
             if counts is None:
                 record["layers"].append(None)
                 continue
-            disp = st.layer.dispatcher
             st.load.update(counts)
             st.steps += 1
             if self.cost_model is None and self.world_size > 1:
                 self.cost_model = self._profile(st.layer, counts)  # once, at the start
-            placement = disp.placement
-            ratio = balance_ratio(placement.rank_loads(counts.sum(axis=0)))
-            entry = {"balance_ratio": ratio, "rank_loads":
-                     placement.rank_loads(counts.sum(axis=0)).tolist(), "decision": None}
-            if timed is not None and timed[0][index][0] is not None:
-                entry["cost_model"] = self._calibrate(st, counts, *timed[0][index])
+            placement = st.layer.dispatcher.placement
+            loads = placement.rank_loads(counts.sum(axis=0))
+            entry = {"balance_ratio": balance_ratio(loads), "rank_loads": loads.tolist(),
+                     "decision": None}
+            record["layers"].append(entry)
+            self._note_time(st, counts, entry)
+            work.append((st, entry))
+        self._note_sync_time(record)
+        # the policy decides with the model calibrated up to here: agree on the times
+        # (one all-gather) only where it may run
+        if any(st.steps % st.layer.rebalance_every == 0 for st, _ in work):
+            self._agree_on_times()
+        for st, entry in work:
+            placement = st.layer.dispatcher.placement
             forecast = st.load.forecast()
             # the change would take effect when the forecast is for: act on a rise before
             # the rank that takes it is the straggler
             ahead = balance_ratio(placement.rank_loads(forecast.sum(axis=0)))
             entry["forecast_balance_ratio"] = ahead
-            due = max(ratio, ahead)
+            due = max(entry["balance_ratio"], ahead)
             every = st.layer.rebalance_every
             if self.world_size > 1 and st.pending is None and st.steps % every == 0 \
                     and due > st.layer.balance_threshold:
                 if not st.backoff.due(st.steps, due):
                     entry["decision"] = {"skipped": "backoff", "next_step":
                                          st.backoff.next_step}
-                    record["layers"].append(entry)
                     continue
                 result = POLICIES[self.policy](
                     placement, forecast, self.calibrated_model(st.layer),
@@ -387,59 +399,69 @@ class VExpertScheduler:
                                              migrates=result.migrates,
                                              predicted_ms=result.predicted_ms,
                                              baseline_ms=result.baseline_ms)
-            record["layers"].append(entry)
-        if timed is not None:
-            record["replica_sum"] = self._calibrate_sync(timed[1])
         self._sync_ms = float("nan")
         self.log.append(record)
         self.timings["decide_ms"] += (time.perf_counter() - t0) * 1e3
 
     # -- the cost model's calibration -----------------------------------------------------
     def calibrated_model(self, layer) -> Optional[CostModel]:
-        """The cost model scaled by what it missed on the last steps (cost_calibration.py):
-        what the policy decides with, and the next step's prediction. None before the
-        profile."""
+        """The cost model scaled by what it missed on the steps the ranks last agreed on
+        (cost_calibration.py): what the policy decides with, and the next step's
+        prediction. None before the profile."""
         if self.cost_model is None:
             return None
         return self.cost_model.scaled(self._state(layer).compute.factor(), self.sync.factor())
 
-    def _agree_on_times(self):
-        """Collective: the slowest rank's forward + backward ms of each layer's timed step
-        (NaN where a rank did not time it) and of this step's replica sum; None without
-        calibration."""
-        if self.world_size == 1 or not self.calibration_window:
-            return None
-        for st in self.states:
-            st.clock.close_step()
-        mine = [st.clock.last_step() for st in self.states]
-        values = [float("nan") if m is None else m[1] for m in mine] + [self._sync_ms]
-        slowest = self._allgather_floats(values).max(axis=0)   # NaN where any rank has one
-        return [(None if m is None else m[0], float(ms))
-                for m, ms in zip(mine, slowest[:-1])], float(slowest[-1])
+    def _note_time(self, st: _LayerState, counts, entry: dict) -> None:
+        """Keep this rank's time of the layer's timed step (the last one on the host, the
+        one before on a GPU, as the counts) until the ranks agree on the slowest."""
+        if st.clock is None:
+            return
+        timed = st.clock.last_step()
+        placement, ms = timed if timed is not None else (None, float("nan"))
+        st.unagreed.append([placement, counts, ms, st.compute.factor(), entry])
 
-    def _calibrate(self, st: _LayerState, counts, placement, measured_ms: float) -> dict:
-        """Compare the timed step with what the model, as calibrated before it, predicted,
-        then take its ratio into the layer's calibration. `counts` are the timed step's
-        (on a GPU both are a step old)."""
-        compute_ms, _ = split_prediction(self.cost_model, placement, counts)
-        out = {"predicted_ms": compute_ms * st.compute.factor(), "measured_ms": measured_ms,
-               "uncalibrated_ms": compute_ms}
-        st.compute.observe(compute_ms, measured_ms)
-        return out
-
-    def _calibrate_sync(self, sync_ms: float) -> Optional[dict]:
-        """The same for the replica sums of the step's pre-hook (every layer's at once)."""
+    def _note_sync_time(self, record: dict) -> None:
+        """The same for this step's replica sums (every layer's in one pre-hook), when the
+        placements the step ran on replicate anything."""
+        if not self.calibration_window or self.world_size == 1 \
+                or not math.isfinite(self._sync_ms):
+            return
         placements = [st.clock.current_placement() for st in self.states]
-        if self.cost_model is None or None in placements or not math.isfinite(sync_ms):
-            return None
-        predicted = sum(split_prediction(self.cost_model, p, np.zeros(
-            (self.world_size, p.num_experts)))[1] for p in placements)
-        if predicted <= 1e-6:     # nothing replicated: nothing the model would scale
-            return None
-        out = {"predicted_ms": predicted * self.sync.factor(), "measured_ms": sync_ms,
-               "uncalibrated_ms": predicted}
-        self.sync.observe(predicted, sync_ms)
-        return out
+        if any(p is None or (p.replicas() > 0).sum(axis=1).max() > 1 for p in placements):
+            self._sync_unagreed.append([placements, self._sync_ms, self.sync.factor(),
+                                        record])
+
+    def _agree_on_times(self) -> None:
+        """Collective: the slowest rank's time of every step noted since the last agreement
+        (NaN where a rank did not time it: then no rank uses that step), compared with what
+        the model, as calibrated before that step, predicted; then its ratio calibrates the
+        model. One all-gather of these floats."""
+        noted = [(st, n) for st in self.states for n in st.unagreed]
+        values = [n[2] for _, n in noted] + [n[1] for n in self._sync_unagreed]
+        if not values:
+            return
+        slowest = self._allgather_floats(values).max(axis=0)
+        for (st, (placement, counts, _, factor, entry)), ms in zip(noted, slowest):
+            if placement is None or not math.isfinite(ms) or self.cost_model is None:
+                continue
+            raw, _ = split_prediction(self.cost_model, placement, counts)
+            entry["cost_model"] = {"predicted_ms": raw * factor, "measured_ms": float(ms),
+                                   "uncalibrated_ms": raw}
+            st.compute.observe(raw, float(ms))
+        for (placements, _, factor, record), ms in zip(self._sync_unagreed,
+                                                        slowest[len(noted):]):
+            if None in placements or not math.isfinite(ms) or self.cost_model is None:
+                continue
+            raw = sync_prediction(self.cost_model, placements)
+            if raw <= 1e-6:
+                continue
+            record["replica_sum"] = {"predicted_ms": raw * factor, "measured_ms": float(ms),
+                                     "uncalibrated_ms": raw}
+            self.sync.observe(raw, float(ms))
+        for st in self.states:
+            st.unagreed.clear()
+        self._sync_unagreed.clear()
 
     def _read_counts(self, st: _LayerState) -> Optional[np.ndarray]:
         """The last forward's [world, E] pair counts on the host. On a GPU without waiting

@@ -22,7 +22,7 @@ def _launch(ranks, checks, *args):
 @pytest.fixture(scope="module")
 def two_ranks():
     return _launch(2, "equal,primitives,train,bad,config,reducer_timeout,profile,"
-                      "forecast_trigger,calibration")
+                      "forecast_trigger,calibration,calibration_batched")
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +130,11 @@ def test_the_policy_runs_when_the_forecast_is_above_the_threshold_before_the_loa
 def test_each_step_is_predicted_by_the_model_calibrated_on_the_steps_before_it(two_ranks):
     # and every rank logs the same prediction and time (the slowest rank's)
     _passed(two_ranks, "calibration", 2)
+
+
+@pytest.mark.mpi
+def test_the_ranks_exchange_step_times_only_where_a_policy_run_is_due(two_ranks):
+    _passed(two_ranks, "calibration_batched", 2)
 
 
 # -- counts only: the policies under a drifting Zipf(1.2) load -------------------------------

@@ -589,27 +589,35 @@ def check_forecast_trigger(ctx, dtype, tol):
 def check_calibration(ctx, dtype, tol, steps=6):
     rank, world = ctx.rank, ctx.world_size
     torch.manual_seed(5)
+    # a threshold no step reaches: the policy keeps the placement (and its replica) as set
     vex = DroplessMoE(H, F, E, K, block_size=BLOCK, ctx=ctx, placement="vexpert",
-                      slots_per_rank=E // world + 2, rebalance_every=1).to(DEVICE, dtype)
+                      slots_per_rank=E // world + 2, rebalance_every=1,
+                      balance_threshold=100.0).to(DEVICE, dtype)
     opt = torch.optim.SGD(vex.parameters(), lr=0.05)
-    model = CostModel(ffn_ms_per_row=1e-3, fixed_ms=0.1)
+    model = CostModel(ffn_ms_per_row=1e-3, fixed_ms=0.1, allreduce={2: [0.5, 0.0]})
     sched = VExpertScheduler([vex], opt, cost_model=model, replica_sync=REPLICA_SYNC,
                              calibration_window=1)
     xs = batches(world, dtype, seed=21, skew=3.0)
+    sched.expand(vex, 0, world - 1)   # a replica: the steps after it sum its gradients
     for _ in range(steps):
         train_step(vex, opt, sched, xs[rank], torch.tanh(xs[rank]))
     timed = [r["layers"][0]["cost_model"] for r in sched.log
              if r["layers"][0] and r["layers"][0].get("cost_model")]
+    sums = [r["replica_sum"] for r in sched.log if r.get("replica_sum")]
     problems = []
     if len(timed) != steps:
         problems.append(f"{len(timed)} of {steps} steps timed")
-    for before, now in zip(timed, timed[1:]):
-        expected = now["uncalibrated_ms"] * before["measured_ms"] / before["uncalibrated_ms"]
-        if not abs(now["predicted_ms"] - expected) <= 1e-9 * expected:
-            problems.append(f"predicted {now['predicted_ms']} != {expected}")
+    if len(sums) < steps - 2:
+        problems.append(f"{len(sums)} replica sums timed")
+    for series in (timed, sums):
+        for before, now in zip(series, series[1:]):
+            expected = (now["uncalibrated_ms"] * before["measured_ms"]
+                        / before["uncalibrated_ms"])
+            if not abs(now["predicted_ms"] - expected) <= 1e-9 * expected:
+                problems.append(f"predicted {now['predicted_ms']} != {expected}")
     if not all(t["measured_ms"] > 0 for t in timed):
         problems.append("a step without a positive time")
-    everyone = COMM.allgather(json.dumps(timed))
+    everyone = COMM.allgather(json.dumps([timed, sums]))
     if len(set(everyone)) != 1:
         problems.append("the ranks logged different predictions")
     state = sched.state_dict()
@@ -624,11 +632,46 @@ def check_calibration(ctx, dtype, tol, steps=6):
                   + (f" problems={problems}" if problems else ""))
 
 
+def check_calibration_batched(ctx, dtype, tol, steps=6):
+    """rebalance_every=3: the ranks exchange their times at steps 3 and 6 only (where the
+    policy may run); every step still gets its prediction, steps 4-6 all with the median
+    ratio of steps 1-3."""
+    rank, world = ctx.rank, ctx.world_size
+    torch.manual_seed(5)
+    vex = DroplessMoE(H, F, E, K, block_size=BLOCK, ctx=ctx, placement="vexpert",
+                      slots_per_rank=E // world + 2, rebalance_every=3).to(DEVICE, dtype)
+    opt = torch.optim.SGD(vex.parameters(), lr=0.05)
+    sched = VExpertScheduler([vex], opt, cost_model=CostModel(ffn_ms_per_row=1e-3,
+                                                              fixed_ms=0.1),
+                             replica_sync=REPLICA_SYNC, calibration_window=8)
+    exchanges = []
+    gather = sched._allgather_floats
+    sched._allgather_floats = lambda values: (exchanges.append(sched.steps), gather(values))[1]
+    xs = batches(world, dtype, seed=21, skew=3.0)
+    for _ in range(steps):
+        train_step(vex, opt, sched, xs[rank], torch.tanh(xs[rank]))
+    timed = [r["layers"][0].get("cost_model") for r in sched.log]
+    problems = []
+    if exchanges != [3, 6]:
+        problems.append(f"times exchanged at steps {exchanges}")
+    if None in timed:
+        problems.append("a step without its prediction")
+    else:
+        ratios = [t["measured_ms"] / t["uncalibrated_ms"] for t in timed[:3]]
+        for t in timed[3:]:
+            factor = t["predicted_ms"] / t["uncalibrated_ms"]
+            if abs(factor - float(np.median(ratios))) > 1e-9 * factor:
+                problems.append(f"factor {factor} != median {np.median(ratios)}")
+    sched.close()
+    return report("calibration_batched", not problems, rank,
+                  f"exchanges={exchanges}" + (f" problems={problems}" if problems else ""))
+
+
 CHECKS = {"equal": check_equal, "syncs": check_syncs, "primitives": check_primitives, "train": check_train,
           "bad": check_bad, "config": check_config, "reducer_sums": check_reducer_sums,
           "reducer_timeout": check_reducer_timeout,
           "profile": check_profile, "forecast_trigger": check_forecast_trigger,
-          "calibration": check_calibration}
+          "calibration": check_calibration, "calibration_batched": check_calibration_batched}
 
 
 def main(argv=None) -> int:
