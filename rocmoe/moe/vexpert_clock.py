@@ -9,8 +9,9 @@ time between the forward and the backward (the rest of the model, the loss) is n
 layer's and is left out.
 
 A step is the span between two optimizer steps (``close_step``). A step with no backward
-(inference), or with more than one forward (gradient accumulation, activation
-recomputation) is not timed: the cost model predicts one forward and backward.
+(inference), with more than one forward (gradient accumulation, activation
+recomputation) or run while a CUDA graph is captured is not timed: the cost model
+predicts one forward and backward.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class LayerClock:
 
     def _mark(self):
         if self.cuda:
+            if torch.cuda.is_current_stream_capturing():
+                return None   # a graph being captured: that step is not timed
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
