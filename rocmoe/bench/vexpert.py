@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import deque
 import os
 import sys
 import time
@@ -227,6 +228,7 @@ def measured(args) -> list[dict]:
     # same hooks, the slowest rank's time, the median of the last ratios
     static_clock = LayerClock(static)
     static_window = RatioWindow(sched.calibration_window or 1)
+    static_counts = deque(maxlen=2)
 
     def timed(layer, opt, scheduler):
         sync()
@@ -251,12 +253,15 @@ def measured(args) -> list[dict]:
             scheduler.step()
         else:
             counts = np.stack(comm.allgather(layer.tokens_per_expert.cpu().numpy()))
+            static_counts.append(counts)
             static_clock.close_step()
+            # the clock's timed step: this one on the host, the one before on a GPU
             timed_ms = (static_clock.last_step() or (None, float("nan")))[1]
             timed_ms = comm.allreduce(timed_ms, op=MPI.MAX)
-            if sched.cost_model is not None:
-                static_window.observe(split_prediction(sched.cost_model, placement, counts)[0],
-                                      timed_ms)
+            lag = 2 if static_clock.cuda else 1
+            if sched.cost_model is not None and len(static_counts) >= lag:
+                raw = split_prediction(sched.cost_model, placement, static_counts[-lag])[0]
+                static_window.observe(raw, timed_ms)
         sync()
         t2 = time.perf_counter()
         # the step ends when the slowest rank is done (the exchanges keep them in step)
