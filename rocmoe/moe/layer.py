@@ -76,7 +76,8 @@ class DroplessMoE(nn.Module):
     ``placement``: ``"static"`` (the above) or ``"vexpert"`` (FlexMoE): each rank has
     ``slots_per_rank`` expert slots (default E / world and half as many again) and hot experts
     get replicas in free slots, moved by a ``VExpertScheduler`` every ``rebalance_every``
-    steps while the balance ratio (max / mean rank load) is above ``balance_threshold``.
+    steps while the balance ratio (max / mean rank load), measured or forecast for the step
+    a change takes effect, is above ``balance_threshold``.
     ``w1``/``w2``/``w3`` then have one entry per slot. It starts in the static layout.
 
     After a forward, ``aux_loss`` is the router's auxiliary loss (scalar) and
