@@ -229,8 +229,8 @@ class NativeLaunch:
         tokens = [self._token(pos, args[pos]) for pos in dynamic]
         for pos in range(len(args)):  # every argument once
             self._write(pos, args[pos])
-        # a call runs one step per changing argument: it writes the argument and says
-        # whether its token is the one the kernel was compiled for
+        # one step per changing argument (it writes the argument and says whether its token
+        # is the one the kernel was compiled for); a call runs them as one generated function
         self._steps = [(pos, self._step(pos, tok)) for pos, tok in zip(dynamic, tokens)]
         self._write_args = self._generated(dynamic, tokens)
 

@@ -401,34 +401,38 @@ class _GemmLaunch:
             self.collect_key = (rows, cn, self.collect_blocks)
             self.collect_spec = None
 
+    def _raw_args(self, handle, team, x, w_raw, strides_w, counts, out, recv) -> tuple:
+        """The kernel's arguments with X and W as tensors: what a native launch takes (it
+        keeps the TMA maps itself), and what the JIT takes where the kernel does not use
+        TMA."""
+        return (x, w_raw, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
+                x.shape[0], handle.N, x.shape[1], self.per, self.capacity, self.nprog,
+                x.stride(0), x.stride(1), *strides_w, self.wait_budget)
+
     def launch(self, handle, team, x, w, counts, out, recv, descriptors) -> None:
+        strides_w = (0, 0, 0) if self.copy else \
+            (w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1))
         # the kernel made for TMA loads first: its launch checks every operand it loads by
         # a map (base and row alignment by its tokens, unit inner stride and non-empty
         # shape by the driver's encode), so only a grouped W's contiguity, which a map of
         # [G*K, N] assumes, is left to check here
-        native = self.native.get(True)
-        if native is not None and (w.dim() == 2 or w.is_contiguous()):
-            raw = (x, w, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
-                   x.shape[0], handle.N, x.shape[1], self.per, self.capacity, self.nprog,
-                   x.stride(0), x.stride(1), w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
-                   w.stride(-1), self.wait_budget)
-            if native.launch((self.nprog,), raw):
+        tma_native, tried = self.native.get(True), None
+        if tma_native is not None and (w.dim() == 2 or w.is_contiguous()):
+            raw = self._raw_args(handle, team, x, w, strides_w, counts, out, recv)
+            tried = tma_native
+            if tma_native.launch((self.nprog,), raw):
                 if not self.local:
                     self._collect(team, out, recv, x.device)
                 return
         if self.copy:
-            w_raw, use_tma, strides_w = x, False, (0, 0, 0)
+            w_raw, use_tma = x, False
         else:
             w_raw = w
             use_tma = self.use_tma_wanted and tma_operands_fit(x, w, self.cfg)
-            strides_w = (w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1))
-        # the arguments with X and W as tensors: what a native launch takes (it keeps the
-        # TMA maps itself), and what the JIT takes where the kernel does not use TMA
-        raw = (x, w_raw, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
-               int(x.shape[0]), handle.N, int(x.shape[1]), self.per, self.capacity, self.nprog,
-               x.stride(0), x.stride(1), *strides_w, self.wait_budget)
+        raw = self._raw_args(handle, team, x, w_raw, strides_w, counts, out, recv)
         native = self.native.get(use_tma)
-        if native is None or not native.launch((self.nprog,), raw):
+        # (not the TMA kernel's native launch again when it refused this call above)
+        if native is None or native is tried or not native.launch((self.nprog,), raw):
             if use_tma:
                 x_arg, w_arg, use_tma = gemm_operands(x, w, self.cfg, descriptors)
                 args = (x_arg, w_arg) + raw[2:]
@@ -572,7 +576,7 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
     def call(x, w, send_counts):
         if (type(x) is not tensor_type or type(w) is not tensor_type or x.dtype is not dtype
                 or w.dtype is not dtype or handle.broken is not None or status.any()
-                or ctx._handle is None
+                or ctx.finalized
                 or x.get_device() != index or w.get_device() != index or x.dim() != 2
                 or x.shape[1] != k or w.shape != want_w or x.stride(1) != 1
                 or (is_grad_enabled() and (world > 1 or x.requires_grad or w.requires_grad))):

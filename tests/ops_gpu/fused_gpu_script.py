@@ -204,25 +204,57 @@ def check_gemm_timeout(ctx, dtype, calls):
     time.sleep(float(os.environ.get("ROCMOE_TIMEOUT_S", 30)))
 
 
-def check_bad_counts(ctx, dtype, calls):
-    # rank world-1's device counts ask for more rows than it has: it must report bad input,
-    # every other rank must raise naming it, and the handle stays usable
+def _shared_gemm_case(ctx, dtype):
+    """(x [2 * world, 16], w [16, 16]) equal on every rank, and the float64 reference of a
+    call sending 2 rows to every rank."""
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
-    h = device_kernels(ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype))
     g = torch.Generator().manual_seed(11)  # the same X and W on every rank
     x, w = torch.randn(2 * world, 16, generator=g), torch.randn(16, 16, generator=g)
-    x, w = x.to(dev, dtype), w.to(dev, dtype)
+    ref = gemm_reference(torch.full((world, world, 1), 2), [x] * world, [w[None]] * world,
+                         rank, world, dtype)
+    return x.to(dev, dtype), w.to(dev, dtype), ref
+
+
+def expect_bad_device_counts(h, x, w, what):
+    """Rank world-1's device counts ask for more rows than it has (2 * world + 5 of
+    2 * world): only the kernel sees it; it must report bad input there, and every other
+    rank must raise naming it."""
+    rank, world = h.rank, h.world
     counts = torch.full((world,), 2, dtype=torch.int64)
     if rank == world - 1:
-        counts[0] = 7  # 2 * world + 5 rows asked, 2 * world there
+        counts[0] = 7
     try:
         with torch.no_grad():
-            h(x, w, counts.to(dev))
+            h(x, w, counts.to(x.device))
         h.synchronize()
     except errors.InvalidArgumentError as exc:
         print(f"RANK {rank} REJECTED {exc}", flush=True)
     else:
-        raise AssertionError("bad counts were accepted")
+        raise AssertionError(f"bad counts were accepted{what}")
+
+
+def expect_rejected_input(h, x, w, what):
+    """Rank world-1 passes X of the wrong width: it raises at once, the others raise
+    InvalidArgumentError naming it at synchronize()."""
+    rank, world = h.rank, h.world
+    bad = x[:, :8] if rank == world - 1 else x
+    try:
+        with torch.no_grad():
+            h(bad, w, [2] * world)
+        h.synchronize()
+    except errors.InvalidArgumentError as exc:
+        assert rank == world - 1 or f"rank {world - 1} rejected" in str(exc), str(exc)
+        print(f"RANK {rank} REJECTED {exc}", flush=True)
+    else:
+        raise AssertionError(f"the bad input was accepted{what}")
+
+
+def check_bad_counts(ctx, dtype, calls):
+    # bad device counts on one rank are reported by every rank, and the handle stays usable
+    world = ctx.world_size
+    h = device_kernels(ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype))
+    x, w, _ = _shared_gemm_case(ctx, dtype)
+    expect_bad_device_counts(h, x, w, "")
     with torch.no_grad():
         out, recv = h(x, w, [2] * world)
     h.synchronize()
@@ -230,29 +262,15 @@ def check_bad_counts(ctx, dtype, calls):
 
 
 def check_abort(ctx, dtype, calls):
-    # rank world-1 passes X of the wrong width: it raises at once, the others raise
-    # InvalidArgumentError naming it at synchronize(), and the next call works everywhere
-    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    # a rank that rejects its input aborts the call on every rank, and the next call works
+    # everywhere
+    rank, world = ctx.rank, ctx.world_size
     h = device_kernels(ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype))
-    g = torch.Generator().manual_seed(11)  # the same X and W on every rank
-    x, w = torch.randn(2 * world, 16, generator=g), torch.randn(16, 16, generator=g)
-    x, w = x.to(dev, dtype), w.to(dev, dtype)
-    bad = x[:, :8] if rank == world - 1 else x
-    try:
-        with torch.no_grad():
-            h(bad, w, [2] * world)
-        h.synchronize()
-    except errors.InvalidArgumentError as exc:
-        ok = (rank == world - 1) or f"rank {world - 1} rejected" in str(exc)
-        assert ok, str(exc)
-        print(f"RANK {rank} REJECTED {exc}", flush=True)
-    else:
-        raise AssertionError("the bad input was accepted")
+    x, w, ref = _shared_gemm_case(ctx, dtype)
+    expect_rejected_input(h, x, w, "")
     with torch.no_grad():
         out, recv = h(x, w, [2] * world)
     h.synchronize()
-    ref = gemm_reference(torch.full((world, world, 1), 2), [x.cpu().float()] * world,
-                         [w.cpu().float()[None]] * world, rank, world, dtype)
     e = rel_err(out[:2 * world], ref)
     assert e < TOL[dtype], f"rank {rank}: relative error {e} after the abort"
 
@@ -403,11 +421,7 @@ def check_lean(ctx, dtype, calls):
     # enabled every rank records the collective backward, also one whose X needs none)
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
     h = ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype)
-    g = torch.Generator().manual_seed(11)  # the same X and W on every rank
-    x, w = torch.randn(2 * world, 16, generator=g), torch.randn(16, 16, generator=g)
-    x, w = x.to(dev, dtype), w.to(dev, dtype)
-    ref = gemm_reference(torch.full((world, world, 1), 2), [x.cpu().float()] * world,
-                         [w.cpu().float()[None]] * world, rank, world, dtype)
+    x, w, ref = _shared_gemm_case(ctx, dtype)
 
     def good(xin, counts):
         with torch.no_grad():
@@ -422,27 +436,8 @@ def check_lean(ctx, dtype, calls):
     lean_epoch = h.epoch
     good(x, torch.full((world,), 2, dtype=torch.int64, device=dev))
     assert h.epoch == lean_epoch + 1
-    bad = x[:, :8] if rank == world - 1 else x
-    try:
-        with torch.no_grad():
-            h(bad, w, [2] * world)
-        h.synchronize()
-    except errors.InvalidArgumentError as exc:
-        assert rank == world - 1 or f"rank {world - 1} rejected" in str(exc), str(exc)
-        print(f"RANK {rank} REJECTED {exc}", flush=True)
-    else:
-        raise AssertionError("a rejected input was accepted by the lean path")
-    counts = torch.full((world,), 2, dtype=torch.int64)
-    if rank == world - 1:
-        counts[0] = 7  # more rows than X has: only the kernel sees it
-    try:
-        with torch.no_grad():
-            h(x, w, counts.to(dev))
-        h.synchronize()
-    except errors.InvalidArgumentError as exc:
-        print(f"RANK {rank} REJECTED {exc}", flush=True)
-    else:
-        raise AssertionError("bad device counts were accepted by the lean path")
+    expect_rejected_input(h, x, w, " after the lean path was made")
+    expect_bad_device_counts(h, x, w, " after the lean path was made")
     good(x.t().contiguous().t(), [2] * world)  # column-major X: the general path copies it
     xg = x.clone().requires_grad_(rank == 0)
     out, recv = h(xg, w, [2] * world)
