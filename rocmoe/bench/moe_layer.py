@@ -5,8 +5,10 @@
                              [--device cuda|cpu]
 
 Both sides run the whole layer, router included, on identical routing: the same ``Router``
-module (fp32 gate, softmax, top-k, aux loss) picks the experts, then rocmoe's ``DroplessMoE``
-(block-sparse kernels) or ``rocmoe.moe.reference.grouped_gemm_moe`` (argsort by expert,
+module's weights and maths (fp32 gate, softmax, top-k, aux loss) pick the experts, rocmoe's
+through ``Router.route`` (on a GPU the fused router, three Triton launches), the baseline's
+through ``Router.route_reference`` (the same router in torch ops, as a torch user writes it:
+the same logits, so the same picks); then rocmoe's ``DroplessMoE`` (block-sparse kernels) or ``rocmoe.moe.reference.grouped_gemm_moe`` (argsort by expert,
 gather, ``torch._grouped_mm``, tanh-GELU, ``torch._grouped_mm``, weighted ``index_add_``; on
 a GPU where ``torch._grouped_mm`` does not run, a loop of ``torch.mm`` over the experts, with
 its host sync) computes the experts. Each record names that baseline and gives the ratio
@@ -68,9 +70,10 @@ VARIANTS = [("recompute", True, True), ("store", False, False), ("store", True, 
             ("recompute", False, True), ("recompute", "backward", True),
             ("recompute", True, False), ("checkpoint", True, True)]
 BASELINE = ("torch._grouped_mm layer: argsort, gather, _grouped_mm, tanh-GELU, _grouped_mm, "
-            "weighted index_add_ (same router, same routing)")
+            "weighted index_add_ (the same router in torch ops, same routing)")
 LOOP_BASELINE = ("torch.mm loop layer: argsort, gather, torch.mm per expert (host sync for "
-                 "the split sizes), tanh-GELU, weighted index_add_ (same router, same routing)")
+                 "the split sizes), tanh-GELU, weighted index_add_ (the same router in torch ops, "
+                 "same routing)")
 TARGET_TIMED_S = 2.5  # seconds of timed calls per case, which sets its repetitions
 
 
@@ -161,7 +164,7 @@ def run_case(shape, routing: str, reps: int, dtype, device, emit, variants: bool
         return layer(x)
 
     def base_fwd():
-        ids, weights = layer.router.route(x)
+        ids, weights = layer.router.route_reference(x)
         return grouped_gemm_moe(x, ids, weights, layer.w1, layer.w2, grouped=grouped)
 
     def forget_aux_loss():

@@ -853,7 +853,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
 
 
 def aot_routing_signatures() -> dict[str, dict[str, str]]:
-    """Argument types of the routing kernels (int32 ids/indices, bf16 rows)."""
+    """Argument types of the routing and router kernels (int32 ids/indices, bf16 rows)."""
     i, c = "*i32", "constexpr"
     return {
         "chunk_histogram_kernel": dict(ids_ptr=i, hist_ptr=i, N="i32", E="i32",
@@ -879,6 +879,18 @@ def aot_routing_signatures() -> dict[str, dict[str, str]]:
                                     H="i32", top_k="i32", stride_x="i32", stride_o="i32",
                                     cols_per_program="i32", num_chunks="i32", CHUNK=c,
                                     E_POW2=c, BLOCK_H=c, COPY=c, BLOCK=c),
+        "router_topk_kernel": dict(logits_ptr="*fp32", ids_ptr=i, w_ptr="*bf16",
+                                   lse_ptr="*fp32", part_counts_ptr=i, part_ptr="*fp32",
+                                   T="i32", E="i32", stride_l="i32", nprog="i32", TOP_K=c,
+                                   K_POW2=c, E_POW2=c, BLOCK_T=c, RENORM=c),
+        "router_aux_kernel": dict(part_counts_ptr=i, part_ptr="*fp32", counts_ptr=i,
+                                  aux_ptr="*fp32", T="i32", E="i32", nprog="i32", TOP_K=c,
+                                  E_POW2=c, BLOCK_P=c, LB_COEF=c, Z_COEF=c),
+        "router_backward_kernel": dict(logits_ptr="*fp32", lse_ptr="*fp32", ids_ptr=i,
+                                       gw_ptr="*bf16", gaux_ptr="*fp32", counts_ptr=i,
+                                       dl_ptr="*fp32", T="i32", E="i32", stride_l="i32",
+                                       stride_d="i32", TOP_K=c, K_POW2=c, E_POW2=c,
+                                       BLOCK_T=c, RENORM=c, LB_COEF=c, Z_COEF=c),
     }
 
 
@@ -888,6 +900,11 @@ ROUTING_AOT_CONSTEXPRS = {
     "chunk_histogram_kernel": dict(CHUNK=256, E_POW2=64),
     "routing_scan_kernel": dict(BLOCK=128, E_POW2=64, CHUNK_TILE=64, TILE=1024),
     "scatter_rows_kernel": dict(CHUNK=256, E_POW2=64, BLOCK_H=64, COPY=True, BLOCK=128),
+    # DeepSeek-V2-Lite-like: 64 experts, top-6
+    "router_topk_kernel": dict(TOP_K=6, K_POW2=8, E_POW2=64, BLOCK_T=64, RENORM=True),
+    "router_aux_kernel": dict(TOP_K=6, E_POW2=64, BLOCK_P=64, LB_COEF=0.01, Z_COEF=0.001),
+    "router_backward_kernel": dict(TOP_K=6, K_POW2=8, E_POW2=64, BLOCK_T=64, RENORM=True,
+                                   LB_COEF=0.01, Z_COEF=0.001),
 }
 
 
@@ -1132,3 +1149,152 @@ def _zero_padding_block(out_ptr, rb, h_start, h_end, block_rows_ptr, stride_o,
         cols = h0 + tl.arange(0, BLOCK_H)
         tl.store(row_ptrs + cols[None, :], zero,
                  mask=(rows >= real)[:, None] & (cols < h_end)[None, :])
+
+
+# ------------------------------------------------------------------ the router
+# softmax + top-k + renormalise + histogram + the aux losses' sums in one pass over the gate
+# logits, the aux loss from the per-program partial sums in a second (one program), and the
+# whole backward (top-k, renormalisation, load-balancing and z-loss terms, softmax) in a
+# third: the torch router was ~30 small ops with autograd, ~0.7 ms of host time a forward
+# on an H200's host, a quarter of a small layer's step (benchmarks/probe_layer_host.py).
+# Partial sums, not atomics, so the losses are deterministic for a given grid.
+
+@triton.jit
+def _router_rows(logits_ptr, rows, row_ok, cols, col_ok, stride_l):
+    """The rows' logits (-inf outside [T, E]), their max-shifted exponentials' log-sum
+    (lse) and probabilities."""
+    ok = row_ok[:, None] & col_ok[None, :]
+    lg = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :], mask=ok,
+                 other=-float("inf"))
+    m = tl.where(row_ok, tl.max(lg, axis=1), 0.0)
+    e = tl.exp(lg - m[:, None])
+    s = tl.where(row_ok, tl.sum(e, axis=1), 1.0)
+    return lg, m + tl.log(s), e / s[:, None]
+
+
+@_kernel
+def router_topk_kernel(logits_ptr, ids_ptr, w_ptr, lse_ptr, part_counts_ptr, part_ptr,
+                       T, E, stride_l, nprog,
+                       TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr,
+                       BLOCK_T: tl.constexpr, RENORM: tl.constexpr):
+    # Persistent over row blocks; program p ends by writing its partial sums: tokens per
+    # expert (part_counts[p, :]), probabilities summed over its tokens (part[p, :E_POW2])
+    # and lse^2 summed (part[p, E_POW2]). The k experts are picked on the logits (the
+    # softmax is monotone, so these are the k largest probabilities without the rounding
+    # ties of probabilities), largest first, the lowest index first among equal logits.
+    pid = tl.program_id(0)
+    cols = tl.arange(0, E_POW2)
+    col_ok = cols < E
+    ks = tl.arange(0, K_POW2)
+    hist = tl.zeros((E_POW2,), dtype=tl.int32)
+    psum = tl.zeros((E_POW2,), dtype=tl.float32)
+    zsum = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for blk in range(pid, tl.cdiv(T, BLOCK_T), nprog):
+        rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < T
+        lg, lse, p = _router_rows(logits_ptr, rows, row_ok, cols, col_ok, stride_l)
+        tl.store(lse_ptr + rows, lse, mask=row_ok)
+        zsum += tl.where(row_ok, lse * lse, 0.0)
+        psum += tl.sum(p, axis=0)
+        free = row_ok[:, None] & col_ok[None, :]
+        picked = tl.zeros((BLOCK_T, K_POW2), dtype=tl.int32)
+        top = tl.zeros((BLOCK_T, K_POW2), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            cand = tl.where(free, lg, -float("inf"))
+            best = tl.max(cand, axis=1)
+            idx = tl.min(tl.where(free & (cand == best[:, None]), cols[None, :], E_POW2), axis=1)
+            hit = cols[None, :] == idx[:, None]
+            free = free & ~hit
+            picked = tl.where(ks[None, :] == j, idx[:, None], picked)
+            top = tl.where(ks[None, :] == j, tl.sum(tl.where(hit, p, 0.0), axis=1)[:, None], top)
+        chosen = row_ok[:, None] & col_ok[None, :] & ~free
+        hist += tl.sum(chosen.to(tl.int32), axis=0)
+        if RENORM:
+            top = top / tl.where(row_ok, tl.sum(top, axis=1), 1.0)[:, None]
+        out = rows.to(tl.int64)[:, None] * TOP_K + ks[None, :]
+        ok = row_ok[:, None] & (ks < TOP_K)[None, :]
+        tl.store(ids_ptr + out, picked, mask=ok)
+        tl.store(w_ptr + out, top.to(w_ptr.dtype.element_ty), mask=ok)
+    tl.store(part_counts_ptr + pid * E_POW2 + cols, hist)
+    tl.store(part_ptr + pid * (E_POW2 + 1) + cols, psum)
+    tl.store(part_ptr + pid * (E_POW2 + 1) + E_POW2, tl.sum(zsum, axis=0))
+
+
+@_kernel
+def router_aux_kernel(part_counts_ptr, part_ptr, counts_ptr, aux_ptr, T, E, nprog,
+                      TOP_K: tl.constexpr, E_POW2: tl.constexpr, BLOCK_P: tl.constexpr,
+                      LB_COEF: tl.constexpr, Z_COEF: tl.constexpr):
+    # One program: tokens per expert, and aux = LB_COEF * E * sum_e f_e P_e + Z_COEF *
+    # mean(lse^2), f_e = counts_e / (T k), P_e = mean probability of e (the torch router's
+    # load_balancing_loss and z_loss), summed over the partials in program order.
+    cols = tl.arange(0, E_POW2)
+    hist = tl.zeros((E_POW2,), dtype=tl.int32)
+    psum = tl.zeros((E_POW2,), dtype=tl.float32)
+    zsum = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for p0 in range(0, nprog, BLOCK_P):
+        prog = p0 + tl.arange(0, BLOCK_P)
+        ok = prog < nprog
+        hist += tl.sum(tl.load(part_counts_ptr + prog[:, None] * E_POW2 + cols[None, :],
+                               mask=ok[:, None], other=0), axis=0)
+        row = part_ptr + prog * (E_POW2 + 1)
+        psum += tl.sum(tl.load(row[:, None] + cols[None, :], mask=ok[:, None], other=0.0),
+                       axis=0)
+        zsum += tl.load(row + E_POW2, mask=ok, other=0.0)
+    tl.store(counts_ptr + cols, hist, mask=cols < E)
+    t = T * 1.0  # (T may be the constant 1)
+    lb = E * tl.sum(hist.to(tl.float32) / (t * TOP_K) * (psum / t), axis=0)
+    tl.store(aux_ptr, LB_COEF * lb + Z_COEF * (tl.sum(zsum, axis=0) / t))
+
+
+@_kernel
+def router_backward_kernel(logits_ptr, lse_ptr, ids_ptr, gw_ptr, gaux_ptr, counts_ptr,
+                           dl_ptr, T, E, stride_l, stride_d,
+                           TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr,
+                           BLOCK_T: tl.constexpr, RENORM: tl.constexpr,
+                           LB_COEF: tl.constexpr, Z_COEF: tl.constexpr):
+    # dL/dlogits of router_topk_kernel + router_aux_kernel: with g_j the gradient of the
+    # k (renormalised) weights, dp = the weights' gradient scattered to their experts (
+    # through the renormalisation w_j = p_j / s: (g_j - sum_i g_i w_i) / s) plus the
+    # load-balancing term g_aux LB_COEF E f_e / T; then the softmax's backward
+    # p (dp - <p, dp>), plus the z-loss term g_aux Z_COEF 2 lse p / T.
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    cols = tl.arange(0, E_POW2)
+    col_ok = cols < E
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    lg = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
+                 mask=row_ok[:, None] & col_ok[None, :], other=-float("inf"))
+    p = tl.exp(lg - lse[:, None])
+    ks = tl.arange(0, K_POW2)
+    kok = row_ok[:, None] & (ks < TOP_K)[None, :]
+    at = rows.to(tl.int64)[:, None] * TOP_K + ks[None, :]
+    ids = tl.load(ids_ptr + at, mask=kok, other=-1)
+    g = tl.load(gw_ptr + at, mask=kok, other=0.0).to(tl.float32)
+    t = T * 1.0  # (T may be the constant 1)
+    gaux = tl.load(gaux_ptr).to(tl.float32)
+    counts = tl.load(counts_ptr + cols, mask=col_ok, other=0).to(tl.float32)
+    dp = tl.where(col_ok, gaux * LB_COEF * E * counts / (t * TOP_K) / t, 0.0)[None, :] \
+        + tl.zeros((BLOCK_T, E_POW2), dtype=tl.float32)
+    s = tl.full((BLOCK_T,), 1.0, dtype=tl.float32)
+    mean_g = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    if RENORM:
+        s = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        sg = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            idj = tl.sum(tl.where(ks[None, :] == j, ids, 0), axis=1)
+            gj = tl.sum(tl.where(ks[None, :] == j, g, 0.0), axis=1)
+            pj = tl.sum(tl.where(cols[None, :] == idj[:, None], p, 0.0), axis=1)
+            s += pj
+            sg += gj * pj
+        s = tl.where(row_ok, s, 1.0)
+        mean_g = sg / s
+    for j in tl.static_range(TOP_K):
+        idj = tl.sum(tl.where(ks[None, :] == j, ids, 0), axis=1)
+        gj = tl.sum(tl.where(ks[None, :] == j, g, 0.0), axis=1)
+        if RENORM:
+            gj = (gj - mean_g) / s
+        dp += tl.where(cols[None, :] == idj[:, None], gj[:, None], 0.0)
+    dl = p * (dp - tl.sum(p * dp, axis=1)[:, None]) + (gaux * Z_COEF * 2.0 / t) * lse[:, None] * p
+    tl.store(dl_ptr + rows.to(tl.int64)[:, None] * stride_d + cols[None, :], dl,
+             mask=row_ok[:, None] & col_ok[None, :])

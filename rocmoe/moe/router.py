@@ -1,7 +1,9 @@
 """Top-k softmax router with load-balancing and z-loss.
 
 Everything here is tensor arithmetic on the input's device: no value is read back to the
-host, so the router adds no synchronisation to a layer's forward or backward.
+host, so the router adds no synchronisation to a layer's forward or backward. On a GPU the
+softmax, top-k, histogram and aux losses (forward and backward) are three Triton launches
+(router_fused.py); `route_reference` is the same router in torch ops.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigurationError, DTypeError, InvalidArgumentError
+from . import router_fused
+from .backend import TRITON_DTYPES, use_triton
 
 
 def _check_config(hidden_size: int, num_experts: int, top_k: int) -> None:
@@ -78,6 +82,23 @@ class Router(nn.Module):
         return x.to(dtype) @ self.weight.to(dtype).t()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        check_tokens(x, self.hidden_size)
+        if use_triton(x) and self.weight.dtype in TRITON_DTYPES and \
+                router_fused.supported(x.shape[0], self.num_experts):
+            if self.training and self.jitter_eps > 0:
+                noise = torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
+                x = x * noise
+            ids, weights, aux, counts = router_fused.fused_route(
+                x, self.weight, self.top_k, self.renormalize, self.load_balancing_coef,
+                self.z_loss_coef)
+            self.tokens_per_expert, self.aux_loss = counts, aux
+            return ids, weights
+        return self.route_reference(x)
+
+    def route_reference(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route` in torch ops (what runs on CPU tensors; on the GPU `route` runs the same
+        maths as three Triton launches, rocmoe/moe/router_fused.py, with the same logits
+        and picks)."""
         check_tokens(x, self.hidden_size)
         logits = self.logits(x)
         probs = torch.softmax(logits, dim=-1)

@@ -586,6 +586,49 @@ def compact_values_equal_block_values():
 CHECKS["compact_values"] = compact_values_equal_block_values
 
 
+def router_kernels_equal_torch_ops():
+    # the fused router (rocmoe/moe/router_fused.py) against Router.route_reference: the same
+    # picks, weights, tokens per expert and aux loss, and the same gradients of x and the
+    # gate through the weights and the aux loss; shapes with one token, padded expert
+    # counts, top-1 without renormalisation, and more rows than one program's block
+    from rocmoe.moe import Router
+    for t, e, k, renorm, dtype in [(37, 6, 2, True, torch.float32), (1, 4, 1, False, torch.float32),
+                                   (300, 8, 2, True, torch.float32),
+                                   (20, 128, 8, False, torch.float32),
+                                   (50, 64, 6, True, torch.bfloat16)]:
+        torch.manual_seed(0)
+        r = Router(16, e, k, renormalize=renorm).to(dtype)
+        x = torch.randn(t, 16, dtype=dtype, requires_grad=True)
+        g_w = torch.randn(t, k)
+        got = []
+        for backend in ("torch", "triton"):
+            bs.set_backend(backend)
+            ids, w = r.route(x)
+            loss = (w.float() * g_w).sum() + 3.0 * r.aux_loss
+            got.append((ids, w, r.tokens_per_expert, r.aux_loss)
+                       + torch.autograd.grad(loss, [x, r.weight]))
+        (ids0, w0, c0, a0, gx0, gw0), (ids1, w1, c1, a1, gx1, gw1) = got
+        assert ids1.dtype == torch.int32 and c1.dtype == torch.int32 and w1.dtype == dtype
+        assert torch.equal(ids1, ids0), (t, e, k)
+        assert torch.equal(c1, c0), (t, e, k)
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(w1, w0, **tol)
+        torch.testing.assert_close(a1, a0, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(gx1, gx0, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(gw1, gw0, rtol=1e-4, atol=1e-5)
+    # equal logits (a zero gate): the lowest expert indices, in order, for every token
+    r = Router(16, 8, 3)
+    with torch.no_grad():
+        r.weight.zero_()
+    bs.set_backend("triton")
+    ids, w = r.route(torch.randn(5, 16))
+    assert torch.equal(ids, torch.tensor([[0, 1, 2]] * 5, dtype=torch.int32)), ids
+    torch.testing.assert_close(w, torch.full((5, 3), 1 / 3))
+
+
+CHECKS["router"] = router_kernels_equal_torch_ops
+
+
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()
     print("INTERPRET_OK", sys.argv[1])

@@ -391,7 +391,7 @@ def test_gpu_peak_memory_is_at_most_the_grouped_gemm_layers_and_as_counted_on_cp
         torch.autograd.grad(layer(x), params, gy)
 
     def theirs():
-        ids, weights = layer.router.route(x)
+        ids, weights = layer.router.route_reference(x)
         torch.autograd.grad(grouped_gemm_moe(x, ids, weights, layer.w1, layer.w2), params, gy)
 
     for fn in (ours, theirs):  # warm-up: compiles, and cuBLAS / CUB workspaces exist
@@ -401,3 +401,35 @@ def test_gpu_peak_memory_is_at_most_the_grouped_gemm_layers_and_as_counted_on_cp
     assert mine <= base, (mine / base, mine, base)
     for measured, predicted in ((mine, counted[0].peak), (base, counted[1].peak)):
         assert abs(measured - predicted) <= 0.03 * predicted, (measured, predicted)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,renorm", [(8192, 64, 6, True), (4096, 128, 8, True),
+                                                         (4096, 8, 2, True), (3000, 60, 4, False),
+                                                         (1, 16, 2, True)])
+def test_gpu_fused_router_equals_torch_router_without_host_syncs(tokens, experts, top_k, renorm):
+    # rocmoe/moe/router_fused.py against Router.route_reference on the same GPU tensors:
+    # the same picks and tokens per expert, the weights, aux loss and both gradients within
+    # fp32 rounding; its forward and backward never synchronise with the host
+    from rocmoe.moe import Router
+    bs.set_backend("auto")
+    torch.manual_seed(0)
+    r = Router(1024, experts, top_k, renormalize=renorm).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g_w = torch.randn(tokens, top_k, device="cuda")
+    got = []
+    for route in (r.route_reference, r.route):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if route == r.route else "default")
+        try:
+            ids, w = route(x)
+            loss = (w.float() * g_w).sum() + 3.0 * r.aux_loss
+            grads = torch.autograd.grad(loss, [x, r.weight])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        got.append((ids, w, r.tokens_per_expert, r.aux_loss) + grads)
+    (ids0, w0, c0, a0, gx0, gw0), (ids1, w1, c1, a1, gx1, gw1) = got
+    assert torch.equal(ids1, ids0)
+    assert torch.equal(c1, c0)
+    torch.testing.assert_close(w1, w0, rtol=1e-2, atol=1e-2)  # bf16 of fp32 within an ulp
+    torch.testing.assert_close(a1, a0, rtol=1e-4, atol=1e-6)
+    assert _rel(gx1, gx0) < 1e-2 and _rel(gw1, gw0) < 1e-3, (_rel(gx1, gx0), _rel(gw1, gw0))

@@ -20,7 +20,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
                                    "layer_grads", "layer_grads_load", "routing", "combine",
                                    "padding_rows", "descriptors", "dstd_variants",
                                    "sdd_persistent", "tail_blocks", "inference",
-                                   "grouped_order", "lean_layer", "compact_values"])
+                                   "grouped_order", "lean_layer", "compact_values",
+                                   "router"])
 def test_triton_kernel_under_interpreter_equals_torch_path(check):
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
