@@ -19,6 +19,7 @@
 #   fused_bench  rocmoe bench fused_gpu --only gemm,gemv,embedding,overlap
 #   layer_bench  rocmoe bench moe --layer on $LAYER_SHAPES (default: the losing shapes)
 #   profile      benchmarks/profile_moe_host.py on 8192,1024,4096,64 (host functions)
+#   probe        benchmarks/probe_layer_host.py on $PROBE_SHAPES (host us a step, by stage)
 #   gemv         benchmarks/gemv_variants.py (the GEMV kernel's variants against torch.mv)
 # Files under $OUT (at most eight come back): session.log, build.log, fused.jsonl,
 # layer.jsonl, gemv.jsonl. Exits 1 when a stage failed (after running the others), 4 when
@@ -79,6 +80,12 @@ fi
 if has profile; then
   stamp profile
   TAIL=60 run timeout 120 python3 benchmarks/profile_moe_host.py 8192,1024,4096,64
+fi
+if has probe; then
+  stamp probe
+  for shape in ${PROBE_SHAPES:-8192,1024,4096,64 4096,2048,1408,64}; do
+    TAIL=5 run timeout 120 python3 benchmarks/probe_layer_host.py "$shape"
+  done
 fi
 if has gemv; then
   stamp gemv
