@@ -124,7 +124,24 @@ def micro() -> dict:
         torch_empty=host_us(lambda: torch.empty(t, h, device=dev, dtype=torch.bfloat16)),
         tensor_descriptor=host_us(lambda: tensor_descriptor(a, h, h, h, [64, 64])),
         interpreting=host_us(interpreting, 2000),
-        kernels_launch_lookup=host_us(lambda: kernels.launch("combine_kernel"), 2000))
+        kernels_launch_lookup=host_us(lambda: kernels.launch("combine_kernel"), 2000),
+        **router_micro(dev))
+
+
+def router_micro(dev) -> dict:
+    """Host us of the fused router's forward and of its parts (8192 tokens, 1024 wide, 64
+    experts, top-2, bf16), and of the torch router's forward."""
+    from rocmoe.moe import Router
+    from rocmoe.moe.router_fused import fused_route
+    r = Router(1024, 64, 2).to(dev, torch.bfloat16)
+    x = torch.randn(8192, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = r.weight
+    return dict(
+        router_route=host_us(lambda: r.route(x)),
+        router_reference=host_us(lambda: r.route_reference(x)),
+        router_apply=host_us(lambda: fused_route(x, w, 2, True, 0.01, 0.001)),
+        router_gate_matmul=host_us(lambda: x.float() @ w.float().t()),
+        empty_small=host_us(lambda: torch.empty(8192, 2, dtype=torch.int32, device=dev)))
 
 
 def main() -> None:
