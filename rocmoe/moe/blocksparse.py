@@ -250,11 +250,16 @@ def set_kernel_config(**kw) -> None:
             raise ConfigurationError(f"kernel config group_m must be an int >= 1, got {g!r}")
     KERNEL_CONFIG.update(kw)
     _OP_CONFIGS.clear()
+    _PLANS.clear()
 
 
 # op_config's results, per entry name, until the config changes: the launchers ask at every
 # call, and a small layer is bound by their host time.
 _OP_CONFIGS: dict = {}
+# The launchers' plans (see "launch plans" below), also until the config changes.
+_PLANS: dict = {}
+_MAX_PLANS = 512
+PLAN_CACHE = True  # False: every call decides afresh (what the tests compare plans with)
 
 
 def op_config(op: str, topo=None, k: int = 0):
@@ -385,14 +390,84 @@ def _sdd_split(b: int, nb: int, cfg: dict) -> int:
     return max(1, min(split, 1 << (max(nb, 1) - 1).bit_length()))
 
 
-def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
-                act_only=False, keep_product=False, rewrite_act=False, a_rows=None):
-    kernels = _kernels()
+# ---------------------------------------------------------------------------- launch plans
+# What a launcher decides (kernel, tiles, stages, constexprs, launch options, grid, which
+# operands go as tensor descriptors with what shape, strides and box) depends only on static
+# properties of its operands: the topology's sizes (_topo_key), the operands' shapes,
+# strides, dtypes and device, their addresses modulo 16 (tensor_descriptor refuses an
+# unaligned base; a meta tensor's address reads 0), the epilogue's options, KERNEL_CONFIG
+# and the module settings LONG_EXPERT_ROWS, DEEP_K and TMA_IN_INTERPRETER. Deciding it all
+# at every call cost more host time than the launch itself (benchmarks/probe_moe_glue.py),
+# so each launcher keeps its decisions as a _Plan under such a key: a call then allocates
+# its output, fills in its tensors (descriptors from the plan's fields) and launches.
+# A plan holds no tensor (a descriptor is kept as its fields without the base), and at
+# most _MAX_PLANS are kept (the oldest goes first). set_kernel_config clears them
+# (KERNEL_CONFIG must change through it, as op_config's cache already requires); the
+# module settings are part of the key; TRITON_INTERPRET is read at every call, as before
+# (once per call now), and is part of the key too. tests/moe/test_launch_plans.py checks
+# that the plans launch what deciding afresh launches. (_PLANS is defined next to
+# _OP_CONFIGS, which set_kernel_config clears alike.)
+
+
+class _Plan:
+    """One launcher's decisions for one key (see above). name: the kernel (None: nothing to
+    launch); ints: its integer arguments after the tensors (and before the output's strides);
+    tail: TAIL (_layout_args); d0, d1: the first and second operand's descriptor fields (None:
+    the tensor itself); flag: SDD's REWRITE_ACT, DSᵀD's reading of the experts' real rows;
+    store: DSᵀD's (block, N tile) where the output goes out by descriptor where it fits."""
+    __slots__ = ("name", "out_shape", "grid", "kwargs", "ints", "tail", "d0", "d1",
+                 "persistent", "flag", "store")
+
+    def __init__(self, out_shape, name=None, **kw):
+        self.out_shape, self.name = out_shape, name
+        self.grid = self.kwargs = self.d0 = self.d1 = self.store = None
+        self.ints, self.tail, self.persistent, self.flag = (), False, False, False
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def _keep(key, plan: _Plan) -> _Plan:
+    if PLAN_CACHE:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))  # (the oldest)
+        _PLANS[key] = plan
+    return plan
+
+
+def _topo_key(topo) -> tuple:
+    """What of a topology the launchers' decisions depend on (its sizes, and which of its
+    optional index tensors it has)."""
+    return (topo.block_size, topo.num_experts, topo.ffn_size, topo.blocks_per_expert,
+            topo.num_row_blocks, topo.num_pairs, topo.block_rows is None,
+            topo.expert_rows is None, topo.block_first_row is None)
+
+
+def _desc_fields(d):
+    """(class, fields without the base) of a descriptor made by tensor_descriptor, for a
+    plan; None for None."""
+    if d is None:
+        return None
+    fields = dict(vars(d))
+    del fields["base"]
+    return type(d), fields
+
+
+def _desc(kept, base):
+    """The descriptor of `base` with a plan's fields: what tensor_descriptor made for the
+    call the plan was made for, whose base had the same dtype, strides and alignment (so
+    what the constructor checks holds again and is not checked again)."""
+    cls, fields = kept
+    d = object.__new__(cls)
+    d.__dict__ = {"base": base, **fields}
+    return d
+
+
+def _sdd_plan(a, w, topo, act_grad_of, act, act_out, scale_by, act_only, keep_product,
+              rewrite_act, a_rows) -> _Plan:
     cfg = op_config("sdd", topo, a.shape[1])
     b = topo.block_size
-    out = torch.empty(topo.values_shape(), device=a.device, dtype=a.dtype)
     if topo.nnz == 0:
-        return out
+        return _Plan(topo.values_shape())
     k = a.shape[1]
     f = w.shape[2]
     bk = _block_k(b, cfg)
@@ -402,16 +477,17 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
     num_n = -(-nb // split)
     even_k = k % bk == 0
     even_f = f % (b * split) == 0 and nb % split == 0
-    a_arg, a_half, w_arg, tma, w_t = a, a, w, False, False
+    a_desc = w_desc = None
+    tma = w_t = False
     tail = _tail(topo, cfg)
     if even_k and even_f and a.stride(1) == 1 and _tma_device(a, cfg):
         # (gathered rows come by pointer: a descriptor cannot gather on Hopper)
-        a_desc = tensor_descriptor(a, a.shape[0], k, a.stride(0), [b, bk]) \
+        a_d = tensor_descriptor(a, a.shape[0], k, a.stride(0), [b, bk]) \
             if a_rows is None else a
-        w_desc = _grouped_desc(w, bk, tile_n)
-        if a_desc is not None and w_desc is not None:
-            a_arg, (w_arg, w_t), tma = a_desc, w_desc, True
-    h = act_grad_of if act_grad_of is not None else scale_by if scale_by is not None else out
+        w_d = _grouped_desc(w, bk, tile_n)
+        if a_d is not None and w_d is not None:
+            a_desc = _desc_fields(a_d) if a_rows is None else None
+            w_desc, w_t, tma = _desc_fields(w_d[0]), w_d[1], True
     epilogue = dict(
         EPILOGUE_ACT_GRAD=ACT_CODES[act] if act_grad_of is not None else 0,
         EPILOGUE_STORE_ACT=ACT_CODES[act] if act_out is not None else 0,
@@ -422,26 +498,55 @@ def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by
         STORE_PRE=keep_product and act_out is not None,
         REWRITE_ACT=rewrite_act and act_grad_of is not None)
     num_tiles = topo.num_row_blocks * num_n
-    # (rewrite_act: act(h) goes back into h itself)
-    act_out = act_grad_of if epilogue["REWRITE_ACT"] else out if act_out is None else act_out
-    block_rows, first_row = _layout_args(topo, tail)
     epilogue["COMPACT"] = topo.compact
+    plan = _Plan(topo.values_shape(), tail=tail, d0=a_desc, d1=w_desc,
+                 flag=epilogue["REWRITE_ACT"])
     if tma and cfg["persistent"] > 0 and a_rows is None:
-        grid = max(1, min(num_tiles, sm_count(a.device) * int(cfg["persistent"])))
+        plan.name, plan.persistent = "sdd_persistent_kernel", True
+        plan.grid = (max(1, min(num_tiles, sm_count(a.device) * int(cfg["persistent"]))),)
         epilogue.pop("PRELOAD_SCALE")  # (the persistent kernel reads the scale late)
-        kernels.launch("sdd_persistent_kernel")[(grid,)](
-            a_arg, w_arg, out, h, act_out, topo.column_indices, block_rows, first_row,
-            k, f, nb, num_n, num_tiles,
-            BLOCK=b, SPLIT=split, BLOCK_K=bk, GROUP_M=cfg["group_m"], **epilogue,
-            **_launch(b, stages, cfg))
+        plan.ints = (k, f, nb, num_n, num_tiles)
+        plan.kwargs = dict(BLOCK=b, SPLIT=split, BLOCK_K=bk, GROUP_M=cfg["group_m"],
+                           **epilogue, **_launch(b, stages, cfg))
+        return plan
+    plan.name, plan.grid = "sdd_kernel", (num_tiles,)
+    plan.ints = (k, f, nb, num_n, a.stride(0), a.stride(1), w.stride(0), w.stride(1),
+                 w.stride(2))
+    plan.kwargs = dict(BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f,
+                       USE_TMA=tma, TAIL=tail, GROUP_M=cfg["group_m"],
+                       GATHER_A=a_rows is not None, **epilogue, **_launch(b, stages, cfg))
+    return plan
+
+
+def _sdd_triton(a, w, topo, act_grad_of=None, act="none", act_out=None, scale_by=None,
+                act_only=False, keep_product=False, rewrite_act=False, a_rows=None):
+    interp = _interpreting()
+    key = (_topo_key(topo), a.shape, a.stride(), a.dtype, a.device, w.shape, w.stride(),
+           w.dtype, a.data_ptr() & 15, w.data_ptr() & 15, act,
+           act_grad_of is None, act_out is None, scale_by is None, act_only, keep_product,
+           rewrite_act, a_rows is None, interp, TMA_IN_INTERPRETER, LONG_EXPERT_ROWS, DEEP_K)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _keep(key, _sdd_plan(a, w, topo, act_grad_of, act, act_out, scale_by,
+                                    act_only, keep_product, rewrite_act, a_rows))
+    out = torch.empty(plan.out_shape, device=a.device, dtype=a.dtype)
+    if plan.name is None:
         return out
-    kernels.launch("sdd_kernel")[(num_tiles,)](
-        a_arg, a_half, w_arg, out, h, act_out, topo.column_indices, block_rows,
-        topo.column_indices if a_rows is None else a_rows, first_row, k, f, nb, num_n,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        BLOCK=b, SPLIT=split, BLOCK_K=bk, EVEN_K=even_k, EVEN_F=even_f, USE_TMA=tma,
-        TAIL=tail, GROUP_M=cfg["group_m"], GATHER_A=a_rows is not None, **epilogue,
-        **_launch(b, stages, cfg))
+    h = act_grad_of if act_grad_of is not None else scale_by if scale_by is not None else out
+    # (rewrite_act: act(h) goes back into h itself)
+    act_out = act_grad_of if plan.flag else out if act_out is None else act_out
+    block_rows, first_row = _layout_args(topo, plan.tail)
+    a_arg = a if plan.d0 is None else _desc(plan.d0, a)
+    w_arg = w if plan.d1 is None else _desc(plan.d1, w)
+    cols = topo.column_indices
+    if plan.persistent:
+        _kernels().launch(plan.name)[plan.grid](
+            a_arg, w_arg, out, h, act_out, cols, block_rows, first_row, *plan.ints,
+            **plan.kwargs)
+    else:
+        _kernels().launch(plan.name)[plan.grid](
+            a_arg, a, w_arg, out, h, act_out, cols, block_rows,
+            cols if a_rows is None else a_rows, first_row, *plan.ints, **plan.kwargs)
     return out
 
 
@@ -462,83 +567,130 @@ def _values_desc(s, topo, box):
     return tensor_descriptor(s, topo.nnz * b, b, b, box)
 
 
-def _dsd_triton(s, w, topo, act="none"):
-    kernels = _kernels()
+def _dsd_plan(s, w, topo, act) -> _Plan:
     # W read transposed (unit stride along F: the backward's W1ᵀ) has its own tiles
     cfg = op_config("dsd_wt" if w.stride(1) == 1 and w.stride(2) != 1 else "dsd", topo)
     b = topo.block_size
     n = w.shape[2]
-    out = torch.empty(topo.num_rows, n, device=s.device, dtype=s.dtype)
     if topo.num_row_blocks == 0 or n == 0:
-        return out
+        return _Plan((topo.num_rows, n))
     bk = _block_k(b, cfg)
     bn, stages = _fit(s.device, b, _tile_n(n, cfg), bk, s.element_size(), 16, cfg)
     num_n = -(-n // bn)
     f = w.shape[1]
-    s_arg, s_half, w_arg, tma, w_t = s, s, w, False, False
+    s_desc = w_desc = None
+    tma = w_t = False
     tail = _tail(topo, cfg)
     if f % b == 0 and s.is_contiguous() and _tma_device(s, cfg):
-        s_desc = _values_desc(s, topo, [b, bk])
-        w_desc = _grouped_desc(w, bk, bn)
-        if s_desc is not None and w_desc is not None:
-            s_arg, (w_arg, w_t), tma = s_desc, w_desc, True
-    kernels.launch("dsd_kernel")[(topo.num_row_blocks * num_n,)](
-        s_arg, s_half, w_arg, out, topo.column_indices, *_layout_args(topo, tail), n, f,
-        topo.blocks_per_expert, num_n,
-        w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_F=f % b == 0,
-        EVEN_N=n % bn == 0, ACT=ACT_CODES[act], USE_TMA=tma, W_T=w_t, TAIL=tail,
-        GROUP_M=cfg["group_m"], COMPACT=topo.compact, **_launch(b, stages, cfg))
+        s_d = _values_desc(s, topo, [b, bk])
+        w_d = _grouped_desc(w, bk, bn)
+        if s_d is not None and w_d is not None:
+            s_desc, w_desc, w_t, tma = _desc_fields(s_d), _desc_fields(w_d[0]), w_d[1], True
+    return _Plan(
+        (topo.num_rows, n), "dsd_kernel", grid=(topo.num_row_blocks * num_n,), tail=tail,
+        d0=s_desc, d1=w_desc,
+        ints=(n, f, topo.blocks_per_expert, num_n, w.stride(0), w.stride(1), w.stride(2)),
+        kwargs=dict(BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_F=f % b == 0,
+                    EVEN_N=n % bn == 0, ACT=ACT_CODES[act], USE_TMA=tma, W_T=w_t, TAIL=tail,
+                    GROUP_M=cfg["group_m"], COMPACT=topo.compact, **_launch(b, stages, cfg)))
+
+
+def _dsd_triton(s, w, topo, act="none"):
+    interp = _interpreting()
+    key = (_topo_key(topo), s.shape, s.stride(), s.dtype, s.device, w.shape, w.stride(),
+           w.dtype, s.data_ptr() & 15, w.data_ptr() & 15, act, interp,
+           TMA_IN_INTERPRETER, LONG_EXPERT_ROWS)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _keep(key, _dsd_plan(s, w, topo, act))
+    out = torch.empty(plan.out_shape, device=s.device, dtype=s.dtype)
+    if plan.name is None:
+        return out
+    s_arg = s if plan.d0 is None else _desc(plan.d0, s)
+    w_arg = w if plan.d1 is None else _desc(plan.d1, w)
+    _kernels().launch(plan.name)[plan.grid](
+        s_arg, s, w_arg, out, topo.column_indices, *_layout_args(topo, plan.tail),
+        *plan.ints, out.stride(0), out.stride(1), **plan.kwargs)
     return out
 
 
-def _dstd_triton(s, b_dense, topo, act="none", out=None, b_rows=None):
-    kernels = _kernels()
+def _dstd_plan(s, b_dense, topo, act, out_shape, b_rows) -> _Plan:
     cfg = op_config("dstd", topo)
     b = topo.block_size
     n = b_dense.shape[1]
-    if out is None:
-        out = torch.empty(topo.num_experts, topo.ffn_size, n, device=s.device, dtype=s.dtype)
     if topo.num_column_blocks == 0 or n == 0:
-        return out
+        return _Plan(out_shape)
     bk = _block_k(b, cfg)
     bn, stages = _fit(s.device, b, _tile_n(n, cfg), bk, s.element_size(), 16, cfg)
     num_n = -(-n // bn)
-    s_arg, b_arg, tma = s, b_dense, False
+    s_desc = b_desc = None
+    tma = False
     if s.is_contiguous() and b_dense.stride(1) == 1 and _tma_device(s, cfg):
-        s_desc = _values_desc(s, topo, [bk, b])
+        s_d = _values_desc(s, topo, [bk, b])
         # (gathered rows come by pointer)
-        b_desc = tensor_descriptor(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn]) \
+        b_d = tensor_descriptor(b_dense, b_dense.shape[0], n, b_dense.stride(0), [bk, bn]) \
             if b_rows is None else b_dense
-        if s_desc is not None and b_desc is not None:
-            s_arg, b_arg, tma = s_desc, b_desc, True
-    out_arg, out_t = out, False
-    if tma and cfg["tma_store"]:
-        out_arg, out_t = _dstd_out_desc(out, topo, b, bn)
+        if s_d is not None and b_d is not None:
+            s_desc, tma = _desc_fields(s_d), True
+            b_desc = _desc_fields(b_d) if b_rows is None else None
     num_tiles = topo.num_column_blocks * num_n
-    strides = (out.stride(0), out.stride(1), out.stride(2))
     # TRIM_K: reduce over an expert's real rows only (rounded up to BLOCK_K)
     trim = bool(cfg["tail"]) and topo.expert_rows is not None
-    expert_rows = topo.expert_rows if trim or topo.compact else topo.column_offsets
-    gather = dict(GATHER_B=b_rows is not None, COMPACT=topo.compact)
-    rows_arg = topo.column_offsets if b_rows is None else b_rows
-    first_row = _layout_args(topo, False)[1]
+    plan = _Plan(out_shape, d0=s_desc, d1=b_desc, flag=trim or topo.compact,
+                 # (the output's descriptor, when there is one, is made at each call: its
+                 # fit depends on the output tensor, which the call may pass)
+                 store=(b, bn) if tma and cfg["tma_store"] else None)
+    # (TMA_STORE and OUT_T: placeholders the call sets, in this order)
     if tma and cfg["persistent"] > 0:
-        grid = max(1, min(num_tiles, sm_count(s.device) * int(cfg["persistent"])))
-        kernels.launch("dstd_persistent_kernel")[(grid,)](
-            s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, first_row, n,
-            topo.ffn_size, topo.blocks_per_expert, num_n, num_tiles, b_dense.stride(0),
-            b_dense.stride(1), *strides,
-            BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, ACT=ACT_CODES[act], TMA_STORE=out_arg is not out,
-            OUT_T=out_t, TRIM_K=trim, **gather, **_launch(b, stages, cfg))
+        plan.name, plan.persistent = "dstd_persistent_kernel", True
+        plan.grid = (max(1, min(num_tiles, sm_count(s.device) * int(cfg["persistent"]))),)
+        plan.ints = (n, topo.ffn_size, topo.blocks_per_expert, num_n, num_tiles,
+                     b_dense.stride(0), b_dense.stride(1))
+        plan.kwargs = dict(BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, ACT=ACT_CODES[act],
+                           TMA_STORE=False, OUT_T=False, TRIM_K=trim,
+                           GATHER_B=b_rows is not None, COMPACT=topo.compact,
+                           **_launch(b, stages, cfg))
+        return plan
+    plan.name, plan.grid = "dstd_kernel", (num_tiles,)
+    plan.ints = (n, topo.ffn_size, topo.blocks_per_expert, num_n, b_dense.stride(0),
+                 b_dense.stride(1))
+    plan.kwargs = dict(BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0,
+                       ACT=ACT_CODES[act], USE_TMA=tma, TMA_STORE=False, OUT_T=False,
+                       TRIM_K=trim, GATHER_B=b_rows is not None, COMPACT=topo.compact,
+                       **_launch(b, stages, cfg))
+    return plan
+
+
+def _dstd_triton(s, b_dense, topo, act="none", out=None, b_rows=None):
+    interp = _interpreting()
+    key = (_topo_key(topo), s.shape, s.stride(), s.dtype, s.device, b_dense.shape,
+           b_dense.stride(), b_dense.dtype, s.data_ptr() & 15,
+           b_dense.data_ptr() & 15, act, b_rows is None, interp,
+           TMA_IN_INTERPRETER, LONG_EXPERT_ROWS)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _keep(key, _dstd_plan(s, b_dense, topo, act,
+                                     (topo.num_experts, topo.ffn_size, b_dense.shape[1]),
+                                     b_rows))
+    if out is None:
+        out = torch.empty(plan.out_shape, device=s.device, dtype=s.dtype)
+    if plan.name is None:
         return out
-    kernels.launch("dstd_kernel")[(num_tiles,)](
-        s_arg, b_arg, out_arg, topo.column_offsets, expert_rows, rows_arg, first_row, n,
-        topo.ffn_size, topo.blocks_per_expert, num_n,
-        b_dense.stride(0), b_dense.stride(1), *strides,
-        BLOCK=b, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n % bn == 0, ACT=ACT_CODES[act],
-        USE_TMA=tma, TMA_STORE=out_arg is not out, OUT_T=out_t, TRIM_K=trim, **gather,
-        **_launch(b, stages, cfg))
+    s_arg = _desc(plan.d0, s) if plan.d0 is not None else s
+    b_arg = _desc(plan.d1, b_dense) if plan.d1 is not None else b_dense
+    kwargs = plan.kwargs
+    out_arg = out
+    if plan.store is not None:
+        out_arg, out_t = _dstd_out_desc(out, topo, *plan.store)
+        kwargs = dict(kwargs, TMA_STORE=out_arg is not out, OUT_T=out_t)
+    cols = topo.column_offsets
+    # (trim or compact: the kernel reads the experts' real rows)
+    expert_rows = topo.expert_rows if plan.flag else cols
+    rows_arg = cols if b_rows is None else b_rows
+    first_row = topo.block_first_row if topo.compact else topo.column_indices
+    _kernels().launch(plan.name)[plan.grid](
+        s_arg, b_arg, out_arg, cols, expert_rows, rows_arg, first_row, *plan.ints,
+        *out.stride(), **kwargs)
     return out
 
 
