@@ -24,7 +24,7 @@ from rocmoe.moe.topology import Topology
 MOE = Path(__file__).resolve().parents[2] / "rocmoe" / "moe"
 # the modules a single-rank layer's forward and backward run through (parallel.py, the
 # expert-parallel exchange, reads per-rank row counts on the host by design: README)
-LAYER_MODULES = ["router.py", "permute.py", "topology.py", "blocksparse.py", "layer.py",
+LAYER_MODULES = ["router.py", "router_fused.py", "permute.py", "topology.py", "blocksparse.py", "layer.py",
                  "routing.py", "kernels.py", "backend.py", "activations.py", "dispatch.py"]
 # Functions of those modules that are not part of a step, each with the reason (none today:
 # to_dense and the AOT helpers read nothing back either).
