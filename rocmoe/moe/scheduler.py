@@ -448,7 +448,7 @@ class VExpertScheduler:
             raw, _ = split_prediction(self.cost_model, placement, counts)
             entry["cost_model"] = {"predicted_ms": raw * factor, "measured_ms": float(ms),
                                    "uncalibrated_ms": raw}
-            st.compute.observe(raw, float(ms))
+            st.compute.observe(raw, float(ms), tag=placement)
         for (placements, _, factor, record), ms in zip(self._sync_unagreed,
                                                         slowest[len(noted):]):
             if None in placements or not math.isfinite(ms) or self.cost_model is None:

@@ -17,6 +17,20 @@ def test_the_factor_is_the_median_of_the_last_window_ratios():
     assert w.factor() == 0.9                       # median of 0.8, 0.9, 1.1; 5.0 has left
 
 
+def test_the_first_ratio_of_a_new_placement_drops_the_other_placements_ratios():
+    w = RatioWindow(window=8)
+    static, moved = Placement.static(8, 2, 6), Placement.static(8, 2, 6).expanded(0, 1)
+    for measured in (9.4, 9.5, 9.3):
+        w.observe(10, measured, tag=static)
+    assert np.isclose(w.factor(), 0.94)
+    w.observe(10, 10.6, tag=Placement.static(8, 2, 6))     # an equal placement: kept
+    assert len(w.ratios) == 4
+    w.observe(10, 10.6, tag=moved)
+    assert w.factor() == 1.06 and len(w.ratios) == 1
+    w.observe(10, 10.8)                                   # untagged: drops nothing
+    assert np.isclose(w.factor(), 1.07)
+
+
 def test_a_step_without_a_time_or_a_prediction_leaves_the_factor_as_it_was():
     w = RatioWindow()
     w.observe(10, 12)
