@@ -141,7 +141,50 @@ def router_micro(dev) -> dict:
         router_reference=host_us(lambda: r.route_reference(x)),
         router_apply=host_us(lambda: fused_route(x, w, 2, True, 0.01, 0.001)),
         router_gate_matmul=host_us(lambda: x.float() @ w.float().t()),
-        empty_small=host_us(lambda: torch.empty(8192, 2, dtype=torch.int32, device=dev)))
+        empty_small=host_us(lambda: torch.empty(8192, 2, dtype=torch.int32, device=dev)),
+        **router_forward_parts(x, w))
+
+
+def router_forward_parts(x, w) -> dict:
+    """Host us of each step of the fused router's forward (router_fused._FusedRoute), run
+    alone without autograd: where its time goes."""
+    from rocmoe.moe import kernels
+    from rocmoe.moe.router_fused import _plan
+    t, e, dev = x.shape[0], w.shape[0], x.device
+    plan = _plan(t, e, 2, True, 0.01, 0.001, dev)
+    with torch.no_grad():
+        logits = x.float() @ w.float().t()
+        ids = torch.empty(t, 2, dtype=torch.int32, device=dev)
+        wts = torch.empty(t, 2, dtype=x.dtype, device=dev)
+        lse = torch.empty(t, dtype=torch.float32, device=dev)
+        part_counts = torch.empty(plan.nprog, plan.e_pow2, dtype=torch.int32, device=dev)
+        part = torch.empty(plan.nprog, plan.e_pow2 + 1, dtype=torch.float32, device=dev)
+        counts = torch.empty(e, dtype=torch.int32, device=dev)
+        aux = torch.empty((), dtype=torch.float32, device=dev)
+        topk = kernels.launch("router_topk_kernel")
+        aux_k = kernels.launch("router_aux_kernel")
+
+        def launch_topk():
+            topk[(plan.nprog,)](logits, ids, wts, lse, part_counts, part, t, e,
+                                logits.stride(0), plan.nprog, **plan.consts)
+
+        def launch_aux():
+            aux_k[(1,)](part_counts, part, counts, aux, t, e, plan.nprog, **plan.aux_consts)
+        from rocmoe import native_launch
+        launch_topk()
+        launch_aux()
+        before = dict(native_launch.stats)
+        parts = dict(
+            part_plan=host_us(lambda: _plan(t, e, 2, True, 0.01, 0.001, dev)),
+            part_x_float=host_us(lambda: x.float()),
+            part_matmul=host_us(lambda: x.float() @ w.float().t()),
+            part_empties=host_us(lambda: [torch.empty(t, 2, dtype=torch.int32, device=dev)
+                                          for _ in range(7)]),
+            part_launch_topk=host_us(launch_topk),
+            part_launch_aux=host_us(launch_aux))
+        parts["part_launches"] = {k: native_launch.stats[k] - before[k] for k in before}
+        parts["part_refusal"] = native_launch.last_refusal
+    return parts
 
 
 def main() -> None:
