@@ -433,3 +433,25 @@ def test_gpu_fused_router_equals_torch_router_without_host_syncs(tokens, experts
     torch.testing.assert_close(w1, w0, rtol=1e-2, atol=1e-2)  # bf16 of fp32 within an ulp
     torch.testing.assert_close(a1, a0, rtol=1e-4, atol=1e-6)
     assert _rel(gx1, gx0) < 1e-2 and _rel(gw1, gw0) < 1e-3, (_rel(gx1, gx0), _rel(gw1, gw0))
+
+
+@pytest.mark.skipif(bool(torch.version.hip), reason="native launches are CUDA only")
+def test_gpu_fused_router_launches_its_kernels_natively_after_the_first_call():
+    # after the JIT's first launch of each, the router's two forward kernels go straight to
+    # the driver (rocmoe/native_launch.py): a call through the JIT, or a refused native
+    # launch, costs tens of microseconds of host time a kernel
+    from rocmoe import native_launch
+    from rocmoe.moe import Router
+    if not native_launch.enabled():
+        pytest.skip("ROCMOE_NATIVE_LAUNCH=0: every launch goes through the JIT")
+    bs.set_backend("auto")
+    r = Router(1024, 64, 2).to("cuda", torch.bfloat16)
+    x = torch.randn(8192, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        r.route(x)
+        before = dict(native_launch.stats)
+        for _ in range(3):
+            r.route(x)
+    torch.cuda.synchronize()
+    launched = {k: native_launch.stats[k] - before[k] for k in before}
+    assert launched == {"native": 6, "fallback": 0}, (launched, native_launch.last_refusal)
