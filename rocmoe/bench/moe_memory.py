@@ -6,7 +6,7 @@ The GPU code path runs on meta tensors with every kernel launch skipped: the lau
 allocate exactly what they allocate on a GPU, nothing is computed (a layer's sizes never
 depend on the routing, so none of them needs the data), and ``rocmoe.bench.memory`` counts
 every storage. One JSON line per shape and fused-FFN variant (``moe_layer.VARIANTS``:
-``KERNEL_CONFIG``'s act_fusion, gather_rows, compact_values) gives, for DroplessMoE and for the grouped-GEMM layer on the same router
+``KERNEL_CONFIG``'s act_fusion, gather_rows, compact_values) gives, for DroplessMoE and for the grouped-GEMM layer on the same router (its torch ops, ``Router.route_reference``)
 (``rocmoe.moe.reference``), the bytes saved for the backward, alive after the forward and
 at the step's peak, with the ratios (rocmoe / baseline: below 1 rocmoe needs less). On a GPU
 ``rocmoe bench moe --layer`` measures the peak with the caching allocator instead.
@@ -101,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                            top_k=shape[4], model=shape_name(shape),
                            **dict(zip(VARIANT_KEYS, variant)),
                            default=variant == tuple(bs.KERNEL_CONFIG[k] for k in VARIANT_KEYS),
-                           baseline="torch._grouped_mm layer, same router",
+                           baseline="torch._grouped_mm layer, the same router in torch ops (route_reference)",
                            **ours.as_dict("ours_"), **theirs.as_dict("baseline_"),
                            saved_ratio=round(ours.saved / theirs.saved, 4),
                            after_forward_ratio=round(ours.after_forward
