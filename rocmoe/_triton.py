@@ -34,6 +34,11 @@ def tma_capable(device: torch.device) -> bool:
     return _TMA_CAPABLE[idx]
 
 
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton's block sizes must be one."""
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
 _SM_COUNT: dict = {}
 
 

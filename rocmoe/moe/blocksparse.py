@@ -687,7 +687,7 @@ def _dstd_triton(s, b_dense, topo, act="none", out=None, b_rows=None):
     # (trim or compact: the kernel reads the experts' real rows)
     expert_rows = topo.expert_rows if plan.flag else cols
     rows_arg = cols if b_rows is None else b_rows
-    first_row = topo.block_first_row if topo.compact else topo.column_indices
+    first_row = _layout_args(topo, False)[1]
     _kernels().launch(plan.name)[plan.grid](
         s_arg, b_arg, out_arg, cols, expert_rows, rows_arg, first_row, *plan.ints,
         *out.stride(), **kwargs)

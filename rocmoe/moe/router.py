@@ -71,11 +71,15 @@ class Router(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _jittered(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.jitter_eps > 0:
             # Multiplicative jitter (Switch Transformer): explores routing early in training.
             noise = torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
             x = x * noise
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._jittered(x)
         # Gating decides which expert gets a token; do it in (at least) fp32 so bf16 rounding
         # cannot flip near-ties differently from the fp32 reference.
         dtype = torch.promote_types(x.dtype, torch.float32)
@@ -85,11 +89,8 @@ class Router(nn.Module):
         check_tokens(x, self.hidden_size)
         if use_triton(x) and self.weight.dtype in TRITON_DTYPES and \
                 router_fused.supported(x.shape[0], self.num_experts):
-            if self.training and self.jitter_eps > 0:
-                noise = torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
-                x = x * noise
             ids, weights, aux, counts = router_fused.fused_route(
-                x, self.weight, self.top_k, self.renormalize, self.load_balancing_coef,
+                self._jittered(x), self.weight, self.top_k, self.renormalize, self.load_balancing_coef,
                 self.z_loss_coef)
             self.tokens_per_expert, self.aux_loss = counts, aux
             return ids, weights

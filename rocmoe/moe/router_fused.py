@@ -20,15 +20,11 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from .._triton import sm_count
+from .._triton import pow2_at_least, sm_count
 
 # the largest expert count whose [rows, experts] logits tile one program keeps in registers
 MAX_EXPERTS = 1024
 _TILE = 4096  # elements of a program's [BLOCK_T, E_POW2] tile
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
 def supported(num_tokens: int, num_experts: int) -> bool:
@@ -42,13 +38,13 @@ class _Plan:
                  "block_p")
 
     def __init__(self, t: int, e: int, k: int, renorm: bool, lb: float, z: float, device):
-        self.e_pow2 = max(2, _pow2(e))
-        self.k_pow2 = max(2, _pow2(k))
+        self.e_pow2 = max(2, pow2_at_least(e))
+        self.k_pow2 = max(2, pow2_at_least(k))
         self.block_t = max(2, min(128, _TILE // self.e_pow2))
         blocks = -(-t // self.block_t)
         # persistent: at most a few programs an SM, so the partial sums stay few
         self.nprog = max(1, min(blocks, 2 * sm_count(device)))
-        self.block_p = max(2, min(64, _pow2(self.nprog)))
+        self.block_p = max(2, min(64, pow2_at_least(self.nprog)))
         self.consts = dict(TOP_K=k, K_POW2=self.k_pow2, E_POW2=self.e_pow2,
                            BLOCK_T=self.block_t, RENORM=renorm)
         self.aux_consts = dict(TOP_K=k, E_POW2=self.e_pow2, BLOCK_P=self.block_p,

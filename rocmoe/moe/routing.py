@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import sm_count
+from .._triton import pow2_at_least, sm_count
 from .backend import use_triton
 from .permute import (RoutingPlan, check_block_size, padded_rows_bound, permute_pad,
                       plan_routing, sum_pair_rows)
 from .topology import Topology, build_topology
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -48,7 +44,7 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size, copy_rows, compac
     num_tokens, top_k = expert_ids.shape
     flat = expert_ids.reshape(-1).to(torch.int32).contiguous()
     n = flat.numel()
-    e, e_pow2 = num_experts, _pow2(num_experts)
+    e, e_pow2 = num_experts, pow2_at_least(num_experts)
     # a chunk's one-hot [chunk, E] matrix stays at 16K elements (registers of one program)
     chunk = min(1024, max(16, 16384 // e_pow2))
     num_chunks = max(1, -(-n // chunk))
@@ -76,7 +72,7 @@ def _route_triton(x, expert_ids, num_experts, block, ffn_size, copy_rows, compac
     dest = torch.empty(n, dtype=torch.int64, device=device)
     row_token = i32(num_rows)
     hidden = x.shape[1]
-    block_h = min(256, _pow2(hidden), max(16, 16384 // chunk))
+    block_h = min(256, pow2_at_least(hidden), max(16, 16384 // chunk))
 
     # split the columns so that the copy has about four programs per SM
     col_blocks = max(1, -(-hidden // block_h))
