@@ -17,13 +17,15 @@
 #   (each test stage takes a -k expression from $FUSED_TESTS_K, $MOE_TESTS_K, $EP_TESTS_K,
 #   $VEXPERT_TESTS_K, and a timeout in seconds from $..._S)
 #   fused_bench  rocmoe bench fused_gpu --only gemm,gemv,embedding,overlap
+#   vexpert_bench  rocmoe bench vexpert --part measured on the GPU (2 ranks sharing it,
+#                $VEXPERT_ARGS, default the GPU-sized layer), to vexpert.json
 #   layer_bench  rocmoe bench moe --layer on $LAYER_SHAPES (default: the losing shapes)
 #   profile      benchmarks/profile_moe_host.py on 8192,1024,4096,64 (host functions)
 #   probe        benchmarks/probe_layer_host.py on $PROBE_SHAPES (host us a step, by stage)
 #   gemv         benchmarks/gemv_variants.py (the GEMV kernel's variants against torch.mv)
 # Files under $OUT (at most eight come back): session.log, build.log, fused.jsonl,
-# layer.jsonl, gemv.jsonl. Exits 1 when a stage failed (after running the others), 4 when
-# the build failed.
+# layer.jsonl, gemv.jsonl, vexpert.json. Exits 1 when a stage failed (after running the
+# others), 4 when the build failed.
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 STAGES=${1:-build,fused_tests,fused_bench,layer_bench}
@@ -69,6 +71,11 @@ if has fused_bench; then
   TAIL=40 run timeout ${FUSED_BENCH_S:-200} python3 -m rocmoe.bench.fused_gpu \
     --only ${FUSED_ONLY:-gemm,gemv,embedding,overlap} --reps ${FUSED_REPS:-9} --output "$OUT/fused.jsonl"
   python3 benchmarks/fused_table.py "$OUT/fused.jsonl" 2>&1 | tee -a "$LOG" | tail -30
+fi
+if has vexpert_bench; then
+  stamp vexpert_bench
+  run timeout ${VEXPERT_BENCH_S:-240} python3 -m rocmoe.bench.vexpert --part measured --device cuda \
+    ${VEXPERT_ARGS:---hidden 1024 --ffn 4096 --tokens 8192} --output "$OUT/vexpert.json"
 fi
 if has layer_bench; then
   stamp layer_bench

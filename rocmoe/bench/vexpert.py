@@ -184,7 +184,7 @@ def measured(args) -> list[dict]:
     import rocmoe
     from ..moe import DroplessMoE, VExpertScheduler
     from ..moe.cost_calibration import RatioWindow, split_prediction
-    from ..moe.cost_model import prediction_error
+    from ..moe.cost_model import noise_floor, prediction_error
     from ..moe.placement import Placement
     from ..moe.vexpert_clock import LayerClock
     torch.set_num_threads(1)
@@ -324,6 +324,8 @@ def measured(args) -> list[dict]:
                 "mean_abs_error": round(err["mean_abs_error"], 4),
                 "max_abs_error": round(err["max_abs_error"], 4),
                 "median_error": round(err["median_error"], 4), "steps": err["steps"],
+                "noise_floor": {k: None if v is None else round(v, 4)
+                                for k, v in noise_floor(meas).items()},
                 "predicted_ms_steps": [round(v, 2) for v in pred],
                 "measured_ms_steps": [round(v, 2) for v in meas],
                 "predicted_terms_last_step_ms": {

@@ -387,4 +387,21 @@ def prediction_error(predicted_ms, measured_ms) -> dict:
             "steps": int(rel.size)}
 
 
-__all__ = ["CostModel", "profile", "prediction_error", "fit_line"]
+def noise_floor(measured_ms) -> dict:
+    """What no model of the step can beat on these steps: the mean |error| of predicting
+    every step by the median of all of them (a constant that knows the future), and of
+    predicting each step by the one before it (one that follows drift perfectly). On a
+    quiet GPU both are near 0; on the 2-core VM a fixed single-threaded workload varies by
+    5-10 % from step to step, which is above the host goal, so the bench reports both next
+    to the model's error."""
+    m = np.asarray(measured_ms, dtype=np.float64)
+    if not m.size:
+        return {"constant_at_median": None, "previous_step": None}
+    med = float(np.median(m))
+    prev = (float(np.mean(np.abs(m[1:] - m[:-1]) / np.maximum(m[1:], 1e-12)))
+            if m.size > 1 else None)
+    return {"constant_at_median": float(np.mean(np.abs(m - med) / np.maximum(m, 1e-12))),
+            "previous_step": prev}
+
+
+__all__ = ["CostModel", "profile", "prediction_error", "noise_floor", "fit_line"]

@@ -88,3 +88,13 @@ def test_a_negative_calibration_window_is_refused():
     layer = DroplessMoE(8, 16, 4, 2, block_size=16, placement="vexpert")
     with pytest.raises(ConfigurationError, match="calibration_window must be an int >= 0"):
         VExpertScheduler(layer, None, calibration_window=-1)
+
+
+def test_the_noise_floor_is_the_error_of_the_median_and_of_the_previous_step():
+    from rocmoe.moe.cost_model import noise_floor
+    floor = noise_floor([100.0, 110.0, 100.0, 90.0])
+    # median 100: errors 0, 10/110, 0, 10/90; previous step: 10/110, 10/100, 10/90
+    assert np.isclose(floor["constant_at_median"], (10 / 110 + 10 / 90) / 4)
+    assert np.isclose(floor["previous_step"], (10 / 110 + 10 / 100 + 10 / 90) / 3)
+    assert noise_floor([5.0]) == {"constant_at_median": 0.0, "previous_step": None}
+    assert noise_floor([]) == {"constant_at_median": None, "previous_step": None}
