@@ -19,7 +19,8 @@
 #   fused_bench  rocmoe bench fused_gpu --only gemm,gemv,embedding,overlap
 #   vexpert_bench  rocmoe bench vexpert --part measured on the GPU (2 ranks sharing it,
 #                $VEXPERT_ARGS, default the GPU-sized layer), to vexpert.json
-#   layer_bench  rocmoe bench moe --layer on $LAYER_SHAPES (default: the losing shapes)
+#   layer_bench  rocmoe bench moe --layer on $LAYER_SHAPES (default: the losing shapes;
+#                all: the bench's 24 cases)
 #   profile      benchmarks/profile_moe_host.py on 8192,1024,4096,64 (host functions)
 #   probe        benchmarks/probe_layer_host.py on $PROBE_SHAPES (host us a step, by stage)
 #   gemv         benchmarks/gemv_variants.py (the GEMV kernel's variants against torch.mv)
@@ -79,9 +80,11 @@ if has vexpert_bench; then
 fi
 if has layer_bench; then
   stamp layer_bench
+  shapes=${LAYER_SHAPES:-8192,1024,4096,64;32768,768,3072,64;4096,2048,1408,64}
+  # LAYER_SHAPES=all: the bench's 24 default cases (12 shapes, uniform and Zipf)
+  [ "$shapes" = all ] && shape_args=() || shape_args=(--shapes "$shapes")
   run timeout ${LAYER_BENCH_S:-200} python3 -m rocmoe.bench.moe --layer --variants none \
-    --shapes "${LAYER_SHAPES:-8192,1024,4096,64;32768,768,3072,64;4096,2048,1408,64}" \
-    --budget-s ${LAYER_BUDGET_S:-150} --output "$OUT/layer.jsonl"
+    ${shape_args[@]+"${shape_args[@]}"} --budget-s ${LAYER_BUDGET_S:-150} --output "$OUT/layer.jsonl"
   python3 benchmarks/moe_layer_table.py "$OUT/layer.jsonl" 2>&1 | tee -a "$LOG" | tail -30
 fi
 if has profile; then
