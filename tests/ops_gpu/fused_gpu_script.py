@@ -123,8 +123,16 @@ def check_rows(ctx, dtype, calls):
 
 
 def check_embedding(ctx, dtype, calls):
+    # D 16 with a few bags: one 64-item tile a slice; D 64 with up to 256 bags a rank: the
+    # kernel's small-call tiles (16 items for fp32, fewer than 64 a slot group), several a
+    # slice, over more workgroups
+    for dim, bags in ((16, 8), (64, 256)):
+        _check_embedding(ctx, dtype, calls, dim, bags)
+
+
+def _check_embedding(ctx, dtype, calls, dim, bags):
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
-    dim, b_max = 16, 8 * world
+    b_max = bags * world
     counts = [1 + s % 3 for s in range(world)]
     if world > 1:
         counts[world - 1] = 0  # a rank with no tables
@@ -132,10 +140,11 @@ def check_embedding(ctx, dtype, calls):
     base = sum(counts[:rank])
     mine = list(range(base, base + counts[rank]))
     for mode in ("sum", "mean"):
-        h = ops.EmbeddingAllToAll(ctx, [rows[i] for i in mine], dim, b_max, 512, mode, dtype)
+        h = ops.EmbeddingAllToAll(ctx, [rows[i] for i in mine], dim, b_max, 512 * bags // 8,
+                                  mode, dtype)
         for call in range(calls):
             g = torch.Generator().manual_seed(2000 + call)
-            b = world * (1 + call % 8)
+            b = world * (1 + call % 8) * (bags // 8)
             use_psw = mode == "sum" and call % 2 == 1
             tables, idxs, offs, psws = [], [], [], []
             for t in range(sum(counts)):
@@ -159,7 +168,7 @@ def check_embedding(ctx, dtype, calls):
                 ref[:, t] = bag[rank * bl:(rank + 1) * bl]
             assert out.shape == ref.shape, (out.shape, ref.shape)
             e = rel_err(out, ref)
-            assert e < TOL[dtype], f"rank {rank} {mode} call {call}: relative error {e}"
+            assert e < TOL[dtype], f"rank {rank} D {dim} {mode} call {call}: relative error {e}"
 
 
 def check_gemv(ctx, dtype, calls):

@@ -70,8 +70,7 @@ int launch_copy_out(const Common &c, void *out, uint64_t bytes, uint64_t src_off
     return ROCMOE_OK;
 }
 
-int persistent_workgroups(int requested, uint32_t total_tasks, int per_cu) {
-    if (requested > 0) return int(requested < int(total_tasks) ? requested : int(total_tasks));
+int compute_units() {
     static int cus = [] {
         int device = 0, n = 0;
         if (hipGetDevice(&device) != hipSuccess ||
@@ -80,7 +79,12 @@ int persistent_workgroups(int requested, uint32_t total_tasks, int per_cu) {
             n = 80;
         return n;
     }();
-    const long want = long(cus) * per_cu;
+    return cus;
+}
+
+int persistent_workgroups(int requested, uint32_t total_tasks, int per_cu) {
+    if (requested > 0) return int(requested < int(total_tasks) ? requested : int(total_tasks));
+    const long want = long(compute_units()) * per_cu;
     return int(want < long(total_tasks) ? want : long(total_tasks));
 }
 

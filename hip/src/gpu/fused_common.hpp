@@ -209,6 +209,9 @@ int launch_copy_out(const Common &c, void *out, uint64_t bytes, uint64_t src_off
 // there are tasks (each surplus workgroup would only claim past the end and exit).
 int persistent_workgroups(int requested, uint32_t total_tasks, int per_cu);
 
+// CUs (SMs) of the current device (80 when it cannot be read), looked up once
+int compute_units();
+
 // Validate the team / fused arguments and fill `c`; returns ROCMOE_OK or a fail() code.
 int make_common(const rocmoe_gpu_team &team, const rocmoe_gpu_fused &fused, int op_code,
                 const char *op, Common *c);

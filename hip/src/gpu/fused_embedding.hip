@@ -5,8 +5,9 @@
 //   slice  destination d: bags [d * B/world, (d+1) * B/world) of every local table, which
 //          land in d's receive buffer (parity epoch % 2) as one contiguous block
 //          [B/world, T_local, D] at element offset B/world * table_base * D
-//   task   kItemsPerTile consecutive (bag, table) items of a slice; an item is one output
-//          row of D elements; consecutive items are consecutive rows at the destination
+//   task   items_per_tile consecutive (bag, table) items of a slice (kItemsPerTile, or
+//          fewer for a small call: see tile_items); an item is one output row of D
+//          elements; consecutive items are consecutive rows at the destination
 //
 // The handle protocol (rocmoe.h): the kernel takes this call's epoch from the workspace,
 // waits (bounded) for each destination's acknowledgement of call epoch - 2 before writing
@@ -30,6 +31,9 @@ namespace fused {
 namespace {
 
 constexpr int kItemsPerTile = 64;
+// a call with fewer tasks than this many a CU gets smaller tiles (down to one item a lane
+// group), so that more workgroups share it
+constexpr int kMinTasksPerCu = 2;
 // tables that travel inside the launch's arguments (more: a device array)
 constexpr int kInlineTables = 32;
 
@@ -40,6 +44,7 @@ struct EmbeddingParams {
     int64_t batch, dim, batch_local;
     int num_tables, table_base, total_tables, mode;
     uint32_t items_per_slice;  // batch_local * num_tables
+    uint32_t items_per_tile;   // items a task covers (tile_items)
 
     __device__ const rocmoe_gpu_table &table(int t) const {
         return device_tables != nullptr ? device_tables[t] : inline_tables[t];
@@ -49,7 +54,7 @@ struct EmbeddingParams {
 // lanes that cooperate on one row: enough 16-byte vectors to cover D, a power of two, at
 // most a wave (then the row is walked in steps of a wave)
 template <class T>
-__device__ __forceinline__ int lanes_per_item(int64_t dim) {
+ROCMOE_HD inline int lanes_per_item(int64_t dim) {
     const int64_t vecs = (dim + vec_elems<T>() - 1) / vec_elems<T>();
     int g = 1;
     while (g < vecs && g < ROCMOE_WAVE_SIZE) g <<= 1;
@@ -142,7 +147,7 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
     const int tid = threadIdx.x;
     if (tid == 0) {
         s_epoch = c.next_epoch();
-        const uint32_t n = sched::tasks_for_rows(p.items_per_slice, kItemsPerTile);
+        const uint32_t n = sched::tasks_for_rows(p.items_per_slice, p.items_per_tile);
         for (int d = 0; d < world; ++d) tasks_per_dest[d] = n;
         sched::build_task_prefix(c.topo, tasks_per_dest, prefix);
     }
@@ -172,8 +177,8 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
         __syncthreads();  // everyone has read the task before thread 0 claims the next
         if (!valid) break;
 
-        const uint64_t first = sched::tile_begin(task.tile, kItemsPerTile, p.items_per_slice);
-        const uint64_t last = sched::tile_end(task.tile, kItemsPerTile, p.items_per_slice);
+        const uint64_t first = sched::tile_begin(task.tile, p.items_per_tile, p.items_per_slice);
+        const uint64_t last = sched::tile_end(task.tile, p.items_per_tile, p.items_per_slice);
         // item i of a slice is bag i / T_local, local table i % T_local; its row lands in the
         // destination's [batch_local, T_total, D] buffer (the output's layout) at column
         // table_base + t. Scale-out (a peer not load/store reachable): the rows go to this
@@ -219,8 +224,9 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
             c.record(ws::status_data(world, task.dest), ROCMOE_STATUS_TIMEOUT, epoch);
 
         if (free_to_write && out != nullptr) {
-            // each thread makes its own stores visible system-wide before the one signal
-            __threadfence_system();
+            // each thread makes its own stores visible system-wide before the one signal (at
+            // world size 1 there is no signal: the kernel's end publishes the output)
+            if (!alone) __threadfence_system();
             __syncthreads();
             if (tid == 0 && sched::complete(counters, task)) {
                 const bool bad = atomicExch(bad_flags + task.dest, 0u) != 0;
@@ -240,9 +246,26 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
     for (int s = 0; s < world; ++s) receive(c, s, epoch, c.layout.capacity, p.batch);
 }
 
+// Items a task covers. kItemsPerTile, halved while the call would have fewer than
+// kMinTasksPerCu tasks a CU and a tile still gives each lane group of a workgroup an item:
+// with 64-item tiles a small call (2 tables x 2048 bags of one lookup) ran as 64 workgroups,
+// each walking its items four deep in series, every item a chain of dependent loads
+// (offsets, index, row); smaller tiles spread the same items over more workgroups.
 template <class T>
-int launch(const Common &c, const EmbeddingParams &p, int requested, hipStream_t stream) {
-    const uint32_t per_dest = sched::tasks_for_rows(p.items_per_slice, kItemsPerTile);
+uint32_t tile_items(const EmbeddingParams &p, int world, int cus) {
+    const uint32_t slots = uint32_t(kThreads / lanes_per_item<T>(p.dim));
+    uint32_t tile = kItemsPerTile;
+    while (tile / 2 >= slots && tile / 2 >= 1 &&
+           uint64_t(sched::tasks_for_rows(p.items_per_slice, tile)) * uint64_t(world) <
+               uint64_t(cus) * kMinTasksPerCu)
+        tile /= 2;
+    return tile;
+}
+
+template <class T>
+int launch(const Common &c, EmbeddingParams p, int requested, hipStream_t stream) {
+    p.items_per_tile = tile_items<T>(p, c.topo.world, compute_units());
+    const uint32_t per_dest = sched::tasks_for_rows(p.items_per_slice, p.items_per_tile);
     const uint32_t total = per_dest * uint32_t(c.topo.world);
     const int workers = persistent_workgroups(requested, total, 4);
     const size_t smem = sizeof(uint32_t) * (2 * size_t(c.topo.world) + 1);
