@@ -14,8 +14,9 @@
 #   moe_tests    pytest -m gpu tests/moe/test_gpu.py (the layer's kernels, syncs, memory)
 #   ep_tests     pytest -m gpu on expert parallelism (tests/moe/test_expert_parallel_gpu.py)
 #   vexpert_tests  pytest -m gpu tests/moe/test_vexpert_gpu.py
+#   ipc_tests    pytest -m gpu tests/gpu (the ipc backend: heap, signals, puts between ranks)
 #   (each test stage takes a -k expression from $FUSED_TESTS_K, $MOE_TESTS_K, $EP_TESTS_K,
-#   $VEXPERT_TESTS_K, and a timeout in seconds from $..._S)
+#   $VEXPERT_TESTS_K, $IPC_TESTS_K, and a timeout in seconds from $..._S)
 #   fused_bench  rocmoe bench fused_gpu --only gemm,gemv,embedding,overlap
 #   vexpert_bench  rocmoe bench vexpert --part measured on the GPU (2 ranks sharing it,
 #                $VEXPERT_ARGS, default the GPU-sized layer), to vexpert.json
@@ -72,6 +73,10 @@ if has fused_bench; then
   TAIL=40 run timeout ${FUSED_BENCH_S:-200} python3 -m rocmoe.bench.fused_gpu \
     --only ${FUSED_ONLY:-gemm,gemv,embedding,overlap} --reps ${FUSED_REPS:-9} --output "$OUT/fused.jsonl"
   python3 benchmarks/fused_table.py "$OUT/fused.jsonl" 2>&1 | tee -a "$LOG" | tail -30
+fi
+if has ipc_tests; then
+  stamp ipc_tests
+  run timeout ${IPC_TESTS_S:-200} $PYTEST tests/gpu -k "${IPC_TESTS_K:-}"
 fi
 if has vexpert_bench; then
   stamp vexpert_bench
