@@ -335,11 +335,10 @@ _SKINNY_ROWS = 1024
 _TUNE_SKINNY = (
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=6),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-    # 128 x 64: 256 x 4096 output in 128 tiles (one wave of an H200) with the larger M of
-    # a wgmma, where 64 x 64 makes two waves (256 x 4096^2 ran at 0.87 of torch.matmul)
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=5),
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
 )
+# (tried and dropped, 2026-12-02: 128 x 64 tiles, BLOCK_K 64 / 5 stages and 128 / 3, for
+# one wave of 128 tiles at 256 x 4096^2; the tuner kept 64 x 64 on 128-512 rows every time,
+# results/fused_gpu_h200_gemm_tiles.jsonl)
 
 
 class _GemmLaunch:
