@@ -92,9 +92,10 @@ def test_a_negative_calibration_window_is_refused():
 
 def test_the_noise_floor_is_the_error_of_the_median_and_of_the_previous_step():
     from rocmoe.moe.cost_model import noise_floor
-    floor = noise_floor([100.0, 110.0, 100.0, 90.0])
-    # median 100: errors 0, 10/110, 0, 10/90; previous step: 10/110, 10/100, 10/90
-    assert np.isclose(floor["constant_at_median"], (10 / 110 + 10 / 90) / 4)
-    assert np.isclose(floor["previous_step"], (10 / 110 + 10 / 100 + 10 / 90) / 3)
+    floor = noise_floor([100.0, 110.0, 100.0, 150.0])
+    # median 105 (the mean is 115): errors 5/100, 5/110, 5/100, 45/150; the step before:
+    # 10/110, 10/100, 50/150 (each relative to the step predicted)
+    assert np.isclose(floor["constant_at_median"], (5 / 100 + 5 / 110 + 5 / 100 + 45 / 150) / 4)
+    assert np.isclose(floor["previous_step"], (10 / 110 + 10 / 100 + 50 / 150) / 3)
     assert noise_floor([5.0]) == {"constant_at_median": 0.0, "previous_step": None}
     assert noise_floor([]) == {"constant_at_median": None, "previous_step": None}
