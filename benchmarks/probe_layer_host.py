@@ -50,8 +50,8 @@ def staged(step, steps: int, batch: int = 8) -> dict:
 
 def host_us(fn, calls: int = 200, launches: int = 1) -> float:
     """Host us a call of `fn` (`launches` GPU launches each) with the GPU kept busy (the
-    fused-op bench's measure). The calls are capped so that their launches stay below
-    ~1000: past the driver's queue of pending launches the host waits for the busy GPU,
+    fused-op bench's measure). The calls are capped at 500 launches, half the driver's
+    queue of pending launches (~1000): past it the host waits for the busy GPU,
     and the time measured is the GPU's (200 calls of the 5-launch router forward read 528
     us a call on the H200, ~0.1 s of busy kernel over 200 calls). launches=0: no cap."""
     return round(fused_host_us(fn, min(calls, 500 // launches) if launches else calls), 2)

@@ -124,8 +124,8 @@ def check_rows(ctx, dtype, calls):
 
 def check_embedding(ctx, dtype, calls):
     # D 16 with a few bags: one 64-item tile a slice; D 64 with up to 256 bags a rank: the
-    # kernel's small-call tiles (16 items for fp32, fewer than 64 a slot group), several a
-    # slice, over more workgroups
+    # kernel's small-call tiles (16 items for fp32, 32 for bf16 / fp16: one item a lane
+    # group), several a slice, over more workgroups
     for dim, bags in ((16, 8), (64, 256)):
         _check_embedding(ctx, dtype, calls, dim, bags)
 

@@ -255,7 +255,7 @@ template <class T>
 uint32_t tile_items(const EmbeddingParams &p, int world, int cus) {
     const uint32_t slots = uint32_t(kThreads / lanes_per_item<T>(p.dim));
     uint32_t tile = kItemsPerTile;
-    while (tile / 2 >= slots && tile / 2 >= 1 &&
+    while (tile / 2 >= slots &&
            uint64_t(sched::tasks_for_rows(p.items_per_slice, tile)) * uint64_t(world) <
                uint64_t(cus) * kMinTasksPerCu)
         tile /= 2;
