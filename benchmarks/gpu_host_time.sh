@@ -24,6 +24,7 @@
 #                all: the bench's 24 cases)
 #   profile      benchmarks/profile_moe_host.py on 8192,1024,4096,64 (host functions)
 #   probe        benchmarks/probe_layer_host.py on $PROBE_SHAPES (host us a step, by stage)
+#   idle_probe   benchmarks/probe_idle_gap.py (idle-start time against host + kernel, traced)
 #   gemv         benchmarks/gemv_variants.py (the GEMV kernel's variants against torch.mv)
 # Files under $OUT (at most eight come back): session.log, build.log, fused.jsonl,
 # layer.jsonl, gemv.jsonl, vexpert.json. Exits 1 when a stage failed (after running the
@@ -101,6 +102,10 @@ if has probe; then
   for shape in ${PROBE_SHAPES:-8192,1024,4096,64 4096,2048,1408,64}; do
     TAIL=5 run timeout 120 python3 benchmarks/probe_layer_host.py "$shape"
   done
+fi
+if has idle_probe; then
+  stamp idle_probe
+  TAIL=40 run timeout ${IDLE_PROBE_S:-180} python3 benchmarks/probe_idle_gap.py
 fi
 if has gemv; then
   stamp gemv
