@@ -7,8 +7,11 @@ time goes: host before the launch, the launch call, launch to kernel start, the 
 Variants peel the call's layers off one at a time (the whole handle call, the plan's launch
 with preallocated outputs, the native driver launch alone), so the layer that costs the gap
 shows. Prints and writes $OUT/probe_idle_gap.json."""
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import time
 
@@ -108,6 +111,21 @@ def traced(fn, reps=12):
     return out
 
 
+def profiled(fn, calls=300, lines=22):
+    """cProfile of `calls` calls behind a busy GPU, by own time (the host time by function)."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(lines)
+    return s.getvalue()[-4500:]
+
+
 def measure(name, fn, res):
     with torch.no_grad():
         for _ in range(5):
@@ -149,6 +167,12 @@ def main():
         measure(f"{tag}_torch_matmul", lambda: torch.matmul(x, w), res)
         measure(f"{tag}_handle_list", lambda: h(x, w, [m]), res)
         measure(f"{tag}_handle_device_counts", lambda: h(x, w, counts_t), res)
+        lean = h.__dict__.get("_lean")
+        if lean is not None:
+            measure(f"{tag}_lean_closure", lambda: lean(x, w, [m]), res)
+        with torch.no_grad():
+            res[f"{tag}_handle_profile"] = profiled(lambda: h(x, w, [m]))
+        print(res[f"{tag}_handle_profile"], flush=True)
         measure(f"{tag}_plan_launch", lambda: plan.launch(h, team, x, w, counts_t, out, recv,
                                                           desc), res)
         if native is not None:
@@ -165,6 +189,9 @@ def main():
     yv = torch.empty(8192, dtype=torch.bfloat16, device=dev)
     measure("gemv_8192_bf16_torch_mv", lambda: torch.mv(wv, xv), res)
     measure("gemv_8192_bf16_handle", lambda: hv(wv, xv), res)
+    with torch.no_grad():
+        res["gemv_handle_profile"] = profiled(lambda: hv(wv, xv))
+    print(res["gemv_handle_profile"], flush=True)
     measure("gemv_8192_bf16_gpu_gemv", lambda: gpu.gemv(hv, wv, xv, yv), res)
     hv.close()
     nt, rows, dim, batch = 2, 10_000_000, 64, 2048

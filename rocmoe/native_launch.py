@@ -90,7 +90,8 @@ def _driver() -> _Driver:
     return _DRIVER
 
 
-def _stream_getter(device: torch.device):
+def stream_getter(device: torch.device):
+    """The raw handle of `device`'s current stream, as cheaply as torch gives it."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:
@@ -224,7 +225,7 @@ class NativeLaunch:
             by_pos.setdefault(pos, []).append(f)
         self._by_pos = by_pos
         self._maps: dict = {}
-        self._stream = _stream_getter(device)
+        self._stream = stream_getter(device)
         self._drv = drv
         tokens = [self._token(pos, args[pos]) for pos in dynamic]
         for pos in range(len(args)):  # every argument once

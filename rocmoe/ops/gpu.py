@@ -27,6 +27,7 @@ from .. import errors
 from .._triton import interpreting as _interpreting
 from .._triton import sm_count, tensor_descriptor, tma_capable
 from .. import native_launch
+from .outputs import OutputRing, capturing
 
 ALIGN = 256
 
@@ -568,17 +569,23 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
     ctx = handle.ctx
     device = ctx.device
     index = device.index if device.index is not None else torch.cuda.current_device()
-    status = handle._status
+    status, clear = handle._status, handle._status_clear
     max_rows = handle.max_rows
     out_shape = (handle.capacity_rows, handle.N)
     ints = _device_ints(handle)
     descriptors = handle.__dict__.setdefault("_w_descriptors", {})
     is_grad_enabled, empty, int64, tensor_type = (torch.is_grad_enabled, torch.empty,
                                                   torch.int64, torch.Tensor)
+    # the rows and the received counts, reused once the caller dropped them (an allocation
+    # costs as much host time as the launch: rocmoe/ops/outputs.py)
+    ring = handle._outputs["gemm"] = OutputRing(lambda: (
+        empty(out_shape, dtype=dtype, device=device), empty(world, dtype=int64, device=device)))
+    take, stream = ring.take, native_launch.stream_getter(device)
 
     def call(x, w, send_counts):
         if (type(x) is not tensor_type or type(w) is not tensor_type or x.dtype is not dtype
-                or w.dtype is not dtype or handle.broken is not None or status.any()
+                or w.dtype is not dtype or handle.broken is not None
+                or status.tobytes() != clear
                 or ctx.finalized
                 or x.get_device() != index or w.get_device() != index or x.dim() != 2
                 or x.shape[1] != k or w.shape != want_w or x.stride(1) != 1
@@ -604,11 +611,11 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
         else:
             return None
         handle.epoch += 1
-        out = empty(out_shape, dtype=dtype, device=device)
-        recv = empty(world, dtype=int64, device=device)
+        out, recv = take(capturing(), stream())
         plan.launch(handle, team, x, w, counts, out, recv, descriptors)
         return out, recv
     return call
+
 
 
 _ARANGES: dict = {}

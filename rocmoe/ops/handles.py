@@ -39,6 +39,7 @@ from .._native import check, ffi, lib
 from ..collective import KIND_HANDLE
 from ._common import DTYPE_CODES, resolve_context
 from .layout import Layout, OP_CODES, make_layout
+from .outputs import OutputRing, capturing
 
 __all__ = ["GemmAllToAll", "AllToAllRows", "EmbeddingAllToAll", "GemvAllReduce"]
 
@@ -133,7 +134,11 @@ class FusedHandle:
         self._status_t = torch.zeros(self.layout.status_words, dtype=torch.int32,
                                      pin_memory=pin)
         self._status = self._status_t.numpy()
+        # what the status words read as bytes when nothing is recorded: a call compares
+        # status.tobytes() with it (a twentieth of numpy's any() on an H200's host)
+        self._status_clear = bytes(self._status.nbytes)
         self.status_address = self._status_t.data_ptr()
+        self._outputs: dict = {}  # name -> OutputRing of the handle's no-grad GPU calls
         self._recv_counts_host = np.zeros(self.world, dtype=np.int64)
         ctx.register_handle(self)
 
@@ -150,7 +155,7 @@ class FusedHandle:
             raise errors.ContextError(f"{type(self).__name__}: its context was finalized; "
                                       "make the context and the handle again")
         status = self._status
-        if status.any():
+        if status.tobytes() != self._status_clear:
             exc = self._status_error(status.copy())
             status[:] = 0
             raise exc
@@ -231,6 +236,8 @@ class FusedHandle:
     def close(self) -> None:
         """Collective: free the workspace. The handle cannot be called afterwards."""
         self.__dict__.pop("_lean", None)
+        for ring in self.__dict__.get("_outputs", {}).values():
+            ring.clear()
         if self.workspace is not None:
             if self.workspace.is_cuda:
                 torch.cuda.current_stream(self.workspace.device).synchronize()
@@ -250,6 +257,24 @@ class FusedHandle:
         if dim >= 0 and t.dim() != dim:
             raise errors.InvalidArgumentError(
                 f"{type(self).__name__}: {what} has shape {tuple(t.shape)}; expected {dim}-D")
+
+
+def _output_ring(handle: FusedHandle, name: str, make, fresh: bool = False) -> OutputRing:
+    """The handle's ring of outputs `name` (made by `make` the first time, or again when
+    `fresh`)."""
+    ring = handle._outputs.get(name)
+    if ring is None or fresh:
+        ring = handle._outputs[name] = OutputRing(make)
+    return ring
+
+
+def _current_stream(handle: FusedHandle) -> int:
+    """The raw handle of the current stream of the handle's GPU."""
+    get = handle.__dict__.get("_stream_of_device")
+    if get is None:
+        from ..native_launch import stream_getter
+        get = handle._stream_of_device = stream_getter(handle.ctx.device)
+    return get()
 
 
 def _dtype_problem(dtype) -> Optional[Exception]:
@@ -616,7 +641,7 @@ class EmbeddingAllToAll(FusedHandle):
         if anchor is not None:
             return _EmbeddingFunction.apply(self, batch, psw is not None, anchor, *weights,
                                             *indices, *offsets, *(psw or []))
-        return self._lookup(weights, indices, offsets, psw, batch)
+        return self._lookup(weights, indices, offsets, psw, batch, reuse=True)
 
     def _validate(self, weights, indices, offsets, psw, batch) -> int:
         quick = self._validate_quick(weights, indices, offsets, psw, batch)
@@ -701,13 +726,23 @@ class EmbeddingAllToAll(FusedHandle):
                 f"to max_batch={self.max_batch}")
         return batch
 
-    def _lookup(self, weights, indices, offsets, psw, batch, mode: Optional[str] = None
-                ) -> torch.Tensor:
-        """One call after validation (`mode`: the functional path's, else the handle's)."""
+    def _lookup(self, weights, indices, offsets, psw, batch, mode: Optional[str] = None,
+                reuse: bool = False) -> torch.Tensor:
+        """One call after validation (`mode`: the functional path's, else the handle's;
+        `reuse`: a call outside autograd, whose output may come from the handle's ring on a
+        GPU, one ring for the batch of the last such call)."""
         mode = mode or self.mode
         self.epoch += 1
-        out = torch.empty((batch // self.world, self.total_tables, self.dim), dtype=self.dtype,
-                          device=self.ctx.device)
+        shape = (batch // self.world, self.total_tables, self.dim)
+        if reuse and _on_gpu(self.ctx):
+            ring = self._outputs.get("embedding")
+            if ring is None or ring.key != shape:
+                ring = _output_ring(self, "embedding", lambda: (
+                    torch.empty(shape, dtype=self.dtype, device=self.ctx.device),), fresh=True)
+                ring.key = shape
+            out, = ring.take(capturing(), _current_stream(self))
+        else:
+            out = torch.empty(shape, dtype=self.dtype, device=self.ctx.device)
         if _on_gpu(self.ctx):
             from . import gpu
             gpu.embedding(self, weights, indices, offsets, psw, batch, mode, out)
@@ -842,11 +877,11 @@ class GemvAllReduce(FusedHandle):
                 and w_local.dtype is dtype and x_local.dtype is dtype
                 and w_local.get_device() == index and x_local.get_device() == index
                 and w_local.shape == self._w_shape and x_local.shape == self._x_shape
-                and self.broken is None and not self._status.any()
+                and self.broken is None and self._status.tobytes() == self._status_clear
                 and self.workspace is not None and not self.ctx.finalized
                 and not (torch.is_grad_enabled()
                          and (w_local.requires_grad or x_local.requires_grad))):
-            return self._reduce(w_local, x_local)
+            return self._reduce(w_local, x_local, reuse=True)
         self.check()
         try:
             self._check_tensor(w_local, "W_local", self.dtype, 2)
@@ -862,9 +897,16 @@ class GemvAllReduce(FusedHandle):
             return _GemvFunction.apply(w_local, x_local, self)
         return self._reduce(w_local, x_local)
 
-    def _reduce(self, w_local, x_local) -> torch.Tensor:
+    def _reduce(self, w_local, x_local, reuse: bool = False) -> torch.Tensor:
+        """One call after validation. `reuse`: a GPU call outside autograd, whose output may
+        come from the handle's ring (rocmoe/ops/outputs.py)."""
         self.epoch += 1
-        out = torch.empty(self.N, dtype=self.dtype, device=self.ctx.device)
+        if reuse:
+            out, = _output_ring(self, "gemv", lambda: (
+                torch.empty(self.N, dtype=self.dtype, device=self.ctx.device),)).take(
+                    capturing(), _current_stream(self))
+        else:
+            out = torch.empty(self.N, dtype=self.dtype, device=self.ctx.device)
         if _on_gpu(self.ctx):
             from . import gpu
             gpu.gemv(self, w_local, x_local, out)

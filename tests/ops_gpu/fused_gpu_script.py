@@ -459,6 +459,34 @@ def check_lean(ctx, dtype, calls):
         e = rel_err(xg.grad, want)
         assert e < TOL[dtype], f"dX relative error {e}"
     good(x, [2] * world)
+    # the lean path's outputs come from the handle's ring (rocmoe/ops/outputs.py): one the
+    # caller still holds is never written again, one it dropped is handed out again
+    ring = h._outputs["gemm"]
+    with torch.no_grad():
+        held, held_recv = h(x, w, [2] * world)
+        kept = held[:2 * world].clone()
+        reused = ring.reused
+        for _ in range(3):
+            out, recv = h(x * 2, w, [2] * world)
+            assert out.data_ptr() != held.data_ptr() and recv.data_ptr() != held_recv.data_ptr()
+            del out, recv
+        h.synchronize()
+        assert torch.equal(held[:2 * world], kept), "a held output was written again"
+        assert ring.reused >= reused + 2, (ring.reused, reused)
+    # GemvAllReduce's and EmbeddingAllToAll's no-grad calls the same way
+    gv = ops.GemvAllReduce(ctx, 32, 16, dtype)
+    wv, xv = torch.randn(32, 16, device=dev).to(dtype), torch.randn(16, device=dev).to(dtype)
+    with torch.no_grad():
+        y1 = gv(wv, xv)
+        y1_kept = y1.clone()
+        y2 = gv(wv, 2 * xv)
+        assert y2.data_ptr() != y1.data_ptr()
+        del y2
+        y3 = gv(wv, 3 * xv)
+        gv.synchronize()
+        assert torch.equal(y1, y1_kept), "a held GEMV output was written again"
+        assert gv._outputs["gemv"].reused >= 1 and y3.data_ptr() != y1.data_ptr()
+    gv.close()
     h.close()
 
 
