@@ -233,7 +233,13 @@ class NativeLaunch:
         # one step per changing argument (it writes the argument and says whether its token
         # is the one the kernel was compiled for); a call runs them as one generated function
         self._steps = [(pos, self._step(pos, tok)) for pos, tok in zip(dynamic, tokens)]
+        self._want = dict(zip(dynamic, tokens))
         self._write_args = self._generated(dynamic, tokens)
+        # launch() counts its calls; `written`: the last one's arguments are all in the
+        # parameter buffer (a caller that rewrites only what changed, launch_as_written,
+        # must know nobody else wrote the buffer since)
+        self.generation = 0
+        self.written = False
 
     # -- writing arguments -----------------------------------------------------------
     def _token(self, pos: int, a):
@@ -363,10 +369,34 @@ class NativeLaunch:
             raise Unsupported(f"cuTensorMapEncodeTiled refused the map ({rc})")
         return buf, ffi.cast("void *", addr)
 
+    # -- pieces for a caller that rewrites only what changed ----------------------------
+    def step(self, pos: int):
+        """The step of dynamic argument `pos`: step(a) writes it and says whether its
+        specialisation is the compiled one."""
+        return dict(self._steps)[pos]
+
+    def pointer_cell(self, pos: int):
+        """(typed cell, compiled 16-byte alignment) of pointer argument `pos`."""
+        fields = self._by_pos.get(pos)
+        if fields is None or fields[0].kind != "ptr":
+            raise Unsupported(f"argument {pos} is not a pointer parameter")
+        return fields[0].cell, bool(self._want[pos][0])
+
+    def launch_as_written(self, grid_x: int) -> None:
+        """Launch a 1-D grid with the parameter buffer as it stands."""
+        rc = self._drv.launch(self.function, grid_x, 1, 1, self.block, self.shared,
+                              self._stream(), self._params)
+        if rc != 0:
+            from ._native import check
+            check(rc, "native launch")
+        stats["native"] += 1
+
     # -- launching ---------------------------------------------------------------------
     def launch(self, grid: Sequence[int], args: Sequence) -> bool:
         """Launch with `args` (the changing positions are rewritten). False, with nothing
         launched, when their specialisation is not the one this kernel was compiled for."""
+        self.generation += 1
+        self.written = False
         try:
             if not self._write_args(args):
                 stats["fallback"] += 1
@@ -375,6 +405,7 @@ class NativeLaunch:
             # another kind than the kernel was compiled for (None for a tensor): the JIT decides
             stats["fallback"] += 1
             return False
+        self.written = True
         n = len(grid)
         rc = self._drv.launch(self.function, grid[0], grid[1] if n > 1 else 1,
                               grid[2] if n > 2 else 1, self.block, self.shared, self._stream(),

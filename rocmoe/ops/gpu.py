@@ -555,6 +555,78 @@ def rows_exchange(handle, x: torch.Tensor, w: Optional[torch.Tensor], host_count
     return recv
 
 
+class _LeanGemmLaunch:
+    """The lean call's launch: the plan's native kernel with only what changed since the
+    last launch written into its parameter buffer. A lean call has already checked X
+    row-major [M, K] and W of the handle's shape, dtype and GPU; with M and W's
+    contiguity as in the last launch through the plan (the fields M, the strides and X's
+    map shape depend on), only the pointers can differ: out, counts and recv are written,
+    X's and W's maps re-made only when their address moved. Anything else (another M, a
+    strided W, a pointer of another alignment, a launch through the plan in between, which
+    `NativeLaunch.generation` shows) goes through the plan, which rewrites every argument;
+    `record` then takes that launch as the new base."""
+
+    def __init__(self, plan: "_GemmLaunch", team: Team, native):
+        self.plan, self.team, self.nl = plan, team, native
+        self.x_step, self.w_step = native.step(0), native.step(1)
+        self.out_cell, self.out_aligned = native.pointer_cell(2)
+        self.counts_cell, self.counts_aligned = native.pointer_cell(3)
+        self.recv_cell, self.recv_aligned = native.pointer_cell(6)
+        self.gen, self.m, self.xp, self.wp = -1, -1, 0, 0
+
+    def record(self, x: torch.Tensor, w: torch.Tensor, gen_before: int) -> None:
+        """After a launch through the plan: the base of the next lean launches, when that
+        launch wrote every argument of this kernel (and M > 1, W contiguous)."""
+        nl = self.nl
+        if nl.generation > gen_before and nl.written and x.shape[0] > 1 and w.is_contiguous():
+            self.gen, self.m = nl.generation, x.shape[0]
+            self.xp, self.wp = x.data_ptr(), w.data_ptr()
+        else:
+            self.gen = -1
+
+    def __call__(self, x, w, counts, out, recv) -> bool:
+        """Launch; False (perhaps with pointers written, never launched) when the plan must."""
+        nl = self.nl
+        if nl.generation != self.gen or x.shape[0] != self.m or not w.is_contiguous():
+            return False
+        xp, wp = x.data_ptr(), w.data_ptr()
+        if xp != self.xp:
+            if not self.x_step(x):
+                return False
+            self.xp = xp
+        if wp != self.wp:
+            if not self.w_step(w):
+                return False
+            self.wp = wp
+        p = out.data_ptr()
+        if ((p & 15) == 0) is not self.out_aligned:
+            return False
+        self.out_cell[0] = p
+        p = counts.data_ptr()
+        if ((p & 15) == 0) is not self.counts_aligned:
+            return False
+        self.counts_cell[0] = p
+        p = recv.data_ptr()
+        if ((p & 15) == 0) is not self.recv_aligned:
+            return False
+        self.recv_cell[0] = p
+        plan = self.plan
+        nl.launch_as_written(plan.nprog)
+        if not plan.local:
+            plan._collect(self.team, out, recv, x.device)
+        return True
+
+
+def _lean_launch(plan: "_GemmLaunch", team: Team) -> Optional[_LeanGemmLaunch]:
+    native = plan.native.get(True) or plan.native.get(False)
+    if not native:
+        return None
+    try:
+        return _LeanGemmLaunch(plan, team, native)
+    except (native_launch.Unsupported, KeyError):
+        return None
+
+
 def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
     """A GemmAllToAll call as a closure over everything its handle fixed: the common call
     (no autograd, counts as a list of ints or a device integer tensor, X row-major) checked
@@ -581,6 +653,7 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
     ring = handle._outputs["gemm"] = OutputRing(lambda: (
         empty(out_shape, dtype=dtype, device=device), empty(world, dtype=int64, device=device)))
     take, stream = ring.take, native_launch.stream_getter(device)
+    fast = _lean_launch(plan, team)
 
     def call(x, w, send_counts):
         if (type(x) is not tensor_type or type(w) is not tensor_type or x.dtype is not dtype
@@ -612,7 +685,11 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
             return None
         handle.epoch += 1
         out, recv = take(capturing(), stream())
-        plan.launch(handle, team, x, w, counts, out, recv, descriptors)
+        if fast is None or not fast(x, w, counts, out, recv):
+            before = fast.nl.generation if fast is not None else 0
+            plan.launch(handle, team, x, w, counts, out, recv, descriptors)
+            if fast is not None:
+                fast.record(x, w, before)
         return out, recv
     return call
 
