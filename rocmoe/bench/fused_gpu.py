@@ -111,8 +111,15 @@ def host_us(fn, calls: int = 50) -> float:
     return us
 
 
-def syncs_per_call(fn, calls: int = 5) -> float:
-    """Synchronising CUDA operations per call, as torch's sync debug mode reports them."""
+# the text of torch's sync-debug warning (c10/cuda: warn_or_error_on_sync)
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def syncs_per_call(fn, calls: int = 5) -> tuple:
+    """(synchronising CUDA operations per call, as torch's sync debug mode reports them;
+    where in Python they were made; other warnings the calls raised): only torch's own
+    sync warning counts, so a warning that merely mentions synchronisation is not taken for
+    one, and is listed instead."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -123,7 +130,10 @@ def syncs_per_call(fn, calls: int = 5) -> float:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message) for w in caught) / calls
+    syncs = [w for w in caught if SYNC_WARNING in str(w.message)]
+    sites = sorted({f"{w.filename}:{w.lineno}" for w in syncs})
+    others = sorted({str(w.message)[:160] for w in caught if SYNC_WARNING not in str(w.message)})
+    return len(syncs) / calls, sites, others
 
 
 def rel_err(a, b) -> float:
@@ -154,8 +164,12 @@ def compare(ours, theirs, reps: int, graph: bool = True) -> dict:
             rec["graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     rec["rocmoe_host_us"] = round(host_us(ours), 2)
     rec["baseline_host_us"] = round(host_us(theirs), 2)
-    rec["syncs_per_call"] = syncs_per_call(ours)
-    rec["baseline_syncs_per_call"] = syncs_per_call(theirs)
+    rec["syncs_per_call"], sites, others = syncs_per_call(ours)
+    rec["baseline_syncs_per_call"], _, _ = syncs_per_call(theirs)
+    if sites:
+        rec["sync_sites"] = sites
+    if others:
+        rec["other_warnings"] = others
     return rec
 
 
