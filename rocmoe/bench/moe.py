@@ -57,6 +57,16 @@ DEFAULT_SHAPES = [(65536, 512, 2048, 64), (32768, 768, 3072, 64), (8192, 1024, 4
                   (8192, 4096, 16384, 4), (65536, 1024, 4096, 64), (8192, 4096, 1408, 64)]
 
 
+def sweep_config(start: dict, cfg: dict, ops) -> dict:
+    """A sweep entry as a whole kernel config: the startup config without its per-kernel
+    overrides (`ops`), then the entry (which names any per-kernel overrides it wants).
+    (Here, not in moe_kernels, which imports this module: no import cycle.)"""
+    merged = dict(start)
+    merged.update({op: {} for op in ops})
+    merged.update(cfg)
+    return merged
+
+
 def _gelu(t):
     return F_.gelu(t, approximate="tanh")
 
@@ -437,7 +447,6 @@ def tune(shape, block, dtype, device, emit, candidates) -> dict:
     g = torch.randn(topo.num_rows, hidden, device=device, dtype=dtype, generator=gen)
     best, best_ms = None, float("inf")
     start = dict(bs.KERNEL_CONFIG)
-    from .moe_kernels import sweep_config
     candidates = [sweep_config(start, cand, bs.OPS) for cand in candidates]
     for cand in candidates:
         bs.set_kernel_config(**cand)

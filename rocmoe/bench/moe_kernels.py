@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from .moe import expert_inputs, kernel_calls, make_routing
+from .moe import expert_inputs, kernel_calls, make_routing, sweep_config
 from .timing import interleaved_ms
 
 DEFAULT_CONFIGS = [
@@ -64,15 +64,6 @@ def dump_compiled(directory: str) -> int:
                               f, indent=1)
                 count += 1
     return count
-
-
-def sweep_config(start: dict, cfg: dict, ops) -> dict:
-    """A sweep entry as a whole kernel config: the startup config without its per-kernel
-    overrides (`ops`), then the entry (which names any per-kernel overrides it wants)."""
-    merged = dict(start)
-    merged.update({op: {} for op in ops})
-    merged.update(cfg)
-    return merged
 
 
 def emit(out, rec: dict) -> None:

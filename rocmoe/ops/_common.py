@@ -27,6 +27,8 @@ from ..collective import RECORD_WORDS
 DTYPE_CODES = {torch.float32: lib.ROCMOE_DTYPE_F32, torch.bfloat16: lib.ROCMOE_DTYPE_BF16,
                torch.float16: lib.ROCMOE_DTYPE_F16}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+# embedding bag pooling modes of the C ABI (ROCMOE_BAG_*)
+MODES = {"sum": lib.ROCMOE_BAG_SUM, "mean": lib.ROCMOE_BAG_MEAN}
 
 _MAGIC = 0x524F434D4F45  # "ROCMOE": tags the agreement records of the fused ops
 OP_CODES = {"embedding_all_to_all": 1, "gemv_all_reduce": 2, "gemm_all_to_all": 3,

@@ -27,6 +27,7 @@ from .. import errors
 from .._triton import interpreting as _interpreting
 from .._triton import sm_count, tensor_descriptor, tma_capable
 from .. import native_launch
+from ._common import MODES
 from .outputs import OutputRing, capturing
 
 ALIGN = 256
@@ -694,7 +695,6 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
     return call
 
 
-
 _ARANGES: dict = {}
 
 
@@ -841,7 +841,6 @@ def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
               out: torch.Tensor) -> None:
     """Enqueue one EmbeddingAllToAll call (indices and offsets are checked on the device)."""
     from .._native import check, ffi, lib
-    from .handles import MODES
     team = team_for(handle.ctx)
     nt = len(weights)
     # 16-byte vector loads need 16-byte aligned rows: realign a table that is an odd view;

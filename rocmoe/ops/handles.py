@@ -37,13 +37,12 @@ import torch
 from .. import errors
 from .._native import check, ffi, lib
 from ..collective import KIND_HANDLE
-from ._common import DTYPE_CODES, resolve_context
+from ._common import DTYPE_CODES, MODES, resolve_context
 from .layout import Layout, OP_CODES, make_layout
 from .outputs import OutputRing, capturing
 
 __all__ = ["GemmAllToAll", "AllToAllRows", "EmbeddingAllToAll", "GemvAllReduce"]
 
-MODES = {"sum": lib.ROCMOE_BAG_SUM, "mean": lib.ROCMOE_BAG_MEAN}
 _CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
 # status values (ROCMOE_STATUS_* of rocmoe.h)
