@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import rocmoe
 from rocmoe import ops
+from rocmoe.bench.fused_gpu import host_us
 from rocmoe.ops import gpu
 
 OUT = os.environ.get("OUT", ".")
@@ -44,17 +45,6 @@ def idle(fn, reps=REPS):
         ev.append(s.elapsed_time(e) * 1e3)
         host.append((t1 - t0) * 1e6)
     return round(statistics.median(ev), 2), round(statistics.median(host), 2)
-
-
-def busy_host(fn, calls=50):
-    torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) * 1e6 / calls
-    torch.cuda.synchronize()
-    return round(us, 2)
 
 
 def traced(fn, reps=12):
@@ -132,7 +122,7 @@ def measure(name, fn, res):
             fn()
         torch.cuda.synchronize()
         ev, host = idle(fn)
-        r = dict(idle_event_us=ev, idle_host_us=host, busy_host_us=busy_host(fn))
+        r = dict(idle_event_us=ev, idle_host_us=host, busy_host_us=round(host_us(fn), 2))
         try:
             r["trace"] = traced(fn)
         except Exception as exc:  # noqa: BLE001 - reported
