@@ -382,10 +382,11 @@ class NativeLaunch:
             raise Unsupported(f"argument {pos} is not a pointer parameter")
         return fields[0].cell, bool(self._want[pos][0])
 
-    def launch_as_written(self, grid_x: int) -> None:
-        """Launch a 1-D grid with the parameter buffer as it stands."""
-        rc = self._drv.launch(self.function, grid_x, 1, 1, self.block, self.shared,
-                              self._stream(), self._params)
+    def launch_as_written(self, grid_x: int, stream: int) -> None:
+        """Launch a 1-D grid on `stream` (a raw handle, as stream_getter gives it) with the
+        parameter buffer as it stands."""
+        rc = self._drv.launch(self.function, grid_x, 1, 1, self.block, self.shared, stream,
+                              self._params)
         if rc != 0:
             from ._native import check
             check(rc, "native launch")

@@ -585,8 +585,9 @@ class _LeanGemmLaunch:
         else:
             self.gen = -1
 
-    def __call__(self, x, w, counts, out, recv) -> bool:
-        """Launch; False (perhaps with pointers written, never launched) when the plan must."""
+    def __call__(self, x, w, counts, out, recv, stream: int) -> bool:
+        """Launch on `stream` (the current one's raw handle); False (perhaps with pointers
+        written, never launched) when the plan must."""
         nl = self.nl
         if nl.generation != self.gen or x.shape[0] != self.m or not w.is_contiguous():
             return False
@@ -612,7 +613,7 @@ class _LeanGemmLaunch:
             return False
         self.recv_cell[0] = p
         plan = self.plan
-        nl.launch_as_written(plan.nprog)
+        nl.launch_as_written(plan.nprog, stream)
         if not plan.local:
             plan._collect(self.team, out, recv, x.device)
         return True
@@ -685,8 +686,9 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
         else:
             return None
         handle.epoch += 1
-        out, recv = take(capturing(), stream())
-        if fast is None or not fast(x, w, counts, out, recv):
+        current = stream()
+        out, recv = take(capturing(), current)
+        if fast is None or not fast(x, w, counts, out, recv, current):
             before = fast.nl.generation if fast is not None else 0
             plan.launch(handle, team, x, w, counts, out, recv, descriptors)
             if fast is not None:

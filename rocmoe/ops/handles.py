@@ -258,13 +258,14 @@ class FusedHandle:
                 f"{type(self).__name__}: {what} has shape {tuple(t.shape)}; expected {dim}-D")
 
 
-def _output_ring(handle: FusedHandle, name: str, make, fresh: bool = False) -> OutputRing:
-    """The handle's ring of outputs `name` (made by `make` the first time, or again when
-    `fresh`)."""
+def _take_output(handle: FusedHandle, name: str, shape: tuple) -> torch.Tensor:
+    """An output of `shape` (the handle's dtype, on its device) from the handle's ring
+    `name`, which is made again when the shape changes."""
     ring = handle._outputs.get(name)
-    if ring is None or fresh:
-        ring = handle._outputs[name] = OutputRing(make)
-    return ring
+    if ring is None or ring.key != shape:
+        ring = handle._outputs[name] = OutputRing(lambda: (
+            torch.empty(shape, dtype=handle.dtype, device=handle.ctx.device),), key=shape)
+    return ring.take(capturing(), _current_stream(handle))[0]
 
 
 def _current_stream(handle: FusedHandle) -> int:
@@ -734,12 +735,7 @@ class EmbeddingAllToAll(FusedHandle):
         self.epoch += 1
         shape = (batch // self.world, self.total_tables, self.dim)
         if reuse and _on_gpu(self.ctx):
-            ring = self._outputs.get("embedding")
-            if ring is None or ring.key != shape:
-                ring = _output_ring(self, "embedding", lambda: (
-                    torch.empty(shape, dtype=self.dtype, device=self.ctx.device),), fresh=True)
-                ring.key = shape
-            out, = ring.take(capturing(), _current_stream(self))
+            out = _take_output(self, "embedding", shape)
         else:
             out = torch.empty(shape, dtype=self.dtype, device=self.ctx.device)
         if _on_gpu(self.ctx):
@@ -901,9 +897,7 @@ class GemvAllReduce(FusedHandle):
         come from the handle's ring (rocmoe/ops/outputs.py)."""
         self.epoch += 1
         if reuse:
-            out, = _output_ring(self, "gemv", lambda: (
-                torch.empty(self.N, dtype=self.dtype, device=self.ctx.device),)).take(
-                    capturing(), _current_stream(self))
+            out = _take_output(self, "gemv", (self.N,))
         else:
             out = torch.empty(self.N, dtype=self.dtype, device=self.ctx.device)
         if _on_gpu(self.ctx):

@@ -53,10 +53,10 @@ class OutputRing:
     """Up to `slots` groups of tensors made by `make()` (same shapes every call), each handed
     out again once every tensor of the group is free (see the module's docstring)."""
 
-    def __init__(self, make: Callable[[], tuple], slots: int = 2):
+    def __init__(self, make: Callable[[], tuple], slots: int = 2, key=None):
         self.make = make
         self.slots = int(slots)
-        self.key = None  # what the outputs were made for, where the owner needs to know
+        self.key = key  # what the outputs were made for, where the owner needs to know
         # [tensors (a list: the tuple handed out is always a new one, so a caller's tuple
         # counts as a reference to each tensor), storage marks]
         self._entries: list = []
