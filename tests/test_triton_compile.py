@@ -32,7 +32,7 @@ def compiled_not_interpreted(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def _compile(name, target_key, dtype="bf16", exchange=True, groups_p2=1):
+def _compile(name, target_key, dtype="bf16", exchange=True, groups_p2=1, split_k=1):
     target, _, _, platform = TARGETS[target_key]
     signature = kernels.aot_signatures(dtype)[name]
     options = {}
@@ -44,7 +44,7 @@ def _compile(name, target_key, dtype="bf16", exchange=True, groups_p2=1):
         constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2,
                           MODE=kernels.MODE_EXCHANGE if exchange else kernels.MODE_LOCAL,
                           COPY=False, FP32_IEEE=dtype == "fp32", EVEN_N=False, EVEN_K=False,
-                          USE_TMA=False)
+                          USE_TMA=False, SPLIT_K=split_k)
     elif name == "collect_kernel":
         constexprs = dict(WORLD_P2=8, ROWS=64, BLOCK_N=128)
     elif name == "abort_kernel":
@@ -70,6 +70,17 @@ def test_grouped_gemm_a2a_uses_matrix_instructions(target_key):
     _, asm_key, instruction, _ = TARGETS[target_key]
     compiled = _compile("gemm_a2a_kernel", target_key, "bf16", groups_p2=8)
     assert instruction in compiled.asm[asm_key], f"no {instruction} for {target_key}"
+
+
+@pytest.mark.parametrize("target_key", sorted(TARGETS))
+def test_split_k_gemm_a2a_builds_with_matrix_instructions(target_key):
+    # skinny X: each tile's K split over tasks that meet at a semaphore (the tuner's split
+    # candidates), local and exchange modes
+    _, asm_key, instruction, _ = TARGETS[target_key]
+    for exchange in (False, True):
+        compiled = _compile("gemm_a2a_kernel", target_key, "bf16", exchange=exchange,
+                            split_k=2)
+        assert instruction in compiled.asm[asm_key], f"no {instruction} for {target_key}"
 
 
 def test_gemm_a2a_signal_is_system_scope_release_on_sm90():
@@ -130,7 +141,7 @@ def test_gemm_a2a_main_loop_is_pipelined_on_sm90():
     cfg.pop("USE_TMA", None)
     constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=1, MODE=kernels.MODE_EXCHANGE, COPY=False,
                       FP32_IEEE=False, EVEN_N=True, EVEN_K=True, stride_xk=1, stride_wn=1,
-                      USE_TMA=False)
+                      USE_TMA=False, SPLIT_K=1)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs,
                     attrs=attrs)
     compiled = triton.compile(src, target=target, options=options)
@@ -161,16 +172,21 @@ def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     cfg.pop("USE_TMA", None)
     constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2, MODE=kernels.MODE_EXCHANGE,
-                      COPY=False, FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True)
+                      COPY=False, FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True,
+                      SPLIT_K=1)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
     ptx = triton.compile(src, target=target, options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
     assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"
 
 
+def _tile_id(extra):
+    c = dict(kernels.default_config("cuda"), **extra)
+    return f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}/split{c.get('SPLIT_K', 1)}"
+
+
 @pytest.mark.parametrize("extra", [c for c in gpu_ops._TUNE_CANDIDATES + gpu_ops._TUNE_SKINNY
-                                   if "BLOCK_M" in c],
-                         ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}")
+                                   if "BLOCK_M" in c or "SPLIT_K" in c], ids=_tile_id)
 def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
     # the first call of a GemmAllToAll shape times these tiles on the GPU; each must build
     # for Hopper with its TMA loads and matrix instructions (local mode, as the tuner runs)
@@ -181,7 +197,8 @@ def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     cfg.pop("USE_TMA", None)
     constexprs = dict(cfg, WORLD_P2=2, GROUPS_P2=1, MODE=kernels.MODE_LOCAL, COPY=False,
-                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True)
+                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True,
+                      SPLIT_K=cfg.get("SPLIT_K", 1))
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
     ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx

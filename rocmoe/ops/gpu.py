@@ -260,8 +260,9 @@ def _num_programs(device: torch.device, total_tasks: int, per_sm: Optional[float
 def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
     from . import triton_gemm_a2a as tk
     if device.type == "cpu":  # interpreter: small tiles keep it quick
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
-    cfg = tk.default_config(_PLATFORM, dtype == torch.float32)
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
+    else:
+        cfg = tk.default_config(_PLATFORM, dtype == torch.float32)
     # ROCMOE_GEMM_CONFIG='{"BLOCK_N": 128, "USE_TMA": true}' overrides entries (tuning)
     override = os.environ.get("ROCMOE_GEMM_CONFIG")
     if override:
@@ -341,6 +342,16 @@ _TUNE_SKINNY = (
 # (tried and dropped, 2026-12-02: 128 x 64 tiles, BLOCK_K 64 / 5 stages and 128 / 3, for
 # one wave of 128 tiles at 256 x 4096^2; the tuner kept 64 x 64 on 128-512 rows every time,
 # results/fused_gpu_h200_gemm_tiles.jsonl)
+# and split K: wide tiles (fewer loads of X and W per output element than 64 x 64) whose K
+# is shared by 2-4 tasks, so that skinny X still makes about one wave: 256 x 4096^2 is 64
+# tiles of 128 x 128 (half the SMs idle) but 128 tasks split in two
+_TUNE_SKINNY += (
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT_K=2),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT_K=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT_K=2),
+    dict(SPLIT_K=2),
+    dict(SPLIT_K=4),
+)
 
 
 class _GemmLaunch:
@@ -364,7 +375,11 @@ class _GemmLaunch:
         self.bm, self.n_tiles = bm, math.ceil(n / bn)
         self.per = g
         # the most tasks the counts could ask for (device counts are never read here)
-        tasks = world * (math.ceil(handle.max_rows / bm) + g) * self.n_tiles
+        tiles = world * (math.ceil(handle.max_rows / bm) + g) * self.n_tiles
+        split_k, self.split_scratch = self._split_scratch(
+            cfg, tiles if scratch_status is None else
+            (math.ceil(max(1, x.shape[0]) / bm) + g) * self.n_tiles, dev)
+        tasks = tiles * split_k  # a split tile is split_k tasks
         if self.local and dev.type != "cpu":
             sms = sm_count(dev)
             per_sm = cfg.get("PROGRAMS_PER_SM")
@@ -384,7 +399,8 @@ class _GemmLaunch:
             WORLD_P2=team.world_p2, GROUPS_P2=max(1, 1 << (g - 1).bit_length()), BLOCK_M=bm,
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             MODE=0 if self.local else 1, COPY=self.copy, FP32_IEEE=x.dtype == torch.float32,
-            EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False)
+            EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False,
+            SPLIT_K=split_k)
         self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
                     self.nprog)
         layout = handle.layout
@@ -392,6 +408,8 @@ class _GemmLaunch:
         self.tail_args = (status, handle.workspace_offset, *_offsets_gemm(layout), team.rank,
                           world)
         self.wait_budget = _wait_budget(handle.ctx.timeout_s)
+        self.split_args = ((self.split_scratch.data_ptr(), self.split_tiles)
+                           if self.split_scratch is not None else (0, 0))
         self.capacity = layout.capacity if scratch_status is None else 1 << 62
         if not self.local:
             rows = 64 if dev.type != "cpu" else 16
@@ -406,13 +424,28 @@ class _GemmLaunch:
             self.collect_key = (rows, cn, self.collect_blocks)
             self.collect_spec = None
 
+    def _split_scratch(self, cfg: dict, tiles: int, dev) -> tuple:
+        """SPLIT_K of the kernel and its scratch (a semaphore and SPLIT_K fp32 partials for
+        each of the `tiles` a call can have), or (1, None) when the config asks for no split
+        or the scratch would pass _SPLIT_SCRATCH_MAX (a large handle: its calls have tiles
+        enough without splitting K)."""
+        split_k = int(cfg.get("SPLIT_K", 1))
+        self.split_tiles = int(tiles)
+        if split_k <= 1 or self.copy:
+            return 1, None
+        nbytes = (math.ceil(tiles * 4 / 256) * 256
+                  + tiles * split_k * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 4)
+        if nbytes > _SPLIT_SCRATCH_MAX or tiles >= 1 << 31:
+            return 1, None
+        return split_k, torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+
     def _raw_args(self, handle, team, x, w_raw, strides_w, counts, out, recv) -> tuple:
         """The kernel's arguments with X and W as tensors: what a native launch takes (it
         keeps the TMA maps itself), and what the JIT takes where the kernel does not use
         TMA."""
         return (x, w_raw, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
                 x.shape[0], handle.N, x.shape[1], self.per, self.capacity, self.nprog,
-                x.stride(0), x.stride(1), *strides_w, self.wait_budget)
+                x.stride(0), x.stride(1), *strides_w, self.wait_budget, *self.split_args)
 
     def launch(self, handle, team, x, w, counts, out, recv, descriptors) -> None:
         strides_w = (0, 0, 0) if self.copy else \
@@ -477,7 +510,9 @@ class _GemmLaunch:
 # X and W change from call to call; the rest (workspace offsets, rank, N, K, groups,
 # capacity, grid, wait budget) is fixed for a plan
 _GEMM_DYNAMIC = (0, 1, 2, 3, 4, 5, 6, 19, 25, 26, 27, 28, 29)
-_GEMM_FIXED = tuple(i for i in range(31) if i not in _GEMM_DYNAMIC)
+_GEMM_FIXED = tuple(i for i in range(33) if i not in _GEMM_DYNAMIC)
+# the most split-K scratch a plan allocates (about 20 MiB at 512 x 4096 x 4096, SPLIT_K 2)
+_SPLIT_SCRATCH_MAX = 64 << 20
 
 
 def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
@@ -738,7 +773,7 @@ def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Te
     args = (x, w, out, counts, order, team.peer_bases, recv, status_address,
             0, *([0] * 8), 0, world, int(x.shape[0]), n_out, k_in, g,
             1 << 62, nprog, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            w.stride(2), 1)
+            w.stride(2), 1, 0, 0)
     key = ("local", tuple(sorted(constexprs.items())), nprog)
     _LAUNCHERS["gemm_a2a_kernel"]((nprog,), args, constexprs, options, key)
     return out

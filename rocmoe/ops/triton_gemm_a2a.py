@@ -82,6 +82,36 @@ def _poll_slots(slot_ptrs, status_ptrs, mask, target, budget, code):
 
 
 @triton.jit
+def _split_join(acc, split_addr, split_tiles, tile_task, part, has_rows, free,
+                SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One K range of a split tile: its fp32 partial goes to the tile's slot `part`, then the
+    # tile's semaphore counts it (plus 1 << 16 when this task found its destination not
+    # free, so the tile is neither stored nor counted done: the destination never gets a
+    # partial sum). The last task in sums the partials in K order, re-zeroes the semaphore
+    # and returns (sum, store it, count the tile done); every other task (_, False, False).
+    sems = split_addr.to(tl.pointer_type(tl.int32))
+    parts = (split_addr + tl.cdiv(split_tiles * 4, 256) * 256).to(tl.pointer_type(tl.float32))
+    elems = BLOCK_M * BLOCK_N
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    tile_parts = parts + tile_task.to(tl.int64) * (SPLIT_K * elems)
+    if has_rows & free:
+        tl.store(tile_parts + part * elems + offs, acc)
+    # every thread's partial is written before the one lane that counts it (release)
+    tl.debug_barrier()
+    mark = tl.where(free, 1, 1 + (1 << 16))
+    arrived = tl.atomic_add(sems + tile_task, mark, sem="acq_rel", scope="gpu") + mark
+    last = (arrived & 0xFFFF) == SPLIT_K
+    all_free = (arrived >> 16) == 0
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if last:
+        tl.atomic_xchg(sems + tile_task, 0, sem="relaxed", scope="gpu")
+        if has_rows & all_free:
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(tile_parts + s * elems + offs, cache_modifier=".cg")
+    return total, last & all_free & has_rows, last & all_free
+
+
+@triton.jit
 def _pick(values, index, positions):
     # values[index] of a register vector (the masked sum of a one-hot)
     return tl.sum(tl.where(positions == index, values, 0), axis=0)
@@ -93,15 +123,23 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     counters_off, recv_off, parity_bytes, source_bytes,
                     rank, world, M, N, K, G, capacity, num_programs,
                     stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, wait_budget,
+                    split_addr, split_tiles,
                     WORLD_P2: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     MODE: tl.constexpr, COPY: tl.constexpr, FP32_IEEE: tl.constexpr,
-                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr = False):
+                    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr = False,
+                    SPLIT_K: tl.constexpr = 1):
     # counts [world, G] int64 (G = 1 for one W): rows of X, destination-major then group.
     # COPY: no W, the "product" is X itself (the row exchange; N = K). USE_TMA (Hopper):
     # x_ptr / w_ptr are tensor descriptors of X [M, K] and W [G*K, N] with [BLOCK_M, BLOCK_K]
     # / [BLOCK_K, BLOCK_N] blocks (zero-filled past the edges). recv_ptr: with MODE_LOCAL,
     # where the rows taken go ([0], int64), or the kernel's own scratch word.
+    # SPLIT_K > 1 (skinny X: too few tiles to fill the GPU): each tile is SPLIT_K tasks, one
+    # per K range; each writes its fp32 partial into the split scratch at split_addr (a
+    # semaphore per tile, then SPLIT_K partials per tile, for up to split_tiles tiles) and
+    # the last of the tile's tasks to arrive sums the partials in K order (the same result
+    # whatever the arrival order), stores the tile and counts it done. A call with more tiles
+    # than the scratch holds, or bad counts, runs unsplit.
     if USE_TMA:
         out_ty = x_ptr.dtype
     else:
@@ -159,17 +197,29 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    if SPLIT_K > 1:
+        splits = tl.where(bad | (total_tasks > split_tiles), 1, SPLIT_K)
+    else:
+        splits = 1
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), splits) * BLOCK_K
     if MODE == 1:
         task = tl.atomic_add(counters, 1)
     else:
         task = tl.program_id(0)
-    while task < total_tasks:
+    while task < total_tasks * splits:
+        tile_task = task // splits
+        if SPLIT_K > 1:
+            k_lo = (task % splits) * k_per_split
+            k_hi = tl.minimum(k_lo + k_per_split, K)
+        else:
+            k_lo = 0
+            k_hi = K
         # locate(): the slice is the number of slices that end at or before this task
-        pos = tl.sum((next_prefix <= task).to(tl.int32), axis=0)
+        pos = tl.sum((next_prefix <= tile_task).to(tl.int32), axis=0)
         dest = _pick(order, pos, positions)
         first = _pick(next_prefix - tiles_in_order, pos, positions)
         tiles = _pick(tiles_in_order, pos, positions)
-        tile = task - first
+        tile = tile_task - first
         # the segment of this tile inside the slice
         seg_end_d = tl.sum(tl.where(positions[:, None] == dest, seg_end, 0), axis=0)
         g = tl.minimum(tl.sum((seg_end_d <= tile).to(tl.int32), axis=0), G - 1)
@@ -183,23 +233,26 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
         row0 = _pick(row_start, dest, positions) + _pick(seg_row_d, g, segs)
         out_row0 = _pick(seg_row_d, g, segs)  # inside this rank's region at the destination
         free = _pick(dest_free.to(tl.int32), dest, positions) > 0
-        if (rows > 0) & free:
-            # grouped tile order inside the segment: GROUP_M row tiles share W's columns in L2
-            m_tiles = tl.cdiv(rows, BLOCK_M)
-            in_group = GROUP_M * n_tiles_n
-            group_first = (in_seg // in_group) * GROUP_M
-            group_rows = tl.minimum(m_tiles - group_first, GROUP_M)
-            m_tile = group_first + (in_seg % in_group) % group_rows
-            n_tile = (in_seg % in_group) // group_rows
-
-            local_rows = m_tile * BLOCK_M + rm
-            cols = n_tile * BLOCK_N + rn
-            row_ok = local_rows < rows
-            col_ok = cols < N
+        store = (rows > 0) & free
+        # grouped tile order inside the segment: GROUP_M row tiles share W's columns in L2
+        # (computed for every task: a task with no rows stores nothing)
+        m_tiles = tl.cdiv(rows, BLOCK_M)
+        in_group = GROUP_M * n_tiles_n
+        in_seg_ok = tl.where(store, in_seg, 0)
+        group_first = (in_seg_ok // in_group) * GROUP_M
+        group_rows = tl.maximum(tl.minimum(m_tiles - group_first, GROUP_M), 1)
+        m_tile = group_first + (in_seg_ok % in_group) % group_rows
+        n_tile = (in_seg_ok % in_group) // group_rows
+        local_rows = m_tile * BLOCK_M + rm
+        cols = n_tile * BLOCK_N + rn
+        row_ok = local_rows < rows
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if store:
             x_rows = (row0 + tl.where(row_ok, local_rows, 0)).to(tl.int64)
             if COPY:
                 acc = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk,
-                              mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+                              mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             else:
                 if EVEN_N:
                     # no clamp: W's columns stay provably contiguous (16-byte vector loads)
@@ -207,8 +260,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                 else:
                     w_cols = tl.where(col_ok, cols, 0).to(tl.int64)
                 w_group = w_ptr if USE_TMA else w_ptr + g.to(tl.int64) * stride_wg
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
+                for k0 in range(k_lo, k_hi, BLOCK_K):
                     ks = k0 + rk
                     if USE_TMA:
                         # rows past the segment (other segments', or past M: zeros) are
@@ -231,6 +283,12 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                         acc = tl.dot(a, b, acc, input_precision="ieee")
                     else:
                         acc = tl.dot(a, b, acc)
+        if SPLIT_K > 1:
+            if splits > 1:
+                acc, store, free = _split_join(acc, split_addr, split_tiles, tile_task,
+                                               task % splits, rows > 0, free, SPLIT_K,
+                                               BLOCK_M, BLOCK_N)
+        if store:
             if MODE == 1:
                 # scale-up: the tile goes straight into the destination's receive buffer; heap
                 # bases and region offsets are 256-byte aligned (the hint must sit on the
@@ -419,11 +477,11 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             recv_ptr=i64, status_addr="i64", **offsets,
             rank="i32", world="i32", M="i32", N="i32", K="i32", G="i32", capacity="i64",
             num_programs="i32", stride_xm="i32", stride_xk="i32", stride_wg="i32",
-            stride_wk="i32", stride_wn="i32", wait_budget="i32",
-            WORLD_P2="constexpr", GROUPS_P2="constexpr", BLOCK_M="constexpr",
+            stride_wk="i32", stride_wn="i32", wait_budget="i32", split_addr="i64",
+            split_tiles="i32", WORLD_P2="constexpr", GROUPS_P2="constexpr", BLOCK_M="constexpr",
             BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", MODE="constexpr",
             COPY="constexpr", FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
-            USE_TMA="constexpr"),
+            USE_TMA="constexpr", SPLIT_K="constexpr"),
         "collect_kernel": dict(
             out_ptr=p, peer_bases_ptr=i64, recv_ptr=i64, status_addr="i64", ws_offset="i64",
             ack_off="i64", count_off="i64", epoch_off="i64", counters_off="i64",

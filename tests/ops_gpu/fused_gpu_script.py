@@ -12,6 +12,7 @@ reference computed from inputs every rank can regenerate (seeded per call), prin
 """
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -99,6 +100,35 @@ def check_gemm(ctx, dtype, calls, groups=1):
                                     f"{_errors_by_source(out, ref, counts[:, rank].sum(1))}; "
                                     f"tuned {getattr(h, '_tuned', None)}")
     assert h.epoch == calls, h.epoch
+
+
+def check_split(ctx, dtype, calls):
+    # a skinny product whose config (ROCMOE_GEMM_CONFIG, set by the test) splits K: every
+    # tile's partials meet at its semaphore; sources send their rows to every rank
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    m, k, n = (256, 4096, 1024) if dev.type == "cuda" else (32, 64, 48)
+    want_split = json.loads(os.environ.get("ROCMOE_GEMM_CONFIG", "{}")).get("SPLIT_K", 1)
+    h = device_kernels(ops.GemmAllToAll(ctx, max_rows=m, K=k, N=n, dtype=dtype))
+    xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(70 + s)) for s in range(world)]
+    w = torch.randn(k, n, generator=torch.Generator().manual_seed(69)) / 64
+    counts = [m // world] * world
+    counts[-1] += m - sum(counts)
+    xd, wd = xs[rank].to(dev, dtype), w.to(dev, dtype)
+    for call in range(calls):
+        with torch.no_grad():
+            out, recv = h(xd, wd, torch.tensor(counts, device=dev) if call % 2 else counts)
+        h.synchronize()
+        first = sum(counts[:rank])
+        ref = torch.cat([xs[s][first:first + counts[rank]].to(dtype).double()
+                         @ w.to(dtype).double() for s in range(world)])
+        assert recv.cpu().tolist() == [counts[rank]] * world
+        e = rel_err(out[:ref.shape[0]], ref)
+        assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
+    if ctx.device.type == "cuda":
+        plans = list(h._launches.values())
+        got = [p.constexprs["SPLIT_K"] for p in plans]
+        assert got == [want_split], f"the plan runs SPLIT_K {got}, the config asks {want_split}"
+    h.close()
 
 
 def check_gemm_grouped(ctx, dtype, calls):
@@ -513,7 +543,8 @@ def main():
               "embedding": check_embedding, "gemv": check_gemv,
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
               "abort": check_abort, "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,
-              "nosync": check_nosync, "native": check_native, "lean": check_lean}
+              "nosync": check_nosync, "native": check_native, "lean": check_lean,
+              "split": check_split}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once; a failing
     # op / dtype is reported and the next one still runs (the exit status says it failed)
     failed = 0

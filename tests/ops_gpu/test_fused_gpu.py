@@ -32,6 +32,19 @@ def test_handles_match_reference_on_gpu(ranks):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
+def test_split_k_gemm_matches_reference_and_replays_from_graphs_on_gpu(ranks):
+    _require_gpu_build()
+    # the tuner's split-K tiles, forced: a skinny product, the small handles, graph replay
+    split = '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "SPLIT_K": 4}'
+    proc = run_mpi(SCRIPT, ranks, "split,gemm,gemm_grouped,graph", "--calls", "3",
+                   "--dtype", "bf16,fp32", timeout=400,
+                   env=mpi_env(ROCMOE_TIMEOUT_S="60", ROCMOE_GEMM_CONFIG=split))
+    assert proc.returncode == 0, proc.stdout
+    for op in ("split", "gemm", "gemm_grouped", "graph"):
+        assert proc.stdout.count(f"OK {op} ") == 2 * ranks, proc.stdout
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_gemm_handle_launches_natively_through_the_driver_with_the_jits_results(ranks):
     _require_gpu_build()
     proc = run_mpi(SCRIPT, ranks, "native", "--dtype", "bf16,fp32", timeout=300,

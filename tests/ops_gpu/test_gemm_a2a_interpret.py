@@ -38,6 +38,18 @@ def test_grouped_gemm_all_to_all_matches_reference(ranks):
     assert proc.stdout.count("OK gemm_grouped") == 2 * ranks, proc.stdout
 
 
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_split_k_gemm_all_to_all_matches_reference(ranks):
+    # SPLIT_K 3 over K's two steps (one range empty): each tile's partials meet at its
+    # semaphore and the last task in stores the sum, in local mode and to every peer
+    proc = run_mpi(SCRIPT, ranks, "gemm,gemm_grouped", "--calls", "2", "--dtype", "fp32",
+                   timeout=300, env=_env(ROCMOE_TIMEOUT_S="30",
+                                         ROCMOE_GEMM_CONFIG='{"SPLIT_K": 3}'))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK gemm fp32") == ranks, proc.stdout
+    assert proc.stdout.count("OK gemm_grouped fp32") == ranks, proc.stdout
+
+
 def test_missing_peer_signal_times_out_with_comm_timeout_error():
     proc = run_mpi(SCRIPT, 2, "gemm_timeout", timeout=240, env=_env(ROCMOE_TIMEOUT_S="2"))
     assert "RANK 0 TIMEOUT" in proc.stdout and "rank(s) [1]" in proc.stdout, proc.stdout
