@@ -14,6 +14,9 @@
 #   moe_tests    pytest -m gpu tests/moe/test_gpu.py (the layer's kernels, syncs, memory)
 #   ep_tests     pytest -m gpu on expert parallelism (tests/moe/test_expert_parallel_gpu.py)
 #   vexpert_tests  pytest -m gpu tests/moe/test_vexpert_gpu.py
+#   fused_script tests/ops_gpu/fused_gpu_script.py $SCRIPT_OPS (default embedding) at each of
+#                $SCRIPT_RANKS ranks (default 1,2), dtypes $SCRIPT_DTYPES (default fp32,bf16):
+#                a few checks without the pytest stage's whole-suite jobs
 #   ipc_tests    pytest -m gpu tests/gpu (the ipc backend: heap, signals, puts between ranks)
 #   (each test stage takes a -k expression from $FUSED_TESTS_K, $MOE_TESTS_K, $EP_TESTS_K,
 #   $VEXPERT_TESTS_K, $IPC_TESTS_K, and a timeout in seconds from $..._S)
@@ -56,6 +59,15 @@ if has fused_tests; then
   stamp fused_tests
   run timeout ${FUSED_TESTS_S:-240} $PYTEST tests/ops_gpu/test_fused_gpu.py \
     -k "${FUSED_TESTS_K:-native or lean or graph or sync or bad}"
+fi
+if has fused_script; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONPATH=$PWD
+  ranks=${SCRIPT_RANKS:-1,2}
+  for n in ${ranks//,/ }; do
+    stamp "fused_script at $n ranks"
+    run timeout ${SCRIPT_S:-200} mpiexec -n "$n" --oversubscribe python3 \
+      tests/ops_gpu/fused_gpu_script.py "${SCRIPT_OPS:-embedding}" --dtype "${SCRIPT_DTYPES:-fp32,bf16}"
+  done
 fi
 if has moe_tests; then
   stamp moe_tests

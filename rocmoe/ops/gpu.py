@@ -931,6 +931,44 @@ def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
     del keep, wts, idx, offs, ps  # freed into stream order: reused only after the kernel
 
 
+def embedding_packed(handle, weight, indices, offsets, psw, batch: int,
+                     out: torch.Tensor) -> None:
+    """Enqueue one EmbeddingAllToAll.batched call: a fixed handful of pointers whatever the
+    number of tables (the table starts are on the device since the handle was made)."""
+    from .._native import check, ffi, lib
+    args = handle.__dict__.get("_gpu_packed_args")
+    if args is None:
+        args = handle._gpu_packed_args = ffi.new("rocmoe_gpu_embedding_args *")
+        _fill(ffi, args, team_for(handle.ctx), handle)
+        args.mode = MODES[handle.mode]
+        args.num_tables, args.total_tables = handle.num_tables, handle.total_tables
+        args.table_base, args.dim = handle.table_base, handle.dim
+        args.tables = args.device_tables = ffi.NULL
+        args.packed.row_base = ffi.cast("const int64_t *", handle._row_base_t.data_ptr())
+    args.fused.stream = _stream_ptr(ffi, handle.ctx.device)
+    # 16-byte vector loads need 16-byte aligned rows; the kernel reads int64 and fp32
+    w = weight if weight.is_contiguous() and weight.data_ptr() % 16 == 0 else \
+        weight.contiguous().clone()
+    i64 = torch.int64
+    idx = indices if indices.dtype == i64 and indices.is_contiguous() else \
+        indices.contiguous().to(i64)
+    off = offsets if offsets.dtype == i64 and offsets.is_contiguous() else \
+        offsets.contiguous().to(i64)
+    ps = None if psw is None else (psw if psw.dtype == torch.float32 and psw.is_contiguous()
+                                   else psw.contiguous().float())
+    packed = args.packed
+    packed.weights = ffi.cast("const void *", w.data_ptr())
+    packed.indices = ffi.cast("const int64_t *", idx.data_ptr())
+    packed.offsets = ffi.cast("const int64_t *", off.data_ptr())
+    packed.per_sample_weights = ffi.NULL if ps is None else ffi.cast("const float *",
+                                                                     ps.data_ptr())
+    packed.num_indices = idx.numel()
+    args.batch = batch
+    args.out = ffi.cast("void *", out.data_ptr())
+    check(lib.rocmoe_gpu_embedding_a2a(args, 0), "EmbeddingAllToAll.batched (GPU)")
+    del w, idx, off, ps  # freed into stream order: reused only after the kernel
+
+
 # rocmoe_gpu_table's fields as int64 columns (checked against the C layout at first use)
 _REC = {"weights": 0, "indices": 1, "offsets": 2, "per_sample_weights": 3, "rows": 4,
         "num_indices": 5}
@@ -968,4 +1006,4 @@ def gemv(handle, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor
 
 
 __all__ = ["Team", "team_for", "rows_exchange", "grouped_backward", "abort", "embedding",
-           "gemv", "gemm_config", "gemm_operands", "tma_operands_fit", "slice_order", "task_prefix", "errors"]
+           "embedding_packed", "gemv", "gemm_config", "gemm_operands", "tma_operands_fit", "slice_order", "task_prefix", "errors"]

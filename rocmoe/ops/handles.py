@@ -619,6 +619,9 @@ class EmbeddingAllToAll(FusedHandle):
         # the backward's reverse exchange: owner r gets [its tables x this rank's bags]
         self._reverse_rows = max(counts) * (self.max_batch // self.world)
         self.reverse_handle()
+        # batched()'s table starts, on the device once (a call copies nothing from the host)
+        self._row_base_t = torch.tensor(self.table_row_base, dtype=torch.int64,
+                                        device=ctx.device)
 
     def reverse_handle(self) -> AllToAllRows:
         return rows_handle(self.ctx, self._reverse_rows, self.dim, self.dtype)
@@ -642,6 +645,115 @@ class EmbeddingAllToAll(FusedHandle):
             return _EmbeddingFunction.apply(self, batch, psw is not None, anchor, *weights,
                                             *indices, *offsets, *(psw or []))
         return self._lookup(weights, indices, offsets, psw, batch, reuse=True)
+
+    def batched(self, weight: Optional[torch.Tensor], indices: Optional[torch.Tensor],
+                offsets: Optional[torch.Tensor],
+                per_sample_weights: Optional[torch.Tensor] = None,
+                batch: Optional[int] = None) -> torch.Tensor:
+        """The same lookup with this rank's tables packed (FBGEMM's table-batched layout):
+
+        * `weight` [sum(table_rows), dim]: the tables stacked in order (table t is rows
+          table_row_base[t] .. table_row_base[t + 1]);
+        * `indices` 1-D int64 (int32 is widened, one extra kernel): table-local row numbers,
+          table 0's lookups, then table 1's, ...;
+        * `offsets` [num_tables * B + 1]: bag b of table t is indices[offsets[t * B + b] :
+          offsets[t * B + b + 1]]; offsets[0] is 0;
+        * `per_sample_weights` [indices.numel()] (mode 'sum').
+
+        Returns what __call__ returns on the split tables. On a GPU the host's work per call
+        is the same for one table or a hundred: three tensors are checked and one kernel is
+        launched. A rank without tables passes None for all three and batch=B."""
+        self.check()
+        try:
+            batch = self._validate_packed(weight, indices, offsets, per_sample_weights, batch)
+        except errors.RocmoeError as exc:
+            self._reject(exc)
+        if self.num_tables == 0:
+            return self([], [], [], batch=batch)
+        if not _on_gpu(self.ctx):
+            # the host backend runs the per-table protocol on the split tables (autograd
+            # reaches `weight` through the split's views)
+            return self(*_split_packed(self.table_rows, weight, indices, offsets,
+                                       per_sample_weights, batch), batch=batch)
+        if torch.is_grad_enabled():
+            return _PackedEmbeddingFunction.apply(self, batch, _anchor(self.ctx.device),
+                                                  weight, indices, offsets, per_sample_weights)
+        return self._lookup_packed(weight, indices, offsets, per_sample_weights, batch,
+                                   reuse=True)
+
+    @property
+    def table_row_base(self) -> list:
+        """Where each table starts in the packed weight (num_tables + 1 entries)."""
+        return [0] + np.cumsum(self.table_rows, dtype=np.int64).tolist()
+
+    def _validate_packed(self, weight, indices, offsets, psw, batch) -> int:
+        name, nt = "EmbeddingAllToAll.batched", self.num_tables
+        if nt == 0:
+            if weight is not None or indices is not None or offsets is not None:
+                raise errors.InvalidArgumentError(
+                    f"{name}: this rank has no tables; pass None for weight, indices and offsets")
+            if batch is None:
+                raise errors.InvalidArgumentError(
+                    f"{name}: this rank has no tables; pass batch=<global batch>")
+            return self._checked_batch(name, batch)
+        self._check_tensor(weight, "weight", self.dtype, 2)
+        rows = self.table_row_base[-1]
+        if tuple(weight.shape) != (rows, self.dim):
+            raise errors.InvalidArgumentError(
+                f"{name}: weight is {tuple(weight.shape)}; the handle's {nt} tables stack to "
+                f"[{rows}, {self.dim}]")
+        for what, x in (("indices", indices), ("offsets", offsets)):
+            self._check_tensor(x, what, None, 1)
+            if x.dtype not in _INDEX_DTYPES:
+                raise errors.DTypeError(f"{name}: {what} are {x.dtype}; use int32 or int64")
+        if indices.numel() > nt * self.max_lookups:
+            raise errors.InvalidArgumentError(
+                f"{name}: {indices.numel()} indices; the handle takes at most max_lookups="
+                f"{self.max_lookups} per table ({nt * self.max_lookups} in all)")
+        if offsets.numel() < 1 or (offsets.numel() - 1) % nt:
+            raise errors.InvalidArgumentError(
+                f"{name}: {offsets.numel()} offsets; expected num_tables * B + 1 with "
+                f"num_tables={nt}")
+        packed_batch = (offsets.numel() - 1) // nt
+        if batch is not None and int(batch) != packed_batch:
+            raise errors.InvalidArgumentError(
+                f"{name}: batch={batch}, but the offsets hold {packed_batch} bags per table")
+        if psw is not None:
+            self._check_tensor(psw, "per_sample_weights", None, 1)
+            if (self.mode != "sum" or psw.numel() != indices.numel()
+                    or not psw.is_floating_point()):
+                raise errors.InvalidArgumentError(
+                    f"{name}: per_sample_weights need mode='sum' and one floating-point weight "
+                    f"per index ({indices.numel()})")
+        if not _on_gpu(self.ctx):
+            off = offsets.to(torch.int64)
+            if (int(off[0]) != 0 or bool((off[1:] < off[:-1]).any())
+                    or int(off[-1]) > indices.numel()):
+                raise errors.InvalidArgumentError(
+                    f"{name}: offsets must start at 0, not decrease and stay within the "
+                    f"{indices.numel()} indices")
+        return self._checked_batch(name, packed_batch)
+
+    def _checked_batch(self, name: str, batch) -> int:
+        batch = int(batch)
+        if batch < 0 or batch > self.max_batch or batch % self.world:
+            raise errors.InvalidArgumentError(
+                f"{name}: global batch {batch}; the handle takes multiples of {self.world} up "
+                f"to max_batch={self.max_batch}")
+        return batch
+
+    def _lookup_packed(self, weight, indices, offsets, psw, batch: int,
+                       reuse: bool = False) -> torch.Tensor:
+        """One GPU call of batched() after validation."""
+        self.epoch += 1
+        shape = (batch // self.world, self.total_tables, self.dim)
+        if reuse:
+            out = _take_output(self, "embedding", shape)
+        else:
+            out = torch.empty(shape, dtype=self.dtype, device=self.ctx.device)
+        from . import gpu
+        gpu.embedding_packed(self, weight, indices, offsets, psw, batch, out)
+        return out
 
     def _validate(self, weights, indices, offsets, psw, batch) -> int:
         quick = self._validate_quick(weights, indices, offsets, psw, batch)
@@ -719,12 +831,7 @@ class EmbeddingAllToAll(FusedHandle):
         if batch is None:
             raise errors.InvalidArgumentError(
                 f"{name}: this rank has no tables; pass batch=<global batch>")
-        batch = int(batch)
-        if batch < 0 or batch > self.max_batch or batch % self.world:
-            raise errors.InvalidArgumentError(
-                f"{name}: global batch {batch}; the handle takes multiples of {self.world} up "
-                f"to max_batch={self.max_batch}")
-        return batch
+        return self._checked_batch(name, batch)
 
     def _lookup(self, weights, indices, offsets, psw, batch, mode: Optional[str] = None,
                 reuse: bool = False) -> torch.Tensor:
@@ -786,6 +893,19 @@ class EmbeddingAllToAll(FusedHandle):
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _split_packed(table_rows, weight, indices, offsets, psw, batch: int):
+    """Packed tables -> per-table lists (views of the packed tensors; host reads of the
+    offsets, which are free on CPU tensors)."""
+    nt = len(table_rows)
+    off = offsets.to(torch.int64)
+    cuts = off[::batch].tolist() if batch else [0] * (nt + 1)
+    weights = list(weight.split(list(table_rows)))
+    idx = [indices[cuts[t]:cuts[t + 1]] for t in range(nt)]
+    offs = [off[t * batch:(t + 1) * batch] - cuts[t] for t in range(nt)]
+    ps = None if psw is None else [psw[cuts[t]:cuts[t + 1]] for t in range(nt)]
+    return weights, idx, offs, ps
+
+
 def _check_lookups_host(name, t, rows, idx, off) -> None:
     """Index and offset ranges, read on the host: free on CPU tensors (on a GPU the kernel
     checks them and reports through the status words instead)."""
@@ -821,22 +941,51 @@ class _EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         h = ctx.handle
-        nt, world, local = h.num_tables, h.world, ctx.batch // h.world
+        nt = h.num_tables
         saved = ctx.saved_tensors
         weights, indices, offsets = saved[:nt], saved[nt:2 * nt], saved[2 * nt:3 * nt]
         psw = saved[3 * nt:4 * nt] if ctx.has_psw else None
-        # grad [local, T_total, D] -> owner r gets its tables' columns: [T_r x local, D]
-        g = grad.permute(1, 0, 2).reshape(h.total_tables * local, h.dim).contiguous()
-        got, _ = h.reverse_handle()(g, [c * local for c in h.table_counts])
-        got = got[:world * nt * local]
-        g_tables = got.reshape(world, nt, local, h.dim).permute(1, 0, 2, 3).reshape(
-            nt, ctx.batch, h.dim)
+        g_tables = _owners_bag_gradients(h, grad, ctx.batch)
         from .products import bag_gradients
         shapes = [(tuple(w.shape), w.dtype) for w in weights]
         w_grads, psw_grads = bag_gradients(shapes, indices, offsets, psw, weights, g_tables,
                                            h.mode)
         return (None, None, None, grad.new_zeros(0), *w_grads, *([None] * (2 * nt)),
                 *(psw_grads if psw is not None else []))
+
+
+def _owners_bag_gradients(h: EmbeddingAllToAll, grad: torch.Tensor, batch: int) -> torch.Tensor:
+    """The output gradient [B / world, T_total, D] of every rank -> the gradients of this
+    rank's tables' bags [T_local, B, D], by the reverse row exchange (collective)."""
+    nt, world, local = h.num_tables, h.world, batch // h.world
+    # owner r gets its tables' columns: [T_r x local, D]
+    g = grad.permute(1, 0, 2).reshape(h.total_tables * local, h.dim).contiguous()
+    got, _ = h.reverse_handle()(g, [c * local for c in h.table_counts])
+    got = got[:world * nt * local]
+    return got.reshape(world, nt, local, h.dim).permute(1, 0, 2, 3).reshape(nt, batch, h.dim)
+
+
+class _PackedEmbeddingFunction(torch.autograd.Function):
+    """Autograd of a GPU EmbeddingAllToAll.batched call (the packed tables' gradient comes
+    back packed)."""
+
+    @staticmethod
+    def forward(ctx, handle, batch, anchor, weight, indices, offsets, psw):
+        out = handle._lookup_packed(weight, indices, offsets, psw, batch)
+        ctx.handle, ctx.batch = handle, batch
+        ctx.save_for_backward(weight, indices, offsets, psw)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        h = ctx.handle
+        weight, indices, offsets, psw = ctx.saved_tensors
+        g_bags = _owners_bag_gradients(h, grad, ctx.batch).reshape(-1, h.dim)
+        from .products import packed_bag_gradients
+        w_grad, psw_grad = packed_bag_gradients(
+            weight.shape, weight.dtype, h._row_base_t, indices, offsets, psw, weight, g_bags,
+            h.mode, ctx.batch)
+        return None, None, grad.new_zeros(0), w_grad, None, None, psw_grad
 
 
 # ---------------------------------------------------------------------------------------

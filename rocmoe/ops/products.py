@@ -45,27 +45,65 @@ def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, group_counts) -> torc
     return torch.stack([xg.t() @ gg for xg, gg in zip(xs.split(sizes), gs.split(sizes))])
 
 
+# indices per piece of an EmbeddingBag gradient: bounds the [piece, D] fp32 rows it gathers
+# (26 DLRM tables of 65536 lookups at D 128 would be 870 MB at once)
+_GRAD_PIECE = 1 << 20
+
+
+def packed_bag_gradients(weight_shape, dtype, row_base: torch.Tensor, indices, offsets, psw,
+                         weight, g_bags: torch.Tensor, mode: str, batch: int):
+    """The table gradient [sum rows, D] of packed EmbeddingBag lookups (FBGEMM's
+    table-batched layout: table t is rows [row_base[t], row_base[t + 1]) of one weight, bag b
+    of table t is indices [offsets[t * batch + b], offsets[t * batch + b + 1])) from the bags'
+    gradients g_bags [tables * batch, D], and with `psw` the per-sample-weight gradient
+    (which needs the looked-up rows: `weight`). No host reads: an index outside its table
+    (which the forward reported) contributes nothing instead of faulting."""
+    device = g_bags.device
+    idx, off = indices.to(torch.int64), offsets.to(torch.int64)
+    starts = off[:-1]
+    lengths = off[1:] - starts
+    g = g_bags.float()
+    if mode == "mean":
+        g = g * (1.0 / lengths.clamp(min=1).float())[:, None]
+    gw = torch.zeros(tuple(weight_shape), dtype=torch.float32, device=device)
+    psw_grads = []
+    for j0 in range(0, idx.numel(), _GRAD_PIECE):
+        j1 = min(j0 + _GRAD_PIECE, idx.numel())
+        # the bag of each index: the last bag starting at or before it
+        bag = torch.searchsorted(starts, torch.arange(j0, j1, device=device), right=True) - 1
+        bag = bag.clamp(min=0)
+        table = torch.div(bag, batch, rounding_mode="floor")
+        local = idx[j0:j1]
+        inside = (local >= 0) & (local < row_base[table + 1] - row_base[table])
+        rows = torch.where(inside, local + row_base[table], 0)
+        contrib = g[bag] * inside[:, None]
+        if psw is not None:
+            psw_grads.append((weight.float()[rows] * contrib).sum(-1))
+            contrib = contrib * psw[j0:j1].float()[:, None]
+        gw.index_add_(0, rows, contrib)
+    psw_grad = None
+    if psw is not None:
+        psw_grad = (torch.cat(psw_grads) if psw_grads else psw.new_zeros(0).float()).to(psw.dtype)
+    return gw.to(dtype), psw_grad
+
+
 def bag_gradients(shapes, indices, offsets, psw, weights, g_tables: torch.Tensor, mode: str):
     """Dense table gradients, and with `psw` the per-sample-weight gradients (which need the
     looked-up rows: `weights`), of EmbeddingBag lookups from each table's bag gradients
-    g_tables [T, batch, D]; `shapes`: each table's ((rows, D), dtype). All on the tensors'
-    device, no host reads (searchsorted keeps shapes static for torch.compile)."""
+    g_tables [T, batch, D]; `shapes`: each table's ((rows, D), dtype); `offsets`: each
+    table's bag starts. Each table is a packed lookup of one table (packed_bag_gradients)."""
     w_grads, psw_grads = [], []
+    device = g_tables.device
     for t, ((shape, dtype), idx, off) in enumerate(zip(shapes, indices, offsets)):
-        idx, off = idx.to(torch.int64), off.to(torch.int64)
         n = idx.numel()
-        lengths = torch.diff(off, append=torch.full((1,), n, dtype=torch.int64, device=off.device))
-        bag = torch.searchsorted(off, torch.arange(n, device=off.device), right=True) - 1
-        per_index = g_tables[t].float()[bag]                       # [n, dim]
-        if mode == "mean":
-            contrib = per_index * (1.0 / lengths.clamp(min=1).float())[bag][:, None]
-        elif psw is not None:
-            contrib = per_index * psw[t].float()[:, None]
-        else:
-            contrib = per_index
-        gw = torch.zeros(tuple(shape), dtype=torch.float32, device=g_tables.device)
-        gw.index_add_(0, idx, contrib)
-        w_grads.append(gw.to(dtype))
+        ends = torch.cat([off.to(torch.int64),
+                          torch.full((1,), n, dtype=torch.int64, device=device)])
+        row_base = torch.arange(0, 2 * shape[0], shape[0], dtype=torch.int64, device=device)
+        gw, gp = packed_bag_gradients(shape, dtype, row_base, idx, ends,
+                                      None if psw is None else psw[t],
+                                      None if weights is None else weights[t], g_tables[t],
+                                      mode, g_tables.shape[1])
+        w_grads.append(gw)
         if psw is not None:
-            psw_grads.append((weights[t].float()[idx] * per_index).sum(-1).to(psw[t].dtype))
+            psw_grads.append(gp)
     return w_grads, psw_grads

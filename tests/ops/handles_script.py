@@ -52,6 +52,16 @@ def split(m: int, g: torch.Generator) -> list[int]:
     return [b - a for a, b in zip([0] + cuts, cuts + [m])]
 
 
+def pack(tables, idx, off, psw):
+    """Per-table lookups -> EmbeddingAllToAll.batched's packed (weight, indices, offsets,
+    per_sample_weights); all None for a rank without tables."""
+    if not tables:
+        return None, None, None, None
+    starts = torch.cumsum(torch.tensor([0] + [i.numel() for i in idx]), 0)
+    offsets = torch.cat([o + s for o, s in zip(off, starts[:-1])] + [starts[-1:]])
+    return torch.cat(tables), torch.cat(idx), offsets, torch.cat(psw) if psw else None
+
+
 def check_match():
     gemm = ops.GemmAllToAll(ctx, max_rows=32, K=6, N=5, dtype=torch.float32)
     grouped = ops.GemmAllToAll(ctx, max_rows=32, K=6, N=5, dtype=torch.float32, groups=3)
@@ -109,9 +119,13 @@ def check_match():
                                             per_sample_weights=psw if use_psw else None)
             if not close(got, want):
                 bad.append(f"EmbeddingAllToAll {mode} call {call}")
+            packed = pack(tables, idx, off, psw)
+            got = emb.batched(*packed[:3], packed[3] if use_psw else None, batch=batch)
+            if not close(got, want):
+                bad.append(f"EmbeddingAllToAll.batched {mode} call {call}")
         emb.close()
-    report(not bad, "EmbeddingAllToAll (sum, mean, per-sample weights, a rank without tables) "
-           "equals the reference", "; ".join(bad))
+    report(not bad, "EmbeddingAllToAll and its batched (packed) call (sum, mean, per-sample "
+           "weights, a rank without tables) equal the reference", "; ".join(bad))
 
     ks = [3 + r for r in range(WORLD)]
     gemv = ops.GemvAllReduce(ctx, 9, ks[RANK], torch.float32)
@@ -155,6 +169,12 @@ def check_backward():
     (ref.embedding_all_to_all(tables2, idx, off) * gsum).sum().backward()
     report(all(close(a.grad, b.grad, 1e-4) for a, b in zip(tables, tables2)),
            "EmbeddingAllToAll backward equals the reference's")
+    weight, pidx, poff, _ = pack([t.detach() for t in tables], idx, off, None)
+    weight.requires_grad_(True)
+    (emb.batched(weight, pidx, poff) * gsum).sum().backward()
+    report(close(weight.grad, torch.cat([t.grad for t in tables2]), 1e-4),
+           "EmbeddingAllToAll.batched backward reaches the packed weight, equal to the "
+           "reference's per-table gradients")
     gemm.close()
     emb.close()
 
@@ -232,6 +252,17 @@ def check_abort():
                  lambda bad: emb(tab, [torch.zeros(8 * WORLD, dtype=torch.long)] if bad else idx,
                                  [torch.arange(0, 8 * WORLD)] if bad else off),
                  lambda: emb(tab, idx, off), rocmoe.errors.InvalidArgumentError)
+    poff = torch.arange(0, 4 * WORLD + 1)
+    expect_abort("EmbeddingAllToAll.batched offsets not num_tables * B + 1", emb,
+                 lambda bad: emb.batched(tab[0], idx[0], poff[:-1] if bad else poff),
+                 lambda: emb.batched(tab[0], idx[0], poff), rocmoe.errors.InvalidArgumentError)
+    expect_abort("EmbeddingAllToAll.batched index outside its table", emb,
+                 lambda bad: emb.batched(tab[0], torch.tensor([0, 1, 5, 2] * WORLD)
+                                         if bad else idx[0], poff),
+                 lambda: emb.batched(tab[0], idx[0], poff), rocmoe.errors.InvalidArgumentError)
+    expect_abort("EmbeddingAllToAll.batched weight of the wrong rows", emb,
+                 lambda bad: emb.batched(torch.randn(6, 4) if bad else tab[0], idx[0], poff),
+                 lambda: emb.batched(tab[0], idx[0], poff), rocmoe.errors.InvalidArgumentError)
     for h in (gemm, gemv, emb):
         h.close()
 

@@ -199,6 +199,61 @@ def _check_embedding(ctx, dtype, calls, dim, bags):
             assert out.shape == ref.shape, (out.shape, ref.shape)
             e = rel_err(out, ref)
             assert e < TOL[dtype], f"rank {rank} D {dim} {mode} call {call}: relative error {e}"
+            # the packed (table-batched) call: the same kernel on the same lookups, so the
+            # same bits
+            packed = pack_tables([tables[i].to(dtype) for i in mine], [idxs[i] for i in mine],
+                                 [offs[i] for i in mine], [psws[i] for i in mine], dev)
+            with torch.no_grad():
+                if mine:
+                    got = h.batched(*packed[:3], packed[3] if use_psw else None)
+                else:
+                    got = h.batched(None, None, None, batch=b)
+            h.synchronize()
+            assert torch.equal(got, out), f"rank {rank} D {dim} {mode} call {call}: batched " \
+                f"differs from per-table by {(got.float() - out.float()).abs().max()}"
+        h.close()
+
+
+def pack_tables(tables, idxs, offs, psws, dev):
+    """Per-table lookups -> EmbeddingAllToAll.batched's packed tensors on `dev`."""
+    weight = torch.cat(tables) if tables else None
+    starts = torch.cumsum(torch.tensor([0] + [i.numel() for i in idxs]), 0)
+    offsets = torch.cat([o + s for o, s in zip(offs, starts[:-1])] + [starts[-1:]])
+    return (weight.to(dev), torch.cat(idxs).to(dev), offsets.to(dev),
+            torch.cat(psws).to(dev)) if tables else (None, None, None, None)
+
+
+def check_embedding_bad_index(ctx, dtype, calls):
+    # an index outside its table in a packed call on the last rank: found on the device,
+    # raised there and named by every other rank; no rank waits, the next call is right
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    h = ops.EmbeddingAllToAll(ctx, [30, 20], 8, 4 * world, 64, "sum", dtype)
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(50, 8, generator=g).to(dev, dtype)
+    b = 4 * world
+    idx = torch.randint(0, 20, (2 * b,), generator=g).to(dev)
+    offsets = torch.arange(0, 2 * b + 1, device=dev)
+    bad = idx.clone()
+    if rank == world - 1:
+        bad[-1] = 20  # past table 1's 20 rows, yet inside the packed weight's 50
+    try:
+        with torch.no_grad():
+            h.batched(weight, bad, offsets)
+        h.synchronize()
+    except errors.InvalidArgumentError as exc:
+        assert rank == world - 1 or f"rank {world - 1}" in str(exc), str(exc)
+        print(f"RANK {rank} REJECTED {exc}", flush=True)
+    else:
+        raise AssertionError("an index outside its table was accepted")
+    with torch.no_grad():
+        got = h.batched(weight, idx, offsets)
+    h.synchronize()
+    w64 = weight.double().cpu()
+    i, bl = idx.cpu(), b // world
+    want = torch.stack([w64[:30][i[:b]], w64[30:][i[b:]]], dim=1)  # [b, 2, 8], one per bag
+    want = torch.cat([want] * world, dim=1)[rank * bl:(rank + 1) * bl]
+    e = rel_err(got, want)
+    assert e < TOL[dtype], f"rank {rank}: relative error {e} after the bad call"
 
 
 def check_gemv(ctx, dtype, calls):
@@ -353,6 +408,7 @@ def check_graph(ctx, dtype, calls):
     b = 8 * world
     idx = [torch.randint(0, n, (3 * b,), generator=g).to(dev) for n in (40, 50)]
     off = [torch.arange(0, 3 * b, 3, device=dev) for _ in tabs]
+    packed = (torch.cat(tabs), torch.cat(idx), torch.arange(0, 6 * b + 1, 3, device=dev))
 
     def step():
         outs = []
@@ -361,6 +417,7 @@ def check_graph(ctx, dtype, calls):
             outs += [o[:int(60 // world * world)].clone(), r.clone()]
             outs.append(gemv(wv, xv).clone())
             outs.append(emb(tabs, idx, off).clone())
+            outs.append(emb.batched(*packed).clone())
         return outs
 
     with torch.no_grad():
@@ -405,6 +462,9 @@ def check_nosync(ctx, dtype, calls):
     b = 8 * world
     idx = [torch.randint(0, n, (3 * b,), generator=g).to(dev) for n in (40, 50)]
     off = [torch.arange(0, 3 * b, 3, device=dev) for _ in tabs]
+    weight = torch.randn(90, 16, generator=g).to(dev, dtype).requires_grad_(True)
+    packed_idx, packed_off = torch.cat(idx), torch.arange(0, 6 * b + 1, 3, device=dev)
+    psw = torch.rand(6 * b, generator=g).to(dev).requires_grad_(True)
 
     def step():
         out, recv = gemm(x, w, counts)  # rows past the arrivals get a zero gradient
@@ -412,6 +472,7 @@ def check_nosync(ctx, dtype, calls):
         loss = torch.where(valid, out, out.new_zeros(())).float().square().mean()
         loss = loss + gemv(wv, xv).float().square().mean()
         loss = loss + emb(tabs, idx, off).float().square().mean()
+        loss = loss + emb.batched(weight, packed_idx, packed_off, psw).float().square().mean()
         loss.backward()
 
     step()  # warm-up: compiles, tunes, makes the backward's row handles
@@ -423,7 +484,7 @@ def check_nosync(ctx, dtype, calls):
         torch.cuda.set_sync_debug_mode("default")
     for h in (gemm, gemv, emb):
         h.synchronize()
-    assert all(t.grad is not None for t in (x, w, wv, xv, *tabs))
+    assert all(t.grad is not None for t in (x, w, wv, xv, *tabs, weight, psw))
 
 
 def check_native(ctx, dtype, calls):
@@ -544,7 +605,7 @@ def main():
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
               "abort": check_abort, "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,
               "nosync": check_nosync, "native": check_native, "lean": check_lean,
-              "split": check_split}
+              "split": check_split, "embedding_bad_index": check_embedding_bad_index}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once; a failing
     # op / dtype is reported and the next one still runs (the exit status says it failed)
     failed = 0

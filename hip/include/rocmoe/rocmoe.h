@@ -344,6 +344,18 @@ typedef struct rocmoe_gpu_table {
     int64_t num_indices;
 } rocmoe_gpu_table;
 
+/* All of a rank's tables in one call's worth of device arrays: table t is rows
+ * [row_base[t], row_base[t + 1]) of `weights`, its indices are table-local row numbers, and
+ * bag b of table t is indices [offsets[t * batch + b], offsets[t * batch + b + 1]) */
+typedef struct rocmoe_gpu_packed_tables {
+    const void *weights;             /* [row_base[num_tables], dim] */
+    const int64_t *row_base;         /* device [num_tables + 1], row_base[0] = 0 */
+    const int64_t *indices;          /* [num_indices] */
+    const int64_t *offsets;          /* [num_tables * batch + 1], offsets[0] = 0 */
+    const float *per_sample_weights; /* [num_indices] or NULL */
+    int64_t num_indices;
+} rocmoe_gpu_packed_tables;
+
 typedef struct rocmoe_gpu_embedding_args {
     rocmoe_gpu_team team;
     rocmoe_gpu_fused fused;
@@ -359,6 +371,9 @@ typedef struct rocmoe_gpu_embedding_args {
     const rocmoe_gpu_table *tables;
     const rocmoe_gpu_table *device_tables;
     void *out;               /* [batch / world, total_tables, dim] of the layout's dtype */
+    /* the packed layout (FBGEMM's table-batched one), used instead of the table records when
+     * packed.weights is not NULL: one call's host work no longer grows with the tables */
+    rocmoe_gpu_packed_tables packed;
 } rocmoe_gpu_embedding_args;
 
 typedef struct rocmoe_gpu_gemv_args {

@@ -22,6 +22,11 @@
 // Bandwidth: lanes of a wave split a row into 16-byte vectors (one group of lanes per
 // item, several items per wave when D is small), and four gathered rows are loaded before
 // any is accumulated, so each lane keeps several loads in flight.
+//
+// Tables: per-table records (up to kInlineTables inside the launch's arguments, more from a
+// device array), or packed (FBGEMM's table-batched layout, rocmoe_gpu_packed_tables): one
+// weight tensor, one index array and one offset array for all of a rank's tables, so that
+// a call's host work is a few pointers however many tables there are.
 #include "fused_common.hpp"
 
 #include "../internal.hpp"
@@ -40,6 +45,7 @@ constexpr int kInlineTables = 32;
 struct EmbeddingParams {
     rocmoe_gpu_table inline_tables[kInlineTables];
     const rocmoe_gpu_table *device_tables;  // nullptr: the inline ones
+    rocmoe_gpu_packed_tables packed;         // packed.weights != nullptr: these instead
     char *out;                               // world size 1: the output, written directly
     int64_t batch, dim, batch_local;
     int num_tables, table_base, total_tables, mode;
@@ -50,6 +56,51 @@ struct EmbeddingParams {
         return device_tables != nullptr ? device_tables[t] : inline_tables[t];
     }
 };
+
+// Where bag `b` of local table `t` reads: its table's rows and its range of indices, from
+// the per-table records or from the packed arrays. `ok` is false when the offsets are out of
+// order or out of range (the bag is then empty).
+template <class S>
+struct BagSpan {
+    const S *weights;
+    const int64_t *indices;
+    const float *psw;
+    int64_t rows, begin, end;
+    bool ok;
+};
+
+template <class S>
+__device__ __forceinline__ BagSpan<S> bag_span(const EmbeddingParams &p, int t, int64_t b) {
+    BagSpan<S> s;
+    int64_t nidx;
+    bool first;
+    if (p.packed.weights != nullptr) {
+        const rocmoe_gpu_packed_tables &k = p.packed;
+        const int64_t base = k.row_base[t];
+        s.weights = static_cast<const S *>(k.weights) + base * p.dim;
+        s.rows = k.row_base[t + 1] - base;
+        s.indices = k.indices;
+        s.psw = k.per_sample_weights;
+        nidx = k.num_indices;
+        const int64_t at = int64_t(t) * p.batch + b;
+        s.begin = k.offsets[at];
+        s.end = k.offsets[at + 1];
+        first = at == 0;
+    } else {
+        const rocmoe_gpu_table &tab = p.table(t);
+        s.weights = static_cast<const S *>(tab.weights);
+        s.rows = tab.rows;
+        s.indices = tab.indices;
+        s.psw = tab.per_sample_weights;
+        nidx = tab.num_indices;
+        s.begin = tab.offsets[b];
+        s.end = b + 1 < p.batch ? tab.offsets[b + 1] : nidx;
+        first = b == 0;
+    }
+    s.ok = !(s.begin < 0 || s.end < s.begin || s.end > nidx || (first && s.begin != 0));
+    if (!s.ok) s.begin = s.end = 0;
+    return s;
+}
 
 // lanes that cooperate on one row: enough 16-byte vectors to cover D, a power of two, at
 // most a wave (then the row is walked in steps of a wave)
@@ -68,16 +119,13 @@ template <class T, bool kVec>
 __device__ __forceinline__ bool bag_row(const EmbeddingParams &p, int t, int64_t b,
                                         typename T::storage *dst, int lane, int group) {
     using S = typename T::storage;
-    const rocmoe_gpu_table &tab = p.table(t);
-    const S *weights = static_cast<const S *>(tab.weights);
-    const int64_t *indices = tab.indices;
-    const float *psw = tab.per_sample_weights;
-    const int64_t rows = tab.rows;
-    const int64_t nidx = tab.num_indices;
-    int64_t begin = tab.offsets[b];
-    int64_t end = b + 1 < p.batch ? tab.offsets[b + 1] : nidx;
-    bool ok = !(begin < 0 || end < begin || end > nidx || (b == 0 && begin != 0));
-    if (!ok) begin = end = 0;
+    const BagSpan<S> span = bag_span<S>(p, t, b);
+    const S *weights = span.weights;
+    const int64_t *indices = span.indices;
+    const float *psw = span.psw;
+    const int64_t rows = span.rows;
+    const int64_t begin = span.begin, end = span.end;
+    bool ok = span.ok;
     const int64_t count = end - begin;
     const float scale = (p.mode == ROCMOE_BAG_MEAN && count > 0) ? 1.0f / float(count) : 1.0f;
     const int64_t D = p.dim;
@@ -311,9 +359,16 @@ extern "C" int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *args, i
                             "embedding_all_to_all: dim %lld, tables [%d, %d) of %d do not fit the "
                             "handle", (long long)args->dim, args->table_base,
                             args->table_base + args->num_tables, args->total_tables);
-    if (args->num_tables > 0 && args->tables == nullptr && args->device_tables == nullptr)
+    const bool packed = args->packed.weights != nullptr;
+    if (packed && args->num_tables > 0 &&
+        (args->packed.row_base == nullptr || args->packed.offsets == nullptr ||
+         args->packed.num_indices < 0 ||
+         (args->packed.indices == nullptr && args->packed.num_indices > 0)))
+        return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: packed tables need "
+                            "row_base, offsets and (with indices) an index array");
+    if (!packed && args->num_tables > 0 && args->tables == nullptr && args->device_tables == nullptr)
         return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: table array is NULL");
-    if (args->num_tables > kInlineTables && args->device_tables == nullptr)
+    if (!packed && args->num_tables > kInlineTables && args->device_tables == nullptr)
         return rocmoe::fail(ROCMOE_ERR_INVALID, "embedding_all_to_all: %d tables need a device "
                             "table array (at most %d travel inline)", args->num_tables, kInlineTables);
     if (args->mode != ROCMOE_BAG_SUM && args->mode != ROCMOE_BAG_MEAN)
@@ -327,7 +382,10 @@ extern "C" int rocmoe_gpu_embedding_a2a(const rocmoe_gpu_embedding_args *args, i
                             "exceed the kernel's 32-bit task numbering", (long long)items);
 
     EmbeddingParams p{};
-    if (args->num_tables <= kInlineTables) {
+    p.packed = args->packed;
+    if (packed) {
+        p.device_tables = nullptr;
+    } else if (args->num_tables <= kInlineTables) {
         for (int t = 0; t < args->num_tables; ++t) p.inline_tables[t] = args->tables[t];
         p.device_tables = nullptr;
     } else {
