@@ -61,7 +61,7 @@ if has fused_tests; then
     -k "${FUSED_TESTS_K:-native or lean or graph or sync or bad}"
 fi
 if has fused_script; then
-  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONPATH=$PWD
+  # (device_env.sh exported the MPI-as-root settings and PYTHONPATH)
   ranks=${SCRIPT_RANKS:-1,2}
   for n in ${ranks//,/ }; do
     stamp "fused_script at $n ranks"
