@@ -71,6 +71,16 @@ def _on_gpu(ctx) -> bool:
     return ctx.backend != "host"
 
 
+def _cuda_index(ctx) -> int:
+    """The index of the CUDA device the handle's kernels run on (what Tensor.get_device()
+    returns for its tensors); -1 where they do not run on CUDA (a fast-path check then
+    never matches)."""
+    device = ctx.device
+    if not _on_gpu(ctx) or device.type != "cuda":
+        return -1
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def host_mode(op: str) -> str:
     """How the host backend's persistent kernel gets its local results: "torch" (torch
     computes the lookups / W x / X W first; the kernel moves slices, reduces and signals) or
@@ -167,7 +177,8 @@ class FusedHandle:
             return errors.InvalidArgumentError(
                 f"{name} on rank {self.rank}, {call}: the device found bad input (an index "
                 "outside its table, offsets out of order, or counts that exceed the rows of X "
-                "or the handle's capacity); the peers were told, and none of its rows reached them")
+                "or the handle's capacity); the peers were told and raise too: this call's "
+                "results are not to be used")
         late = [int(s) for s in np.nonzero(status[:w] == _TIMEOUT)[0]]
         late_acks = [int(d) for d in np.nonzero(status[w:2 * w] == _TIMEOUT)[0]]
         late_phase2 = [int(o) for o in np.nonzero(status[2 * w:3 * w] == _TIMEOUT)[0]]
@@ -622,6 +633,9 @@ class EmbeddingAllToAll(FusedHandle):
         # batched()'s table starts, on the device once (a call copies nothing from the host)
         self._row_base_t = torch.tensor(self.table_row_base, dtype=torch.int64,
                                         device=ctx.device)
+        self._packed_shape = torch.Size((self.table_row_base[-1], self.dim))
+        self._packed_lookups = self.num_tables * self.max_lookups
+        self._device_index = _cuda_index(ctx)
 
     def reverse_handle(self) -> AllToAllRows:
         return rows_handle(self.ctx, self._reverse_rows, self.dim, self.dtype)
@@ -663,6 +677,26 @@ class EmbeddingAllToAll(FusedHandle):
         Returns what __call__ returns on the split tables. On a GPU the host's work per call
         is the same for one table or a hundred: three tensors are checked and one kernel is
         launched. A rank without tables passes None for all three and batch=B."""
+        # the common GPU call (int64 indices and offsets on the handle's GPU, no per-sample
+        # weights, no autograd), checked by identity and integer comparisons alone; anything
+        # else takes the general path below, which names what is wrong
+        index, nt = self._device_index, self.num_tables
+        if (index >= 0 and nt and per_sample_weights is None and type(weight) is torch.Tensor
+                and type(indices) is torch.Tensor and type(offsets) is torch.Tensor
+                and weight.dtype is self.dtype and indices.dtype is _I64
+                and offsets.dtype is _I64 and weight.shape == self._packed_shape
+                and indices.dim() == 1 and offsets.dim() == 1
+                and weight.get_device() == index and indices.get_device() == index
+                and offsets.get_device() == index
+                and indices.numel() <= self._packed_lookups and self.broken is None
+                and self._status.tobytes() == self._status_clear
+                and self.workspace is not None and not self.ctx.finalized
+                and not torch.is_grad_enabled()):
+            bags = offsets.numel() - 1
+            b = bags // nt
+            if (bags == b * nt and b <= self.max_batch and b % self.world == 0
+                    and (batch is None or batch == b)):
+                return self._lookup_packed(weight, indices, offsets, None, b, reuse=True)
         self.check()
         try:
             batch = self._validate_packed(weight, indices, offsets, per_sample_weights, batch)
@@ -697,16 +731,15 @@ class EmbeddingAllToAll(FusedHandle):
                     f"{name}: this rank has no tables; pass batch=<global batch>")
             return self._checked_batch(name, batch)
         self._check_tensor(weight, "weight", self.dtype, 2)
-        rows = self.table_row_base[-1]
-        if tuple(weight.shape) != (rows, self.dim):
+        if weight.shape != self._packed_shape:
             raise errors.InvalidArgumentError(
                 f"{name}: weight is {tuple(weight.shape)}; the handle's {nt} tables stack to "
-                f"[{rows}, {self.dim}]")
+                f"{list(self._packed_shape)}")
         for what, x in (("indices", indices), ("offsets", offsets)):
             self._check_tensor(x, what, None, 1)
             if x.dtype not in _INDEX_DTYPES:
                 raise errors.DTypeError(f"{name}: {what} are {x.dtype}; use int32 or int64")
-        if indices.numel() > nt * self.max_lookups:
+        if indices.numel() > self._packed_lookups:
             raise errors.InvalidArgumentError(
                 f"{name}: {indices.numel()} indices; the handle takes at most max_lookups="
                 f"{self.max_lookups} per table ({nt * self.max_lookups} in all)")
@@ -891,6 +924,7 @@ class EmbeddingAllToAll(FusedHandle):
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_I64 = torch.int64
 
 
 def _split_packed(table_rows, weight, indices, offsets, psw, batch: int):
@@ -1008,10 +1042,7 @@ class GemvAllReduce(FusedHandle):
         super().__init__(ctx, fields, problem, (int(N), 0, 0), dtype)
         self.N, self.K_local = int(N), int(K_local)
         self._w_shape, self._x_shape = (self.N, self.K_local), (self.K_local,)
-        device = self.ctx.device
-        self._device_index = (-1 if not _on_gpu(self.ctx) or device.type != "cuda"
-                              else device.index if device.index is not None
-                              else torch.cuda.current_device())
+        self._device_index = _cuda_index(self.ctx)
 
     def __call__(self, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Tensor:
         # the common GPU call, checked by identity and integer comparisons alone (a tenth

@@ -11,12 +11,16 @@
 //
 // The handle protocol (rocmoe.h): the kernel takes this call's epoch from the workspace,
 // waits (bounded) for each destination's acknowledgement of call epoch - 2 before writing
-// into its buffer, and the completer of a slice writes the global batch into the
-// destination's count slot before the signal. An index outside its table or offsets out of
-// order are checked here, per bag: such a slice is signalled with ROCMOE_COUNT_BAD_INPUT
-// and this rank's own status word is set, so every rank raises and no rank waits. The last
-// workgroup out advances the epoch and waits for every source; a copy-out kernel then moves
-// the block into the output and acknowledges the sources. At world size 1 there is nobody to
+// into its buffer. An index outside its table or offsets out of order are checked here, per
+// bag, and any one marks the whole call bad. The last workgroup out delivers to every
+// destination: the global batch (or ROCMOE_COUNT_BAD_INPUT when the call was bad, and then
+// this rank's own status word is set) into its count slot, then the signal. So a bad index
+// anywhere is raised by every rank, also those whose bags it did not touch (the first
+// version signalled each slice as it completed, and only the owner of the bad bag learned:
+// a peer went on while this rank raised, and its next call timed out). Receivers copy out
+// only after every source anyway, so signalling at the end costs no overlap. The last
+// workgroup then advances the epoch and waits for every source; a copy-out kernel moves the
+// block into the output and acknowledges the sources. At world size 1 there is nobody to
 // talk to: the kernel writes the output itself, with no heap, no signal and no copy.
 //
 // Bandwidth: lanes of a wave split a row into 16-byte vectors (one group of lanes per
@@ -203,7 +207,8 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
     const uint64_t epoch = s_epoch;
     const sched::Plan plan{c.topo, prefix[world], prefix};
     const sched::Counters counters = c.sched_counters(0);
-    uint32_t *bad_flags = c.counters() + ws::bad_input_counter(world, 0);
+    // one flag for the whole call (the counter of destination 0): any bad bag spoils it
+    uint32_t *bad_flag = c.counters() + ws::bad_input_counter(world, 0);
     AckCache cache{0};
 
     const int group = lanes_per_item<T>(p.dim);
@@ -267,27 +272,37 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
                 shmem::quiet(c.team);
             }
         }
-        if (!ok) atomicOr(bad_flags + task.dest, 1u);
+        if (!ok) atomicOr(bad_flag, 1u);
         if (free_to_write && out == nullptr && tid == 0)  // unreachable and no stage to put from
             c.record(ws::status_data(world, task.dest), ROCMOE_STATUS_TIMEOUT, epoch);
 
         if (free_to_write && out != nullptr) {
-            // each thread makes its own stores visible system-wide before the one signal (at
-            // world size 1 there is no signal: the kernel's end publishes the output)
+            // each thread makes its own stores visible system-wide before the signals of the
+            // last workgroup out (at world size 1 there is no signal: the kernel's end
+            // publishes the output)
             if (!alone) __threadfence_system();
             __syncthreads();
-            if (tid == 0 && sched::complete(counters, task)) {
-                const bool bad = atomicExch(bad_flags + task.dest, 0u) != 0;
-                if (bad) c.record(ws::status_own(world), ROCMOE_STATUS_BAD_INPUT, epoch);
-                if (!alone) deliver(c, task.dest, epoch, bad ? ROCMOE_COUNT_BAD_INPUT : p.batch);
-            }
+            if (tid == 0) sched::complete(counters, task);
         }
     }
     if (tid == 0) s_last = sched::exit_worker(counters, workers) ? 1 : 0;
     __syncthreads();
     if (!s_last || tid != 0) return;
-    // the last workgroup out: this call is this epoch now; every source's block must be in
-    // before the copy-out kernel that follows on the stream
+    // the last workgroup out: every task's rows are stored and fenced
+    __threadfence_system();
+    const bool bad = atomicExch(bad_flag, 0u) != 0;
+    if (bad) c.record(ws::status_own(world), ROCMOE_STATUS_BAD_INPUT, epoch);
+    if (!alone) {
+        for (int d = 0; d < world; ++d) {
+            // a destination whose acknowledgement timed out got nothing (its status says so)
+            const volatile int *status = c.status;
+            if (status[ws::status_ack(world, d)] == ROCMOE_STATUS_TIMEOUT) continue;
+            if (wait_dest_free(c, cache, d, epoch))
+                deliver(c, d, epoch, bad ? ROCMOE_COUNT_BAD_INPUT : p.batch);
+        }
+    }
+    // this call is this epoch now; every source's block must be in before the copy-out
+    // kernel that follows on the stream
     __threadfence();
     *c.epoch_word() = epoch;
     if (alone) return;
