@@ -207,6 +207,7 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
     const uint64_t epoch = s_epoch;
     const sched::Plan plan{c.topo, prefix[world], prefix};
     const sched::Counters counters = c.sched_counters(0);
+    bool first_round = true;  // (thread 0's)
     // one flag for the whole call (the counter of destination 0): any bad bag spoils it
     uint32_t *bad_flag = c.counters() + ws::bad_input_counter(world, 0);
     AckCache cache{0};
@@ -220,7 +221,13 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
     for (;;) {
         if (tid == 0) {
             sched::Task task;
-            s_valid = sched::locate(plan, sched::claim(counters), &task) ? 1 : 0;
+            // the first task of workgroup i is task i; later ones come from the counter,
+            // past the first round (a small call, one task a workgroup, claims nothing)
+            const uint32_t id = first_round ? blockIdx.x
+                                : plan.total_tasks <= workers ? plan.total_tasks
+                                : workers + sched::claim(counters);
+            first_round = false;
+            s_valid = sched::locate(plan, id, &task) ? 1 : 0;
             s_free = s_valid ? (alone || wait_dest_free(c, cache, task.dest, epoch) ? 1 : 0) : 0;
             s_task = task;
         }
@@ -276,16 +283,15 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
         if (free_to_write && out == nullptr && tid == 0)  // unreachable and no stage to put from
             c.record(ws::status_data(world, task.dest), ROCMOE_STATUS_TIMEOUT, epoch);
 
-        if (free_to_write && out != nullptr) {
-            // each thread makes its own stores visible system-wide before the signals of the
-            // last workgroup out (at world size 1 there is no signal: the kernel's end
-            // publishes the output)
-            if (!alone) __threadfence_system();
-            __syncthreads();
-            if (tid == 0) sched::complete(counters, task);
-        }
+        // each thread makes its own stores visible system-wide before the signals of the
+        // last workgroup out, which counts this one out after the loop's barriers (at world
+        // size 1 there is no signal: the kernel's end publishes the output)
+        if (free_to_write && out != nullptr && !alone) __threadfence_system();
     }
-    if (tid == 0) s_last = sched::exit_worker(counters, workers) ? 1 : 0;
+    if (tid == 0) {
+        __threadfence();  // this workgroup's bad-input flag before its exit count
+        s_last = sched::exit_worker(counters, workers) ? 1 : 0;
+    }
     __syncthreads();
     if (!s_last || tid != 0) return;
     // the last workgroup out: every task's rows are stored and fenced
