@@ -28,9 +28,11 @@
 #   profile      benchmarks/profile_moe_host.py on 8192,1024,4096,64 (host functions)
 #   probe        benchmarks/probe_layer_host.py on $PROBE_SHAPES (host us a step, by stage)
 #   idle_probe   benchmarks/probe_idle_gap.py (idle-start time against host + kernel, traced)
+#   emb_probe    benchmarks/probe_embedding_host.py (the batched embedding call's host time,
+#                layer by layer)
 #   gemv         benchmarks/gemv_variants.py (the GEMV kernel's variants against torch.mv)
 # Files under $OUT (at most eight come back): session.log, build.log, fused.jsonl,
-# layer.jsonl, gemv.jsonl, vexpert.json. Exits 1 when a stage failed (after running the
+# layer.jsonl, gemv.jsonl, vexpert.json, probe_embedding_host.json. Exits 1 when a stage failed (after running the
 # others), 4 when the build failed.
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -118,6 +120,10 @@ fi
 if has idle_probe; then
   stamp idle_probe
   TAIL=40 run timeout ${IDLE_PROBE_S:-180} python3 benchmarks/probe_idle_gap.py
+fi
+if has emb_probe; then
+  stamp emb_probe
+  TAIL=40 run timeout ${EMB_PROBE_S:-120} python3 benchmarks/probe_embedding_host.py
 fi
 if has gemv; then
   stamp gemv
