@@ -254,6 +254,11 @@ def check_embedding_bad_index(ctx, dtype, calls):
     want = torch.cat([want] * world, dim=1)[rank * bl:(rank + 1) * bl]
     e = rel_err(got, want)
     assert e < TOL[dtype], f"rank {rank}: relative error {e} after the bad call"
+    # an empty global batch still runs the protocol (every rank signals and waits)
+    with torch.no_grad():
+        empty = h.batched(weight, idx[:0], offsets[:1])
+    h.synchronize()
+    assert empty.shape == (0, 2 * world, 8), empty.shape
 
 
 def check_gemv(ctx, dtype, calls):

@@ -336,7 +336,8 @@ int launch(const Common &c, EmbeddingParams p, int requested, hipStream_t stream
     p.items_per_tile = tile_items<T>(p, c.topo.world, compute_units());
     const uint32_t per_dest = sched::tasks_for_rows(p.items_per_slice, p.items_per_tile);
     const uint32_t total = per_dest * uint32_t(c.topo.world);
-    const int workers = persistent_workgroups(requested, total, 4);
+    // at least one workgroup: a call of batch 0 still signals every destination and waits
+    const int workers = total > 0 ? persistent_workgroups(requested, total, 4) : 1;
     const size_t smem = sizeof(uint32_t) * (2 * size_t(c.topo.world) + 1);
     const bool vec = p.dim % vec_elems<T>() == 0;
     if (vec)
