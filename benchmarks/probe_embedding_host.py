@@ -38,7 +38,7 @@ def main(argv) -> None:
     with torch.no_grad():
         h.batched(weight, idx, off)
         torch.cuda.synchronize()
-        args = h._gpu_packed_args
+        args = h._packed_launch.args
         layers = {
             "public call h.batched": lambda: h.batched(weight, idx, off),
             "_lookup_packed (no checks)": lambda: h._lookup_packed(weight, idx, off, None, batch,

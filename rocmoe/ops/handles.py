@@ -784,8 +784,11 @@ class EmbeddingAllToAll(FusedHandle):
             out = _take_output(self, "embedding", shape)
         else:
             out = torch.empty(shape, dtype=self.dtype, device=self.ctx.device)
-        from . import gpu
-        gpu.embedding_packed(self, weight, indices, offsets, psw, batch, out)
+        launch = self.__dict__.get("_packed_launch")
+        if launch is None:
+            from . import gpu
+            launch = self._packed_launch = gpu.PackedEmbeddingLaunch(self)
+        launch(weight, indices, offsets, psw, batch, out)
         return out
 
     def _validate(self, weights, indices, offsets, psw, batch) -> int:

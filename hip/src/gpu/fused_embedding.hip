@@ -280,7 +280,9 @@ __global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, Embed
             }
         }
         if (!ok) atomicOr(bad_flag, 1u);
-        if (free_to_write && out == nullptr && tid == 0)  // unreachable and no stage to put from
+        // unreachable and no stage to put from (an empty call has nothing to put: at world
+        // size 1 its output may well be NULL)
+        if (free_to_write && out == nullptr && first < last && tid == 0)
             c.record(ws::status_data(world, task.dest), ROCMOE_STATUS_TIMEOUT, epoch);
 
         // each thread makes its own stores visible system-wide before the signals of the
@@ -336,8 +338,7 @@ int launch(const Common &c, EmbeddingParams p, int requested, hipStream_t stream
     p.items_per_tile = tile_items<T>(p, c.topo.world, compute_units());
     const uint32_t per_dest = sched::tasks_for_rows(p.items_per_slice, p.items_per_tile);
     const uint32_t total = per_dest * uint32_t(c.topo.world);
-    // at least one workgroup: a call of batch 0 still signals every destination and waits
-    const int workers = total > 0 ? persistent_workgroups(requested, total, 4) : 1;
+    const int workers = persistent_workgroups(requested, total, 4);  // (a slice is >= 1 task)
     const size_t smem = sizeof(uint32_t) * (2 * size_t(c.topo.world) + 1);
     const bool vec = p.dim % vec_elems<T>() == 0;
     if (vec)
