@@ -694,7 +694,7 @@ class EmbeddingAllToAll(FusedHandle):
                 and not torch.is_grad_enabled()):
             bags = offsets.numel() - 1
             b = bags // nt
-            if (bags == b * nt and b <= self.max_batch and b % self.world == 0
+            if (bags == b * nt and 0 <= b <= self.max_batch and b % self.world == 0
                     and (batch is None or batch == b)):
                 return self._lookup_packed(weight, indices, offsets, None, b, reuse=True)
         self.check()
