@@ -1,8 +1,8 @@
 """Where the host time of an EmbeddingAllToAll.batched call goes (issue 14's <= 20 us a call).
 Each layer of the call is timed alone with the GPU kept busy (rocmoe.bench.fused_gpu.host_us),
 peeling one layer off at a time: the public call; _lookup_packed (no checks); the output
-ring's take; gpu.embedding_packed (argument writing + the C launch); the C launch alone on
-arguments written once; and a cProfile of the public call. Prints and writes
+ring's take; the handle's PackedEmbeddingLaunch (argument writing + the C launch); the C
+launch alone on arguments written once; and a cProfile of the public call. Prints and writes
 $OUT/probe_embedding_host.json.
 
     python benchmarks/probe_embedding_host.py [TABLES ROWS DIM BATCH LOOKUPS]
@@ -19,7 +19,6 @@ import torch
 import rocmoe
 from rocmoe import ops
 from rocmoe.bench.fused_gpu import host_us
-from rocmoe.ops import gpu
 from rocmoe.ops.handles import _take_output
 
 
@@ -44,8 +43,8 @@ def main(argv) -> None:
             "_lookup_packed (no checks)": lambda: h._lookup_packed(weight, idx, off, None, batch,
                                                                    reuse=True),
             "output ring take": lambda: _take_output(h, "embedding", shape),
-            "gpu.embedding_packed (args + C launch)": lambda: gpu.embedding_packed(
-                h, weight, idx, off, None, batch, out),
+            "PackedEmbeddingLaunch (args + C launch)": lambda: h._packed_launch(
+                weight, idx, off, None, batch, out),
             "C launch alone (args written once)": lambda: lib.rocmoe_gpu_embedding_a2a(args, 0),
             "torch.empty of the output": lambda: torch.empty(shape, device=dev),
             "F.embedding_bag, one call (reference)": lambda: torch.nn.functional.embedding_bag(

@@ -931,19 +931,9 @@ def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
     del keep, wts, idx, offs, ps  # freed into stream order: reused only after the kernel
 
 
-def embedding_packed(handle, weight, indices, offsets, psw, batch: int,
-                     out: torch.Tensor) -> None:
-    """Enqueue one EmbeddingAllToAll.batched call: a fixed handful of pointers whatever the
-    number of tables (the table starts are on the device since the handle was made)."""
-    launch = handle.__dict__.get("_packed_launch")
-    if launch is None:
-        launch = handle._packed_launch = PackedEmbeddingLaunch(handle)
-    launch(weight, indices, offsets, psw, batch, out)
-
-
 class PackedEmbeddingLaunch:
-    """A handle's rocmoe_gpu_embedding_args for packed calls, written once; a call writes
-    its seven per-call words (stream, batch, output, weight, indices, offsets, per-sample
+    """A handle's rocmoe_gpu_embedding_args for packed calls (EmbeddingAllToAll.batched),
+    written once; a call writes its eight per-call words (stream, batch, output, weight, indices, offsets, per-sample
     weights, index count) through an int64 view of the struct, the way _table_records does
     for the per-table records (each cffi cast and field write cost a few hundred ns; the
     probe measured 8 us of argument writing around a 6 us launch)."""
@@ -971,9 +961,7 @@ class PackedEmbeddingLaunch:
         self.view = np.frombuffer(ffi.buffer(args, size), dtype=np.int64)
         self.at = {k: v // 8 for k, v in words.items()}
         self.args, self.fn, self.check = args, lib.rocmoe_gpu_embedding_a2a, check
-        index = handle._device_index
-        self.stream = ((lambda: _RAW_STREAM(index)) if _RAW_STREAM is not None else
-                       (lambda: torch.cuda.current_stream(index).cuda_stream))
+        self.stream = native_launch.stream_getter(handle.ctx.device)
 
     def __call__(self, weight, indices, offsets, psw, batch: int, out: torch.Tensor) -> None:
         # 16-byte vector loads need 16-byte aligned rows; the kernel reads int64 and fp32
@@ -1038,4 +1026,5 @@ def gemv(handle, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor
 
 
 __all__ = ["Team", "team_for", "rows_exchange", "grouped_backward", "abort", "embedding",
-           "embedding_packed", "PackedEmbeddingLaunch", "gemv", "gemm_config", "gemm_operands", "tma_operands_fit", "slice_order", "task_prefix", "errors"]
+           "PackedEmbeddingLaunch", "gemv", "gemm_config", "gemm_operands", "tma_operands_fit",
+           "slice_order", "task_prefix", "errors"]

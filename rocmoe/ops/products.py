@@ -98,7 +98,8 @@ def bag_gradients(shapes, indices, offsets, psw, weights, g_tables: torch.Tensor
         n = idx.numel()
         ends = torch.cat([off.to(torch.int64),
                           torch.full((1,), n, dtype=torch.int64, device=device)])
-        row_base = torch.arange(0, 2 * shape[0], shape[0], dtype=torch.int64, device=device)
+        # [0, rows] made on the device (no copy from the host; a table may have 0 rows)
+        row_base = torch.arange(2, dtype=torch.int64, device=device) * shape[0]
         gw, gp = packed_bag_gradients(shape, dtype, row_base, idx, ends,
                                       None if psw is None else psw[t],
                                       None if weights is None else weights[t], g_tables[t],

@@ -14,9 +14,11 @@ from rocmoe.ops import gpu
 def _launch(monkeypatch):
     monkeypatch.setattr(gpu, "_fill", lambda ffi_, args, team, handle: None)
     monkeypatch.setattr(gpu, "team_for", lambda ctx: None)
-    monkeypatch.setattr(gpu, "_RAW_STREAM", lambda index: 0x7000 + index)
-    handle = types.SimpleNamespace(ctx=None, mode="mean", num_tables=3, total_tables=5,
-                                   table_base=1, dim=8, _device_index=2,
+    monkeypatch.setattr(gpu.native_launch, "stream_getter",
+                        lambda device: (lambda: 0x7000 + device.index))
+    handle = types.SimpleNamespace(ctx=types.SimpleNamespace(device=torch.device("cuda", 2)),
+                                   mode="mean", num_tables=3, total_tables=5,
+                                   table_base=1, dim=8,
                                    _row_base_t=torch.tensor([0, 4, 9, 15]))
     launch = gpu.PackedEmbeddingLaunch(handle)
     seen = {}
