@@ -28,10 +28,11 @@ from . import _kernels, _ops  # noqa: F401  (registers torch.ops.rocmoe.*)
 from . import reference  # noqa: F401  (mpi4py is imported only when a reference runs)
 from ._common import context_id, resolve_context
 from ._kernels import BAD_COUNTS
-from .handles import AllToAllRows, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce
+from .handles import AllToAllRows, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, pack_tables
 
 __all__ = ["embedding_all_to_all", "gemv_all_reduce", "gemm_all_to_all", "release_workspaces",
-           "GemmAllToAll", "AllToAllRows", "EmbeddingAllToAll", "GemvAllReduce", "reference"]
+           "GemmAllToAll", "AllToAllRows", "EmbeddingAllToAll", "GemvAllReduce", "pack_tables",
+           "reference"]
 
 
 def release_workspaces(ctx=None) -> None:

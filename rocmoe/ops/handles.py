@@ -41,7 +41,7 @@ from ._common import DTYPE_CODES, MODES, resolve_context
 from .layout import Layout, OP_CODES, make_layout
 from .outputs import OutputRing, capturing
 
-__all__ = ["GemmAllToAll", "AllToAllRows", "EmbeddingAllToAll", "GemvAllReduce"]
+__all__ = ["GemmAllToAll", "AllToAllRows", "EmbeddingAllToAll", "GemvAllReduce", "pack_tables"]
 
 _CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
@@ -928,6 +928,24 @@ class EmbeddingAllToAll(FusedHandle):
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _I64 = torch.int64
+
+
+def pack_tables(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
+                offsets: Sequence[torch.Tensor],
+                per_sample_weights: Optional[Sequence[torch.Tensor]] = None):
+    """Per-table lookups (EmbeddingAllToAll's call: each table's indices and [B] bag starts)
+    -> the packed (weight, indices, offsets, per_sample_weights) of
+    EmbeddingAllToAll.batched, on the tensors' device; all None for no tables. A copy of the
+    tables: pack once, then keep the packed weight as the parameter."""
+    if not tables:
+        return None, None, None, None
+    device = indices[0].device
+    counts = torch.tensor([0] + [i.numel() for i in indices], dtype=torch.int64)
+    starts = torch.cumsum(counts, 0).to(device)
+    packed_offsets = torch.cat([o.to(torch.int64) + s for o, s in zip(offsets, starts[:-1])]
+                               + [starts[-1:]])
+    psw = None if per_sample_weights is None else torch.cat(list(per_sample_weights))
+    return torch.cat(list(tables)), torch.cat(list(indices)), packed_offsets, psw
 
 
 def _split_packed(table_rows, weight, indices, offsets, psw, batch: int):

@@ -52,16 +52,6 @@ def split(m: int, g: torch.Generator) -> list[int]:
     return [b - a for a, b in zip([0] + cuts, cuts + [m])]
 
 
-def pack(tables, idx, off, psw):
-    """Per-table lookups -> EmbeddingAllToAll.batched's packed (weight, indices, offsets,
-    per_sample_weights); all None for a rank without tables."""
-    if not tables:
-        return None, None, None, None
-    starts = torch.cumsum(torch.tensor([0] + [i.numel() for i in idx]), 0)
-    offsets = torch.cat([o + s for o, s in zip(off, starts[:-1])] + [starts[-1:]])
-    return torch.cat(tables), torch.cat(idx), offsets, torch.cat(psw) if psw else None
-
-
 def check_match():
     gemm = ops.GemmAllToAll(ctx, max_rows=32, K=6, N=5, dtype=torch.float32)
     grouped = ops.GemmAllToAll(ctx, max_rows=32, K=6, N=5, dtype=torch.float32, groups=3)
@@ -119,7 +109,7 @@ def check_match():
                                             per_sample_weights=psw if use_psw else None)
             if not close(got, want):
                 bad.append(f"EmbeddingAllToAll {mode} call {call}")
-            packed = pack(tables, idx, off, psw)
+            packed = ops.pack_tables(tables, idx, off, psw)
             got = emb.batched(*packed[:3], packed[3] if use_psw else None, batch=batch)
             if not close(got, want):
                 bad.append(f"EmbeddingAllToAll.batched {mode} call {call}")
@@ -169,7 +159,7 @@ def check_backward():
     (ref.embedding_all_to_all(tables2, idx, off) * gsum).sum().backward()
     report(all(close(a.grad, b.grad, 1e-4) for a, b in zip(tables, tables2)),
            "EmbeddingAllToAll backward equals the reference's")
-    weight, pidx, poff, _ = pack([t.detach() for t in tables], idx, off, None)
+    weight, pidx, poff, _ = ops.pack_tables([t.detach() for t in tables], idx, off)
     weight.requires_grad_(True)
     (emb.batched(weight, pidx, poff) * gsum).sum().backward()
     report(close(weight.grad, torch.cat([t.grad for t in tables2]), 1e-4),

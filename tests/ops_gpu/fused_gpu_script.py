@@ -201,8 +201,10 @@ def _check_embedding(ctx, dtype, calls, dim, bags):
             assert e < TOL[dtype], f"rank {rank} D {dim} {mode} call {call}: relative error {e}"
             # the packed (table-batched) call: the same kernel on the same lookups, so the
             # same bits
-            packed = pack_tables([tables[i].to(dtype) for i in mine], [idxs[i] for i in mine],
-                                 [offs[i] for i in mine], [psws[i] for i in mine], dev)
+            packed = ops.pack_tables([tables[i].to(dev, dtype) for i in mine],
+                                     [idxs[i].to(dev) for i in mine],
+                                     [offs[i].to(dev) for i in mine],
+                                     [psws[i].to(dev) for i in mine])
             with torch.no_grad():
                 if mine:
                     got = h.batched(*packed[:3], packed[3] if use_psw else None)
@@ -212,15 +214,6 @@ def _check_embedding(ctx, dtype, calls, dim, bags):
             assert torch.equal(got, out), f"rank {rank} D {dim} {mode} call {call}: batched " \
                 f"differs from per-table by {(got.float() - out.float()).abs().max()}"
         h.close()
-
-
-def pack_tables(tables, idxs, offs, psws, dev):
-    """Per-table lookups -> EmbeddingAllToAll.batched's packed tensors on `dev`."""
-    weight = torch.cat(tables) if tables else None
-    starts = torch.cumsum(torch.tensor([0] + [i.numel() for i in idxs]), 0)
-    offsets = torch.cat([o + s for o, s in zip(offs, starts[:-1])] + [starts[-1:]])
-    return (weight.to(dev), torch.cat(idxs).to(dev), offsets.to(dev),
-            torch.cat(psws).to(dev)) if tables else (None, None, None, None)
 
 
 def check_embedding_bad_index(ctx, dtype, calls):
