@@ -330,6 +330,9 @@ _TUNE_CANDIDATES = (
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
     dict(PROGRAMS_PER_SM=1),
+    # the default with a fourth stage in flight (a config that passes the GPU's shared
+    # memory fails to compile and is skipped)
+    dict(num_stages=4),
 )
 # and for skinny X (at most _SKINNY_ROWS rows in the tuning call): 64 x 64 tiles, so that
 # 128 x 4096 times 4096 x 4096 is 128 tiles, about one per SM of an H200, where the
@@ -515,6 +518,33 @@ _GEMM_FIXED = tuple(i for i in range(33) if i not in _GEMM_DYNAMIC)
 _SPLIT_SCRATCH_MAX = 64 << 20
 
 
+# the tuner's timing: launches queued behind a GPU sleep, so that the events bracket kernels
+# alone. Timed back to back from an idle GPU instead, a small shape's five launches took the
+# host's launch time (the JIT path of a candidate's first calls: 20-40 us each) rather than
+# the kernel's 12-25 us, and the tuner picked among noise: at 256 x 4096^2 it kept a config
+# it had timed at 25.0 us that then ran 18.9 us under graphs, 0.81 of torch.matmul
+_TUNE_CALLS, _TUNE_ROUNDS, _TUNE_SLEEP_CYCLES = 5, 3, 4_000_000  # the sleep: about 2 ms
+
+
+def _kernel_ms(run, calls: int = _TUNE_CALLS, rounds: int = _TUNE_ROUNDS) -> float:
+    """GPU ms of one run() (the fastest of `rounds` means of `calls` back-to-back runs, each
+    round queued behind a sleep long enough for the host to enqueue all of it); two runs
+    first, untimed, for the JIT and the native launch."""
+    run()
+    run()
+    best = float("inf")
+    for _ in range(rounds):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_TUNE_SLEEP_CYCLES)
+        start.record()
+        for _ in range(calls):
+            run()
+        stop.record()
+        stop.synchronize()
+        best = min(best, start.elapsed_time(stop) / calls)
+    return best
+
+
 def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
     """The fastest of _TUNE_CANDIDATES for this shape, timed in local mode (no protocol:
     the compute alone) on scratch outputs; CUDA only, ROCMOE_GEMM_TUNE=0 turns it off."""
@@ -526,31 +556,24 @@ def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
     scratch_out = torch.empty((max(1, x.shape[0]), handle.N), dtype=out.dtype, device=out.device)
     scratch_status = torch.zeros(3 * team.world + 2, dtype=torch.int32, device=x.device)
     scratch_recv = torch.empty(1, dtype=torch.int64, device=x.device)
-    best, best_ms = None, float("inf")
+    best, best_ms, timed = None, float("inf"), []
     candidates = _TUNE_CANDIDATES + (_TUNE_SKINNY if x.shape[0] <= _SKINNY_ROWS else ())
+    local_counts = counts.reshape(team.world, -1).sum(0) if counts.numel() else counts
     for extra in candidates:
         cfg = dict(base, **extra)
         plan = _GemmLaunch(handle, scratch_team, x, w, groups, cfg,
                            scratch_status=scratch_status.data_ptr())
-        local_counts = counts.reshape(team.world, -1).sum(0) if counts.numel() else counts
         try:
             def run():
                 plan.launch(handle, scratch_team, x, w, local_counts, scratch_out, scratch_recv,
                             {})
-            for _ in range(2):
-                run()
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                run()
-            stop.record()
-            stop.synchronize()
-            ms = start.elapsed_time(stop) / 5
+            ms = _kernel_ms(run)
         except Exception:  # noqa: BLE001 - a candidate that does not compile here is skipped
             continue
+        timed.append((extra, round(ms, 5)))
         if ms < best_ms:
             best, best_ms = cfg, ms
-    handle._tuned = {"config": best, "ms": best_ms}
+    handle._tuned = {"config": best, "ms": best_ms, "candidates": timed}
     return _GemmLaunch(handle, team, x, w, groups, best or base)
 
 
@@ -931,6 +954,22 @@ def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
     del keep, wts, idx, offs, ps  # freed into stream order: reused only after the kernel
 
 
+def _word_view(ffi, args, name: str, fields: dict) -> tuple:
+    """(an int64 numpy view of the C struct `args` of type `name`, each of `fields`' word
+    index in it): what a per-call writer sets pointers and sizes through, a numpy item write
+    each instead of a cffi cast and field write (a few hundred ns each). `fields`: key ->
+    the path of a field (("fused", "stream")). Every field must be an 8-byte word."""
+    import numpy as np
+    words = {key: ffi.offsetof(name, *path) for key, path in fields.items()}
+    size = ffi.sizeof(name)
+    if any(at % 8 for at in words.values()) or size % 8:
+        raise errors.NativeLibraryError(
+            f"{name} has fields at {words} of {size} bytes; this build of rocmoe expects "
+            "them 8-byte aligned")
+    return np.frombuffer(ffi.buffer(args, size), dtype=np.int64), \
+        {k: v // 8 for k, v in words.items()}
+
+
 class PackedEmbeddingLaunch:
     """A handle's rocmoe_gpu_embedding_args for packed calls (EmbeddingAllToAll.batched),
     written once; a call writes its eight per-call words (stream, batch, output, weight, indices, offsets, per-sample
@@ -939,7 +978,6 @@ class PackedEmbeddingLaunch:
     probe measured 8 us of argument writing around a 6 us launch)."""
 
     def __init__(self, handle):
-        import numpy as np
         from .._native import check, ffi, lib
         args = ffi.new("rocmoe_gpu_embedding_args *")
         _fill(ffi, args, team_for(handle.ctx), handle)
@@ -948,18 +986,10 @@ class PackedEmbeddingLaunch:
         args.table_base, args.dim = handle.table_base, handle.dim
         args.tables = args.device_tables = ffi.NULL
         args.packed.row_base = ffi.cast("const int64_t *", handle._row_base_t.data_ptr())
-        name = "rocmoe_gpu_embedding_args"
-        words = {"stream": ffi.offsetof(name, "fused", "stream"),
-                 "batch": ffi.offsetof(name, "batch"), "out": ffi.offsetof(name, "out")}
+        fields = {"stream": ("fused", "stream"), "batch": ("batch",), "out": ("out",)}
         for field in ("weights", "indices", "offsets", "per_sample_weights", "num_indices"):
-            words[field] = ffi.offsetof(name, "packed", field)
-        size = ffi.sizeof(name)
-        if any(at % 8 for at in words.values()) or size % 8:
-            raise errors.NativeLibraryError(
-                f"{name} has fields at {words} of {size} bytes; this build of rocmoe expects "
-                "them 8-byte aligned")
-        self.view = np.frombuffer(ffi.buffer(args, size), dtype=np.int64)
-        self.at = {k: v // 8 for k, v in words.items()}
+            fields[field] = ("packed", field)
+        self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_embedding_args", fields)
         self.args, self.fn, self.check = args, lib.rocmoe_gpu_embedding_a2a, check
         self.stream = native_launch.stream_getter(handle.ctx.device)
 
@@ -1007,24 +1037,47 @@ def _table_records(ffi, tables, n: int):
     return np.frombuffer(ffi.buffer(tables, size * n), dtype=np.int64).reshape(n, len(_REC))
 
 
+class GemvLaunch:
+    """A GemvAllReduce handle's rocmoe_gpu_gemv_args, written once; a call writes its five
+    per-call words (stream, K, W, x, y) through an int64 view of the struct (see
+    _word_view). The caller has checked W [N, K] and x [K] (K is the call's: the functional
+    op's cached handle serves every K of an N); a non-contiguous W or x is made contiguous
+    here (the kernel reads rows of W and x as plain arrays)."""
+
+    def __init__(self, handle):
+        from .._native import check, ffi, lib
+        args = ffi.new("rocmoe_gpu_gemv_args *")
+        _fill(ffi, args, team_for(handle.ctx), handle)
+        args.n = handle.N
+        self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_gemv_args", {
+            "stream": ("fused", "stream"), "k": ("k",), "w": ("w",), "x": ("x",),
+            "out": ("out",)})
+        self.args, self.fn, self.check = args, lib.rocmoe_gpu_gemv_allreduce, check
+        self.stream = native_launch.stream_getter(handle.ctx.device)
+
+    def __call__(self, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor) -> None:
+        wc = w_local if w_local.is_contiguous() else w_local.contiguous()
+        xc = x_local if x_local.is_contiguous() else x_local.contiguous()
+        v, at = self.view, self.at
+        v[at["stream"]] = self.stream()
+        v[at["k"]] = wc.shape[1]
+        v[at["w"]] = wc.data_ptr()
+        v[at["x"]] = xc.data_ptr()
+        v[at["out"]] = out.data_ptr()
+        rc = self.fn(self.args, 0)
+        if rc:
+            self.check(rc, "GemvAllReduce (GPU)")
+        del wc, xc  # a copy made here is freed into stream order: reused after the kernel
+
+
 def gemv(handle, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor) -> None:
-    """Enqueue one GemvAllReduce call."""
-    from .._native import check, ffi, lib
-    team = team_for(handle.ctx)
-    args = getattr(handle, "_gpu_args", None)
-    if args is None:
-        args = handle._gpu_args = ffi.new("rocmoe_gpu_gemv_args *")
-        _fill(ffi, args, team, handle)
-    args.fused.stream = _stream_ptr(ffi, handle.ctx.device)
-    wc = w_local if w_local.is_contiguous() else w_local.contiguous()
-    xc = x_local if x_local.is_contiguous() else x_local.contiguous()
-    args.n, args.k = int(wc.shape[0]), int(wc.shape[1])
-    args.w = ffi.cast("const void *", wc.data_ptr())
-    args.x = ffi.cast("const void *", xc.data_ptr())
-    args.out = ffi.cast("void *", out.data_ptr())
-    check(lib.rocmoe_gpu_gemv_allreduce(args, 0), "GemvAllReduce (GPU)")
+    """Enqueue one GemvAllReduce call (the handle's GemvLaunch, made on its first call)."""
+    launch = handle.__dict__.get("_gemv_launch")
+    if launch is None:
+        launch = handle._gemv_launch = GemvLaunch(handle)
+    launch(w_local, x_local, out)
 
 
 __all__ = ["Team", "team_for", "rows_exchange", "grouped_backward", "abort", "embedding",
-           "PackedEmbeddingLaunch", "gemv", "gemm_config", "gemm_operands", "tma_operands_fit",
+           "PackedEmbeddingLaunch", "GemvLaunch", "gemv", "gemm_config", "gemm_operands", "tma_operands_fit",
            "slice_order", "task_prefix", "errors"]
