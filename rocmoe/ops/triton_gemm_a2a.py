@@ -295,12 +295,21 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                 # pointer: the integer's is lost in the cast)
                 dest_base = tl.load(peer_bases_ptr + dest) + ws_offset + parity_off
                 out = tl.multiple_of(dest_base.to(tl.pointer_type(out_ty)), 16)
-                out_rows = (out_row0 + local_rows).to(tl.int64)
+                first_row = out_row0
             else:
                 out = out_ptr
-                out_rows = (row0 + local_rows).to(tl.int64)
-            tl.store(out + out_rows[:, None] * N + cols[None, :].to(tl.int64),
-                     acc.to(out_ty), mask=row_ok[:, None] & col_ok[None, :])
+                first_row = row0
+            # the store: the tile's first element as one scalar pointer, then offsets and a
+            # mask inside the tile, made here from scalars. Rows, columns and mask made
+            # before the K loop (row_ok, col_ok, local_rows, cols) stayed live through it,
+            # and ptxas spilled 570-700 bytes a thread at 128 x 128 and 128 x 256 tiles
+            # (Triton 3.6 and 3.9, sm_90a: 255 registers); this way none, 186-204 registers
+            tile_out = out + (first_row + m_tile * BLOCK_M).to(tl.int64) * N + n_tile * BLOCK_N
+            e_r = tl.arange(0, BLOCK_M)
+            e_c = tl.arange(0, BLOCK_N)
+            tl.store(tile_out + (e_r[:, None].to(tl.int64) * N + e_c[None, :]), acc.to(out_ty),
+                     mask=(e_r[:, None] < rows - m_tile * BLOCK_M)
+                     & (e_c[None, :] < N - n_tile * BLOCK_N))
         if MODE == 1:
             if free:
                 # every thread's stores are issued before the one lane that bumps the counter
