@@ -341,6 +341,9 @@ _SKINNY_ROWS = 1024
 _TUNE_SKINNY = (
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=6),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    # 64 x 128 with a deeper ring (8 stages, 192 KiB: one program an SM): one wave of 128
+    # tiles at 256 x 4096^2 with more loads in flight than the 4-stage 64 x 128 above
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=8),
 )
 # (tried and dropped, 2026-12-02: 128 x 64 tiles, BLOCK_K 64 / 5 stages and 128 / 3, for
 # one wave of 128 tiles at 256 x 4096^2; the tuner kept 64 x 64 on 128-512 rows every time,

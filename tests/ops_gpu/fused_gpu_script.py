@@ -124,7 +124,8 @@ def check_split(ctx, dtype, calls):
         assert recv.cpu().tolist() == [counts[rank]] * world
         e = rel_err(out[:ref.shape[0]], ref)
         assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
-    if ctx.device.type == "cuda":
+    if ctx.device.type == "cuda" and "ROCMOE_GEMM_CONFIG" in os.environ:
+        # (without a config the tuner picks, split or not: the results above are checked)
         plans = list(h._launches.values())
         got = [p.constexprs["SPLIT_K"] for p in plans]
         assert got == [want_split], f"the plan runs SPLIT_K {got}, the config asks {want_split}"
