@@ -21,7 +21,8 @@ stderr: dlrm's log lines ("Finished training it 10/100 of epoch 0, 3.21 ms/it, l
 stdout: JSON lines (rank 0), each with "event" and "example": "dlrm_train":
   config      "ranks", "backend", "arch" {sparse_feature_size, embedding_sizes, mlp_bot,
               mlp_top, interaction, interaction_itself}, "tables_per_rank", "data_generation",
-              "num_batches", "nepochs", "mini_batch_size", "loss_function", "start_iteration"
+              "num_batches", "nepochs", "mini_batch_size", "loss_function", "start_iteration",
+              "lookup" (batched or per-table)
   resume      "iteration", "path"
   train       every --print-freq iterations: "epoch", "iteration" (in the epoch),
               "num_batches", "step" (iterations so far), "loss" (mean since the last line),
@@ -140,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--test-every-nth-line", type=int, default=7,
                    help="dataset: line n is a test line when n %% N == 0 (default 7)")
     r.add_argument("--backend", default="auto")
+    r.add_argument("--lookup", choices=["batched", "per-table"], default="batched",
+                   help="the embedding lookup: one EmbeddingAllToAll handle's batched call on "
+                   "the packed tables, or the functional op once per step on per-table views")
     r.add_argument("--checkpoint-dir", default=None)
     r.add_argument("--checkpoint-every", type=int, default=0, help="iterations (0: at the end only)")
     r.add_argument("--keep-checkpoints", type=int, default=2)
@@ -210,7 +214,7 @@ class Data:
             return
         start = criteo.Position(**position["reader"]) if position else None
         for b in self.train.batches(self.args.mini_batch_size, start):
-            dense, sparse, labels = b.dense, b.sparse, b.labels
+            dense, labels = b.dense, b.labels
             lookups = [b.lookups(t) for t in range(criteo.NUM_SPARSE)]
             yield (dense, [i for i, _ in lookups], [o for _, o in lookups], labels,
                    {"reader": b.position.to_dict()})
@@ -304,9 +308,15 @@ def train(args, ctx, group) -> int:
     data = Data(args, world)
     check_architecture(args.arch_sparse_feature_size, data.bottom, ints(args.arch_mlp_top),
                        len(data.table_sizes))
+    # the lookup handle's bounds: the larger of the two batch sizes, and per table one index
+    # a sample (a Criteo line) or at most --num-indices-per-lookup (random data)
+    max_batch = max(args.mini_batch_size, args.test_mini_batch_size)
+    per_sample = 1 if args.data_generation == "dataset" else max(1, args.num_indices_per_lookup)
     model = DLRM(args.arch_sparse_feature_size, data.table_sizes, data.bottom,
                  ints(args.arch_mlp_top), args.arch_interaction_op, args.arch_interaction_itself,
-                 ctx=ctx, rank=rank, world_size=world, seed=args.numpy_rand_seed).to(ctx.device)
+                 ctx=ctx, rank=rank, world_size=world, seed=args.numpy_rand_seed,
+                 **(dict(max_batch=max_batch, max_lookups=max_batch * per_sample)
+                    if args.lookup == "batched" else {})).to(ctx.device)
     replicated, local = split_parameters(model, model.table_parameters())
     sync = GradientSync(replicated, local, group)
     sync.check_replicas_equal()
@@ -314,6 +324,8 @@ def train(args, ctx, group) -> int:
     opt = opt_class(model.parameters(), lr=args.learning_rate)
     loss_fn = make_loss(args)
     run_config = {k: getattr(args, k) for k in RESUME_KEYS}
+    # a checkpoint of the per-table parameters (before the packed tables) is refused by name
+    run_config["embedding_tables"] = "packed"
 
     # everything a resumed run needs to continue as if it had not stopped
     state = {"epoch": 0, "iteration": 0, "position": None, "step": 0,
@@ -334,7 +346,8 @@ def train(args, ctx, group) -> int:
                                 for r in range(world)],
                data_generation=args.data_generation, num_batches=data.num_batches,
                nepochs=args.nepochs, mini_batch_size=args.mini_batch_size,
-               loss_function=args.loss_function, start_iteration=state["step"])
+               loss_function=args.loss_function, start_iteration=state["step"],
+               lookup=args.lookup)
     if resumed_from:
         log.record("resume", iteration=state["step"], path=str(resumed_from))
         log.text(f"resumed from {resumed_from} at iteration {state['step']}")

@@ -1,9 +1,13 @@
 """DLRM (facebookresearch/dlrm's architecture) with table-wise model-parallel embeddings.
 
 bottom MLP (dense features) -> interaction with the embedding bags -> top MLP -> sigmoid.
-Rank r holds a contiguous range of the embedding tables and looks them up for the whole
-global batch; ``rocmoe.ops.embedding_all_to_all`` returns this rank's samples with every
-table (the fused lookup + all-to-all). The MLPs are replicated (data-parallel).
+Rank r holds a contiguous range of the embedding tables, stacked into one parameter
+(``packed_tables``, FBGEMM's table-batched layout), and looks them up for the whole global
+batch; the fused lookup + all-to-all returns this rank's samples with every table. Given
+``max_batch`` and ``max_lookups`` the model makes one ``EmbeddingAllToAll`` handle and calls
+its ``batched`` entry (one launch a step however many tables, no host round trip); without
+them it calls the functional ``rocmoe.ops.embedding_all_to_all`` on the tables' views. The
+MLPs are replicated (data-parallel).
 
 Sizes follow dlrm's flags: ``bottom_mlp`` includes its input width ("13-512-256-64-16"),
 ``top_mlp`` does not: its input is the interaction's width, computed here as dlrm does
@@ -74,7 +78,12 @@ def _mlp(widths, seed: int, salt: int, sigmoid_last: bool) -> nn.Sequential:
 class DLRM(nn.Module):
     def __init__(self, sparse_feature_size: int, embedding_sizes, bottom_mlp, top_mlp,
                  interaction: str = "dot", interaction_itself: bool = False, ctx=None,
-                 rank: int = 0, world_size: int = 1, seed: int = 0):
+                 rank: int = 0, world_size: int = 1, seed: int = 0,
+                 max_batch: int | None = None, max_lookups: int | None = None):
+        """`max_batch`: the largest global batch a step looks up; `max_lookups`: the most
+        indices one table gets in one step (max_batch times the lookups per sample). With
+        both and a `ctx` the tables are looked up through a persistent handle made here
+        (collective)."""
         super().__init__()
         num_tables = len(embedding_sizes)
         check_architecture(sparse_feature_size, bottom_mlp, top_mlp, num_tables)
@@ -90,9 +99,19 @@ class DLRM(nn.Module):
             rows = self.embedding_sizes[t]
             g = torch.Generator().manual_seed(int(seed) * 104_729 + t + 1)
             bound = math.sqrt(1.0 / rows)
-            tables.append(nn.Parameter(
-                (torch.rand(rows, sparse_feature_size, generator=g) * 2 - 1) * bound))
-        self.tables = nn.ParameterList(tables)
+            tables.append((torch.rand(rows, sparse_feature_size, generator=g) * 2 - 1) * bound)
+        self.table_rows = [self.embedding_sizes[t] for t in self.my_tables]
+        self.world_size = int(world_size)
+        # this rank's tables stacked: one parameter, one gradient, one lookup launch a step
+        self.packed_tables = nn.Parameter(
+            torch.cat(tables) if tables else torch.zeros(0, sparse_feature_size))
+        self.lookup = None
+        if ctx is not None and max_batch is not None:
+            from .. import ops  # (collective: every rank makes the model together)
+            self.lookup = ops.EmbeddingAllToAll(
+                ctx, self.table_rows, sparse_feature_size, int(max_batch),
+                int(max_lookups if max_lookups is not None else max_batch), "sum",
+                torch.float32)
         pairs = num_tables + 1
         offset = 1 if interaction_itself else 0
         # dlrm's order: for i, for j < i (+ the diagonal with `itself`)
@@ -101,9 +120,14 @@ class DLRM(nn.Module):
         self.register_buffer("pair_i", torch.tensor(li, dtype=torch.int64), persistent=False)
         self.register_buffer("pair_j", torch.tensor(lj, dtype=torch.int64), persistent=False)
 
+    @property
+    def tables(self) -> list[torch.Tensor]:
+        """This rank's tables, as views of ``packed_tables``."""
+        return list(self.packed_tables.split(self.table_rows)) if self.table_rows else []
+
     def table_parameters(self) -> list[nn.Parameter]:
         """The rank-local parameters (this rank's tables); the MLPs are replicated."""
-        return list(self.tables)
+        return [self.packed_tables]
 
     def interact(self, x: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         """x [b, D], embedded [b, T, D] -> the top MLP's input."""
@@ -118,6 +142,14 @@ class DLRM(nn.Module):
         lookups over the whole global batch. Returns click probabilities [b]."""
         from .. import ops
         x = self.bottom(dense_local)
-        embedded = ops.embedding_all_to_all(list(self.tables), list(indices), list(offsets),
-                                            ctx=self.ctx)
+        if self.lookup is None:
+            embedded = ops.embedding_all_to_all(self.tables, list(indices), list(offsets),
+                                                ctx=self.ctx)
+        elif self.table_rows:
+            packed_indices, packed_offsets = ops.pack_lookups(list(indices), list(offsets))
+            embedded = self.lookup.batched(self.packed_tables, packed_indices, packed_offsets,
+                                           batch=dense_local.shape[0] * self.world_size)
+        else:  # a rank without tables still takes its samples of everyone's
+            embedded = self.lookup.batched(None, None, None,
+                                           batch=dense_local.shape[0] * self.world_size)
         return self.top(self.interact(x, embedded)).squeeze(1)

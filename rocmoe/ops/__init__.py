@@ -28,10 +28,12 @@ from . import _kernels, _ops  # noqa: F401  (registers torch.ops.rocmoe.*)
 from . import reference  # noqa: F401  (mpi4py is imported only when a reference runs)
 from ._common import context_id, resolve_context
 from ._kernels import BAD_COUNTS
-from .handles import AllToAllRows, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, pack_tables
+from .handles import (AllToAllRows, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, pack_lookups,
+                      pack_tables)
 
 __all__ = ["embedding_all_to_all", "gemv_all_reduce", "gemm_all_to_all", "release_workspaces",
            "GemmAllToAll", "AllToAllRows", "EmbeddingAllToAll", "GemvAllReduce", "pack_tables",
+           "pack_lookups",
            "reference"]
 
 

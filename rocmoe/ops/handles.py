@@ -41,7 +41,8 @@ from ._common import DTYPE_CODES, MODES, resolve_context
 from .layout import Layout, OP_CODES, make_layout
 from .outputs import OutputRing, capturing
 
-__all__ = ["GemmAllToAll", "AllToAllRows", "EmbeddingAllToAll", "GemvAllReduce", "pack_tables"]
+__all__ = ["GemmAllToAll", "AllToAllRows", "EmbeddingAllToAll", "GemvAllReduce", "pack_tables",
+           "pack_lookups"]
 
 _CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 
@@ -930,6 +931,22 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _I64 = torch.int64
 
 
+def pack_lookups(indices: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor]):
+    """Per-table lookups (each table's indices and [B] bag starts, as EmbeddingAllToAll's
+    call takes them) -> the packed (indices, offsets) of EmbeddingAllToAll.batched, on the
+    first index tensor's device: the indices one after the other, and [T * B + 1] offsets
+    into them. (None, None) for no tables. Reads no device value: the counts are the
+    tensors' sizes."""
+    if not indices:
+        return None, None
+    device = indices[0].device
+    counts = torch.tensor([0] + [i.numel() for i in indices], dtype=torch.int64)
+    starts = torch.cumsum(counts, 0).to(device)
+    packed_offsets = torch.cat([o.to(torch.int64) + s for o, s in zip(offsets, starts[:-1])]
+                               + [starts[-1:]])
+    return torch.cat(list(indices)), packed_offsets
+
+
 def pack_tables(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
                 offsets: Sequence[torch.Tensor],
                 per_sample_weights: Optional[Sequence[torch.Tensor]] = None):
@@ -939,13 +956,9 @@ def pack_tables(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
     tables: pack once, then keep the packed weight as the parameter."""
     if not tables:
         return None, None, None, None
-    device = indices[0].device
-    counts = torch.tensor([0] + [i.numel() for i in indices], dtype=torch.int64)
-    starts = torch.cumsum(counts, 0).to(device)
-    packed_offsets = torch.cat([o.to(torch.int64) + s for o, s in zip(offsets, starts[:-1])]
-                               + [starts[-1:]])
+    packed_indices, packed_offsets = pack_lookups(indices, offsets)
     psw = None if per_sample_weights is None else torch.cat(list(per_sample_weights))
-    return torch.cat(list(tables)), torch.cat(list(indices)), packed_offsets, psw
+    return torch.cat(list(tables)), packed_indices, packed_offsets, psw
 
 
 def _split_packed(table_rows, weight, indices, offsets, psw, batch: int):

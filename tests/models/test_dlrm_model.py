@@ -59,3 +59,12 @@ def test_mismatched_widths_are_refused_as_dlrm_does():
         DLRM(3, [4, 3, 2], [4, 3, 2], [4, 2, 1])
     with pytest.raises(ConfigurationError, match="dot or cat"):
         DLRM(2, [4, 3, 2], [4, 3, 2], [4, 2, 1], interaction="sum")
+
+
+def test_the_tables_are_views_of_one_packed_parameter():
+    model = DLRM(4, [400, 9], [4, 4], [1])
+    assert model.table_parameters() == [model.packed_tables]
+    assert model.packed_tables.shape == (409, 4)
+    second = model.tables[1]
+    assert second.shape == (9, 4)
+    assert second.data_ptr() == model.packed_tables.data_ptr() + 400 * 4 * 4

@@ -1,0 +1,68 @@
+"""DLRM's two lookup paths on the host backend (launched by test_dlrm_lookup.py):
+
+    mpiexec -n N python tests/models/dlrm_lookup_script.py
+
+The model made with a handle (max_batch / max_lookups: one batched call a step on the packed
+tables) against the same model without (the functional per-table op on the tables' views):
+forward outputs and every gradient bit for bit, over two steps. Three tables over three
+ranks or more leaves a rank without tables. Every rank prints "rank r ok <what>" or
+"rank r FAIL <what>: ..." and exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import rocmoe
+from rocmoe.models.dlrm import DLRM
+
+torch.set_num_threads(1)
+ctx = rocmoe.init(backend="host", heap_size=64 << 20)
+RANK, WORLD = ctx.rank, ctx.world_size
+SIZES, DIM, PER_RANK = [50, 7, 30], 4, 4
+failures = 0
+
+
+def report(ok: bool, what: str, detail: str = "") -> None:
+    global failures
+    failures += not ok
+    print(f"rank {RANK} {'ok' if ok else 'FAIL'} {what}{(': ' + detail) if detail else ''}",
+          flush=True)
+
+
+def model(**bounds) -> DLRM:
+    return DLRM(DIM, SIZES, [3, 8, DIM], [6, 1], ctx=ctx, rank=RANK, world_size=WORLD, seed=3,
+                **bounds)
+
+
+batch = PER_RANK * WORLD
+handle_model = model(max_batch=batch, max_lookups=batch * 3)
+plain_model = model()
+report(handle_model.lookup is not None and plain_model.lookup is None, "paths")
+report(handle_model.table_parameters() == [handle_model.packed_tables]
+       and handle_model.packed_tables.shape == (sum(handle_model.table_rows), DIM), "packed")
+for step in range(2):
+    g = torch.Generator().manual_seed(10 + step)  # the same batch on every rank
+    dense = torch.randn(batch, 3, generator=g)[RANK * PER_RANK:(RANK + 1) * PER_RANK]
+    lookups = []
+    for rows in SIZES:
+        n = torch.randint(1, 4, (batch,), generator=g)
+        idx = torch.randint(0, rows, (int(n.sum()),), generator=g)
+        lookups.append((idx, torch.cumsum(n, 0) - n))
+    mine = [lookups[t] for t in handle_model.my_tables]
+    outs = []
+    for m in (handle_model, plain_model):
+        m.zero_grad(set_to_none=True)
+        p = m(dense, [i for i, _ in mine], [o for _, o in mine])
+        p.sum().backward()
+        outs.append(p.detach())
+    report(torch.equal(outs[0], outs[1]), f"step {step} forward")
+    grads = [[q.grad for q in m.parameters()] for m in (handle_model, plain_model)]
+    same = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+               for a, b in zip(*grads))
+    report(same, f"step {step} gradients")
+ctx.barrier()
+ctx.finalize()
+sys.exit(1 if failures else 0)

@@ -1,0 +1,19 @@
+"""DLRM looks its tables up through a persistent handle's batched call on the packed tables,
+and gets what the functional per-table op gets (tests/models/dlrm_lookup_script.py)."""
+
+import pytest
+
+from rocmoe_testing import TESTS, mpi_env, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+SCRIPT = TESTS / "models" / "dlrm_lookup_script.py"
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_the_handle_lookup_equals_the_functional_one_bit_for_bit(ranks):
+    proc = run_mpi(SCRIPT, ranks, timeout=240, env=mpi_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout
+    for what in ("paths", "packed", "step 0 forward", "step 0 gradients", "step 1 forward",
+                 "step 1 gradients"):
+        assert proc.stdout.count(f"ok {what}\n") == ranks, proc.stdout
