@@ -522,10 +522,10 @@ _SPLIT_SCRATCH_MAX = 64 << 20
 
 
 # the tuner's timing: launches queued behind a GPU sleep, so that the events bracket kernels
-# alone. Timed back to back from an idle GPU instead, a small shape's five launches took the
-# host's launch time (the JIT path of a candidate's first calls: 20-40 us each) rather than
-# the kernel's 12-25 us, and the tuner picked among noise: at 256 x 4096^2 it kept a config
-# it had timed at 25.0 us that then ran 18.9 us under graphs, 0.81 of torch.matmul
+# alone. Timed back to back from an idle GPU instead, a small shape's five launches included
+# the host's launch time: at 256 x 4096^2 the kept config was timed at 25.0 us and ran 18.9
+# under graphs. (Timed as kernels, the H200 kept the same config there: 19.9 us, the other
+# candidates 21.0-54.1; results/fused_gpu_h200_ninth_session_run1.jsonl)
 _TUNE_CALLS, _TUNE_ROUNDS, _TUNE_SLEEP_CYCLES = 5, 3, 4_000_000  # the sleep: about 2 ms
 
 
