@@ -152,6 +152,21 @@ def test_gemm_a2a_main_loop_is_pipelined_on_sm90():
     assert "st.global.v4" in ptx and "st.global.b16" not in ptx
 
 
+def _tma_default_tile(mode, groups_p2):
+    """(source, options) of gemm_a2a_kernel at the CUDA default tile with TMA loads (X and W
+    as tensor descriptors) and divisible shapes."""
+    cfg = dict(kernels.default_config("cuda"))
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
+               x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
+    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+    cfg.pop("USE_TMA", None)
+    constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2, MODE=mode, COPY=False,
+                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=1)
+    return ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig,
+                     constexprs=constexprs), options
+
+
 @pytest.mark.parametrize("mode", ["local", "exchange"])
 def test_gemm_a2a_default_tile_does_not_spill_registers_on_sm90(mode, monkeypatch, tmp_path,
                                                                capsys):
@@ -160,19 +175,10 @@ def test_gemm_a2a_default_tile_does_not_spill_registers_on_sm90(mode, monkeypatc
     # the K loop it spilled 580-640 bytes a thread (ptxas' log, Triton 3.6 and 3.9)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cached build runs no ptxas
     monkeypatch.setenv("TRITON_DUMP_PTXAS_LOG", "1")
-    target = TARGETS["sm90"][0]
-    cfg = dict(kernels.default_config("cuda"))
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
-               x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
-    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-    cfg.pop("USE_TMA", None)
-    constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=1, COPY=False, FP32_IEEE=False, EVEN_N=True,
-                      EVEN_K=True, USE_TMA=True, SPLIT_K=1,
-                      MODE=kernels.MODE_LOCAL if mode == "local" else kernels.MODE_EXCHANGE)
-    src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
+    src, options = _tma_default_tile(
+        kernels.MODE_LOCAL if mode == "local" else kernels.MODE_EXCHANGE, groups_p2=1)
     capsys.readouterr()
-    triton.compile(src, target=target, options=options)
+    triton.compile(src, target=TARGETS["sm90"][0], options=options)
     log = capsys.readouterr().out
     spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", log)
     assert spills, f"no ptxas log:\n{log}"
@@ -191,18 +197,8 @@ def test_protocol_kernel_compiles(name, target_key):
 def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2):
     # USE_TMA: X and W arrive as tensor descriptors; the K loop must fetch them with bulk
     # tensor copies (TMA) feeding wgmma, and the epilogue still stores into the peer's heap
-    target = TARGETS["sm90"][0]
-    cfg = dict(kernels.default_config("cuda"))
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
-               x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
-    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-    cfg.pop("USE_TMA", None)
-    constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2, MODE=kernels.MODE_EXCHANGE,
-                      COPY=False, FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True,
-                      SPLIT_K=1)
-    src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
-    ptx = triton.compile(src, target=target, options=options).asm["ptx"]
+    src, options = _tma_default_tile(kernels.MODE_EXCHANGE, groups_p2)
+    ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
     assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"
 
