@@ -145,11 +145,11 @@ class DLRM(nn.Module):
         if self.lookup is None:
             embedded = ops.embedding_all_to_all(self.tables, list(indices), list(offsets),
                                                 ctx=self.ctx)
-        elif self.table_rows:
+        else:
+            # (a rank without tables passes None for all three: it still takes its samples
+            # of everyone's tables)
             packed_indices, packed_offsets = ops.pack_lookups(list(indices), list(offsets))
-            embedded = self.lookup.batched(self.packed_tables, packed_indices, packed_offsets,
-                                           batch=dense_local.shape[0] * self.world_size)
-        else:  # a rank without tables still takes its samples of everyone's
-            embedded = self.lookup.batched(None, None, None,
+            embedded = self.lookup.batched(self.packed_tables if self.table_rows else None,
+                                           packed_indices, packed_offsets,
                                            batch=dense_local.shape[0] * self.world_size)
         return self.top(self.interact(x, embedded)).squeeze(1)
