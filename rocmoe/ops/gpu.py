@@ -975,10 +975,10 @@ def _word_view(ffi, args, name: str, fields: dict) -> tuple:
 
 class PackedEmbeddingLaunch:
     """A handle's rocmoe_gpu_embedding_args for packed calls (EmbeddingAllToAll.batched),
-    written once; a call writes its eight per-call words (stream, batch, output, weight, indices, offsets, per-sample
-    weights, index count) through an int64 view of the struct, the way _table_records does
-    for the per-table records (each cffi cast and field write cost a few hundred ns; the
-    probe measured 8 us of argument writing around a 6 us launch)."""
+    written once; a call writes its eight per-call words (stream, batch, output, weight,
+    indices, offsets, per-sample weights, index count) through an int64 view of the struct
+    (see _word_view; each cffi cast and field write cost a few hundred ns: the probe measured
+    8 us of argument writing around a 6 us launch)."""
 
     def __init__(self, handle):
         from .._native import check, ffi, lib
@@ -1082,5 +1082,5 @@ def gemv(handle, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor
 
 
 __all__ = ["Team", "team_for", "rows_exchange", "grouped_backward", "abort", "embedding",
-           "PackedEmbeddingLaunch", "GemvLaunch", "gemv", "gemm_config", "gemm_operands", "tma_operands_fit",
-           "slice_order", "task_prefix", "errors"]
+           "PackedEmbeddingLaunch", "GemvLaunch", "gemv", "gemm_config", "gemm_operands",
+           "tma_operands_fit", "slice_order", "task_prefix", "errors"]
