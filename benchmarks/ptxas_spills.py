@@ -7,10 +7,10 @@ time is spent on it (the GEMM+A2A epilogue spilled 580-640 bytes a thread until 
 
 One JSON line per build: kernel, what was built (tile, stages, mode / fused epilogue),
 registers, spill store and load bytes. Covers gemm_a2a_kernel at the CUDA default tile
-(local and exchange mode) and at every tuner candidate (local mode, TMA loads, as the tuner
-runs them), and the MoE kernels at the constexprs of their ahead-of-time test (plain and with
-the fused activation epilogues). Triton's cache is pointed at a fresh directory: a cached
-build runs no ptxas and logs nothing."""
+(direct, local and exchange mode) and at every tuner candidate (direct, or local for split
+K; TMA loads, as the tuner runs them), and the MoE kernels at the constexprs of their
+ahead-of-time test (plain and with the fused activation epilogues). Triton's cache is
+pointed at a fresh directory: a cached build runs no ptxas and logs nothing."""
 import argparse
 import contextlib
 import io
@@ -55,8 +55,9 @@ def _key(constexprs: dict, options: dict) -> str:
 
 def gemm_builds():
     base = gemm_kernels.default_config("cuda")
-    tiles = [("default", {}, mode) for mode in ("local", "exchange")]
-    tiles += [("tuner", extra, "local") for extra in
+    tiles = [("default", {}, mode) for mode in ("direct", "local", "exchange")]
+    tiles += [("tuner", extra, "direct" if extra.get("SPLIT_K", 1) == 1 else "local")
+              for extra in
               gpu_ops._TUNE_CANDIDATES + gpu_ops._TUNE_SKINNY]
     for kind, extra, mode in tiles:
         cfg = dict(base, **extra)
@@ -69,8 +70,8 @@ def gemm_builds():
         split = cfg.pop("SPLIT_K", 1)
         constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=1, COPY=False, FP32_IEEE=False,
                           EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=split,
-                          MODE=gemm_kernels.MODE_LOCAL if mode == "local"
-                          else gemm_kernels.MODE_EXCHANGE)
+                          MODE=gemm_kernels.MODE_EXCHANGE if mode == "exchange"
+                          else gemm_kernels.MODE_LOCAL, DIRECT=mode == "direct")
         src = ASTSource(fn=gemm_kernels.get("gemm_a2a_kernel"), signature=sig,
                         constexprs=constexprs)
         what = dict(tile=f"{bm}x{bn}x{bk}", split_k=split, mode=mode, origin=kind, **options)

@@ -152,9 +152,9 @@ def test_gemm_a2a_main_loop_is_pipelined_on_sm90():
     assert "st.global.v4" in ptx and "st.global.b16" not in ptx
 
 
-def _tma_default_tile(mode, groups_p2):
+def _tma_default_tile(mode, groups_p2, direct=False):
     """(source, options) of gemm_a2a_kernel at the CUDA default tile with TMA loads (X and W
-    as tensor descriptors) and divisible shapes."""
+    as tensor descriptors) and divisible shapes; `direct`: the world-size-1 path."""
     cfg = dict(kernels.default_config("cuda"))
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
@@ -162,21 +162,24 @@ def _tma_default_tile(mode, groups_p2):
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     cfg.pop("USE_TMA", None)
     constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2, MODE=mode, COPY=False,
-                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=1)
+                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=1,
+                      DIRECT=direct)
     return ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig,
                      constexprs=constexprs), options
 
 
-@pytest.mark.parametrize("mode", ["local", "exchange"])
+@pytest.mark.parametrize("mode", ["direct", "local", "exchange"])
 def test_gemm_a2a_default_tile_does_not_spill_registers_on_sm90(mode, monkeypatch, tmp_path,
                                                                capsys):
-    # the default tile (128 x 256, 8 warps, TMA loads) at world size 1 and above: ptxas must
-    # keep the kernel in registers. With the epilogue's rows, columns and mask made before
-    # the K loop it spilled 580-640 bytes a thread (ptxas' log, Triton 3.6 and 3.9)
+    # the default tile (128 x 256, 8 warps, TMA loads) at world size 1 (direct), in local
+    # mode with a plan and above: ptxas must keep the kernel in registers. With the
+    # epilogue's rows, columns and mask made before the K loop it spilled 580-640 bytes a
+    # thread (ptxas' log, Triton 3.6 and 3.9)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cached build runs no ptxas
     monkeypatch.setenv("TRITON_DUMP_PTXAS_LOG", "1")
     src, options = _tma_default_tile(
-        kernels.MODE_LOCAL if mode == "local" else kernels.MODE_EXCHANGE, groups_p2=1)
+        kernels.MODE_EXCHANGE if mode == "exchange" else kernels.MODE_LOCAL, groups_p2=1,
+        direct=mode == "direct")
     capsys.readouterr()
     triton.compile(src, target=TARGETS["sm90"][0], options=options)
     log = capsys.readouterr().out
@@ -212,7 +215,8 @@ def _tile_id(extra):
                                    if "BLOCK_M" in c or "SPLIT_K" in c], ids=_tile_id)
 def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
     # the first call of a GemmAllToAll shape times these tiles on the GPU; each must build
-    # for Hopper with its TMA loads and matrix instructions (local mode, as the tuner runs)
+    # for Hopper with its TMA loads and matrix instructions (local mode, as the tuner runs:
+    # the direct path unless K is split)
     cfg = dict(kernels.default_config("cuda"), **extra)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
@@ -221,7 +225,7 @@ def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
     cfg.pop("USE_TMA", None)
     constexprs = dict(cfg, WORLD_P2=2, GROUPS_P2=1, MODE=kernels.MODE_LOCAL, COPY=False,
                       FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True,
-                      SPLIT_K=cfg.get("SPLIT_K", 1))
+                      SPLIT_K=cfg.get("SPLIT_K", 1), DIRECT=cfg.get("SPLIT_K", 1) == 1)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
     ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx

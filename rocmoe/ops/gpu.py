@@ -386,6 +386,10 @@ class _GemmLaunch:
             cfg, tiles if scratch_status is None else
             (math.ceil(max(1, x.shape[0]) / bm) + g) * self.n_tiles, dev)
         tasks = tiles * split_k  # a split tile is split_k tasks
+        # world size 1, one W, K unsplit: the kernel's DIRECT path (no plan; X's own tiles)
+        self.direct = self.local and g == 1 and split_k == 1
+        if self.direct:
+            tasks = math.ceil(max(handle.max_rows, 1) / bm) * self.n_tiles
         if self.local and dev.type != "cpu":
             sms = sm_count(dev)
             per_sm = cfg.get("PROGRAMS_PER_SM")
@@ -406,7 +410,7 @@ class _GemmLaunch:
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             MODE=0 if self.local else 1, COPY=self.copy, FP32_IEEE=x.dtype == torch.float32,
             EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False,
-            SPLIT_K=split_k)
+            SPLIT_K=split_k, DIRECT=self.direct)
         self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
                     self.nprog)
         layout = handle.layout

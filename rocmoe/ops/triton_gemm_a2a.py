@@ -117,6 +117,84 @@ def _pick(values, index, positions):
     return tl.sum(tl.where(positions == index, values, 0), axis=0)
 
 
+@triton.jit
+def _tile_product(x_ptr, w_ptr, row_first, rows_left, n_tile, g, k_lo, k_hi, N, K,
+                  stride_xm, stride_xk, stride_wg, stride_wk, stride_wn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  COPY: tl.constexpr, FP32_IEEE: tl.constexpr, EVEN_N: tl.constexpr,
+                  EVEN_K: tl.constexpr, USE_TMA: tl.constexpr):
+    # One output tile in fp32: X's rows [row_first, row_first + BLOCK_M) (those at or past
+    # `rows_left` are not read: the pointer path reads row_first again in their place, TMA
+    # zero-fills past X's end; either way they are computed and never stored) times W[g]'s
+    # columns of tile n_tile, over K range [k_lo, k_hi). COPY: the tile of X itself.
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = rm < rows_left
+    cols = n_tile * BLOCK_N + rn
+    col_ok = cols < N
+    x_rows = (row_first + tl.where(row_ok, rm, 0)).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if COPY:
+        acc = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk,
+                      mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    else:
+        if EVEN_N:
+            # no clamp: W's columns stay provably contiguous (16-byte vector loads)
+            w_cols = cols.to(tl.int64)
+        else:
+            w_cols = tl.where(col_ok, cols, 0).to(tl.int64)
+        w_group = w_ptr if USE_TMA else w_ptr + tl.cast(g, tl.int64) * stride_wg
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + rk
+            if USE_TMA:
+                # rows past the segment (other segments', or past M: zeros) are computed
+                # and never stored
+                a = x_ptr.load([row_first.to(tl.int32), k0])
+                b = w_ptr.load([tl.cast(g * K + k0, tl.int32), (n_tile * BLOCK_N).to(tl.int32)])
+            elif EVEN_K:
+                a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk)
+                b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
+                            + w_cols[None, :] * stride_wn)
+            else:
+                k_ok = ks < K
+                a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                            mask=k_ok[None, :], other=0.0)
+                b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
+                            + w_cols[None, :] * stride_wn, mask=k_ok[:, None], other=0.0)
+            if FP32_IEEE:  # float32 inputs: full-precision products, like the host
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _store_tile(out, first_row, m_tile, n_tile, acc, rows, N, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    # The tile's first element as one scalar pointer, then offsets and a mask inside the
+    # tile, made here from scalars. Rows, columns and mask made before the K loop stayed
+    # live through it, and ptxas spilled 570-700 bytes a thread at 128 x 128 and 128 x 256
+    # tiles (Triton 3.6 and 3.9, sm_90a: 255 registers); this way none, 186-204 registers.
+    # `rows`: the rows of the segment the tile is in (those past it are not stored).
+    tile_out = out + (first_row + m_tile * BLOCK_M).to(tl.int64) * N + n_tile * BLOCK_N
+    e_r = tl.arange(0, BLOCK_M)
+    e_c = tl.arange(0, BLOCK_N)
+    tl.store(tile_out + (e_r[:, None].to(tl.int64) * N + e_c[None, :]),
+             acc.to(out.dtype.element_ty),
+             mask=(e_r[:, None] < rows - m_tile * BLOCK_M) & (e_c[None, :] < N - n_tile * BLOCK_N))
+
+
+@triton.jit
+def _grouped_tile(t, m_tiles, n_tiles, GROUP_M: tl.constexpr):
+    # (row tile, column tile) of task t of a segment with m_tiles x n_tiles tiles, in
+    # grouped order: GROUP_M row tiles share W's columns in L2
+    in_group = GROUP_M * n_tiles
+    group_first = (t // in_group) * GROUP_M
+    group_rows = tl.maximum(tl.minimum(m_tiles - group_first, GROUP_M), 1)
+    return group_first + (t % in_group) % group_rows, (t % in_group) // group_rows
+
+
 @_kernel(do_not_specialize=("M",))
 def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr, recv_ptr,
                     status_addr, ws_offset, signal_off, ack_off, count_off, epoch_off,
@@ -128,7 +206,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     MODE: tl.constexpr, COPY: tl.constexpr, FP32_IEEE: tl.constexpr,
                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr = False,
-                    SPLIT_K: tl.constexpr = 1):
+                    SPLIT_K: tl.constexpr = 1, DIRECT: tl.constexpr = False):
     # counts [world, G] int64 (G = 1 for one W): rows of X, destination-major then group.
     # COPY: no W, the "product" is X itself (the row exchange; N = K). USE_TMA (Hopper):
     # x_ptr / w_ptr are tensor descriptors of X [M, K] and W [G*K, N] with [BLOCK_M, BLOCK_K]
@@ -140,213 +218,188 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
     # the last of the tile's tasks to arrive sums the partials in K order (the same result
     # whatever the arrival order), stores the tile and counts it done. A call with more tiles
     # than the scratch holds, or bad counts, runs unsplit.
+    # DIRECT (MODE_LOCAL with G = 1 and SPLIT_K = 1, counts [1]): no plan, see below.
     if USE_TMA:
         out_ty = x_ptr.dtype
     else:
         out_ty = x_ptr.dtype.element_ty
     status = status_addr.to(tl.pointer_type(tl.int32))
     n_tiles_n = tl.cdiv(N, BLOCK_N)
-    positions = tl.arange(0, WORLD_P2)
-    in_world = positions < world
-    segs = tl.arange(0, GROUPS_P2)
-
-    # ---- the plan, from the counts (every program computes the same) ----------------
-    counts = tl.load(counts_ptr + positions[:, None] * G + segs[None, :],
-                     mask=in_world[:, None] & (segs[None, :] < G), other=0)
-    dest_rows = tl.sum(counts, axis=1)                           # [WORLD_P2], by rank
-    row_start = tl.cumsum(dest_rows, axis=0) - dest_rows         # first row of X for d
-    seg_tiles = tl.cdiv(counts, BLOCK_M) * n_tiles_n              # [WORLD_P2, GROUPS_P2]
-    seg_end = tl.cumsum(seg_tiles, axis=1)                        # tile numbers in a slice
-    seg_row = tl.cumsum(counts, axis=1) - counts                  # first row of segment
-    dest_tiles = tl.maximum(tl.sum(seg_tiles, axis=1), 1)        # an empty slice: 1 task
-    order = tl.load(order_ptr + positions, mask=in_world, other=0)
-    # tiles in order position p = dest_tiles[order[p]]
-    tiles_in_order = tl.sum(tl.where(order[:, None] == positions[None, :],
-                                     dest_tiles[None, :], 0), axis=1)
-    tiles_in_order = tl.where(in_world, tiles_in_order, 0)
-    next_prefix = tl.cumsum(tiles_in_order, axis=0)
-    total_tasks = tl.sum(tiles_in_order, axis=0)
-    # counts this rank could not have meant: nothing is computed, every slice is signalled
-    # with COUNT_BAD_INPUT, and the host raises for this rank
-    bad = (tl.min(tl.min(counts, axis=1), axis=0) < 0) | \
-        (tl.max(tl.where(in_world, dest_rows, 0), axis=0) > capacity) | \
-        (tl.sum(dest_rows, axis=0) > M)
-
-    if MODE == 1:
-        my_base = tl.load(peer_bases_ptr + rank) + ws_offset
-        epoch = tl.load((my_base + epoch_off).to(tl.pointer_type(tl.int64)), volatile=True) + 1
-        counters = (my_base + counters_off).to(tl.pointer_type(tl.int32))
-        # destination d's buffer of this parity is free once d acknowledged call epoch - 2
-        # (d stores that into this rank's ack slot d)
-        dest_free = in_world
-        if epoch > 2:
-            dest_free = _poll_slots((my_base + ack_off + positions * 8).to(
-                tl.pointer_type(tl.int64)), status + world + positions, in_world, epoch - 2,
-                wait_budget, STATUS_TIMEOUT)
-        parity_off = recv_off + (epoch % 2) * parity_bytes + rank * source_bytes
-        if bad:
-            if tl.program_id(0) == 0:
-                tl.store(status + 3 * world, STATUS_BAD_INPUT)
-                tl.store(status + 3 * world + 1, epoch.to(tl.int32))
-    else:
-        dest_free = in_world
-        if bad:
-            if tl.program_id(0) == 0:
-                tl.store(status + 3 * world, STATUS_BAD_INPUT)
-
-    rm = tl.arange(0, BLOCK_M)
-    rn = tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    if SPLIT_K > 1:
-        splits = tl.where(bad | (total_tasks > split_tiles), 1, SPLIT_K)
-    else:
-        splits = 1
-    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), splits) * BLOCK_K
-    if MODE == 1:
-        task = tl.atomic_add(counters, 1)
-    else:
+    if DIRECT:
+        # world size 1 with one W and K unsplit: the tiles are X's own, so the K loop's
+        # loads depend on nothing read from memory. The count is loaded alongside and
+        # used only by the store's mask (rows past it, or every row when it is bad, are
+        # computed and not stored): the plan below puts a chain of dependent loads (counts,
+        # order) and reductions before the first tile load of every program, which cost
+        # 1-2 us of a 25 us GEMM on an H200 (benchmarks/results/probe_gemm_gap_h200.jsonl)
+        count = tl.load(counts_ptr)
+        bad_count = (count < 0) | (count > capacity) | (count > M)
+        rows_taken = tl.where(bad_count, 0, count)
+        # (rows past the capacity are never stored: a count above it is bad)
+        m_tiles = tl.cdiv(tl.minimum(M, capacity), BLOCK_M)
         task = tl.program_id(0)
-    while task < total_tasks * splits:
-        tile_task = task // splits
-        if SPLIT_K > 1:
-            k_lo = (task % splits) * k_per_split
-            k_hi = tl.minimum(k_lo + k_per_split, K)
-        else:
-            k_lo = 0
-            k_hi = K
-        # locate(): the slice is the number of slices that end at or before this task
-        pos = tl.sum((next_prefix <= tile_task).to(tl.int32), axis=0)
-        dest = _pick(order, pos, positions)
-        first = _pick(next_prefix - tiles_in_order, pos, positions)
-        tiles = _pick(tiles_in_order, pos, positions)
-        tile = tile_task - first
-        # the segment of this tile inside the slice
-        seg_end_d = tl.sum(tl.where(positions[:, None] == dest, seg_end, 0), axis=0)
-        g = tl.minimum(tl.sum((seg_end_d <= tile).to(tl.int32), axis=0), G - 1)
-        counts_d = tl.sum(tl.where(positions[:, None] == dest, counts, 0), axis=0)
-        seg_row_d = tl.sum(tl.where(positions[:, None] == dest, seg_row, 0), axis=0)
-        seg_tiles_d = tl.sum(tl.where(positions[:, None] == dest, seg_tiles, 0), axis=0)
-        seg_first = _pick(seg_end_d - seg_tiles_d, g, segs)
-        rows = _pick(counts_d, g, segs)
-        in_seg = tile - seg_first
-        rows = tl.where((in_seg < _pick(seg_tiles_d, g, segs)) & (bad == 0), rows, 0)
-        row0 = _pick(row_start, dest, positions) + _pick(seg_row_d, g, segs)
-        out_row0 = _pick(seg_row_d, g, segs)  # inside this rank's region at the destination
-        free = _pick(dest_free.to(tl.int32), dest, positions) > 0
-        store = (rows > 0) & free
-        # grouped tile order inside the segment: GROUP_M row tiles share W's columns in L2
-        # (computed for every task: a task with no rows stores nothing)
-        m_tiles = tl.cdiv(rows, BLOCK_M)
-        in_group = GROUP_M * n_tiles_n
-        in_seg_ok = tl.where(store, in_seg, 0)
-        group_first = (in_seg_ok // in_group) * GROUP_M
-        group_rows = tl.maximum(tl.minimum(m_tiles - group_first, GROUP_M), 1)
-        m_tile = group_first + (in_seg_ok % in_group) % group_rows
-        n_tile = (in_seg_ok % in_group) // group_rows
-        local_rows = m_tile * BLOCK_M + rm
-        cols = n_tile * BLOCK_N + rn
-        row_ok = local_rows < rows
-        col_ok = cols < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if store:
-            x_rows = (row0 + tl.where(row_ok, local_rows, 0)).to(tl.int64)
-            if COPY:
-                acc = tl.load(x_ptr + x_rows[:, None] * stride_xm + cols[None, :] * stride_xk,
-                              mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            else:
-                if EVEN_N:
-                    # no clamp: W's columns stay provably contiguous (16-byte vector loads)
-                    w_cols = cols.to(tl.int64)
-                else:
-                    w_cols = tl.where(col_ok, cols, 0).to(tl.int64)
-                w_group = w_ptr if USE_TMA else w_ptr + g.to(tl.int64) * stride_wg
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    ks = k0 + rk
-                    if USE_TMA:
-                        # rows past the segment (other segments', or past M: zeros) are
-                        # computed and never stored
-                        a = x_ptr.load([(row0 + m_tile * BLOCK_M).to(tl.int32), k0])
-                        b = w_ptr.load([(g * K + k0).to(tl.int32),
-                                        (n_tile * BLOCK_N).to(tl.int32)])
-                    elif EVEN_K:
-                        a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk)
-                        b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
-                                    + w_cols[None, :] * stride_wn)
-                    else:
-                        k_ok = ks < K
-                        a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                                    mask=k_ok[None, :], other=0.0)
-                        b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
-                                    + w_cols[None, :] * stride_wn,
-                                    mask=k_ok[:, None], other=0.0)
-                    if FP32_IEEE:  # float32 inputs: full-precision products, like the host
-                        acc = tl.dot(a, b, acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(a, b, acc)
-        if SPLIT_K > 1:
-            if splits > 1:
-                acc, store, free = _split_join(acc, split_addr, split_tiles, tile_task,
-                                               task % splits, rows > 0, free, SPLIT_K,
-                                               BLOCK_M, BLOCK_N)
-        if store:
-            if MODE == 1:
-                # scale-up: the tile goes straight into the destination's receive buffer; heap
-                # bases and region offsets are 256-byte aligned (the hint must sit on the
-                # pointer: the integer's is lost in the cast)
-                dest_base = tl.load(peer_bases_ptr + dest) + ws_offset + parity_off
-                out = tl.multiple_of(dest_base.to(tl.pointer_type(out_ty)), 16)
-                first_row = out_row0
-            else:
-                out = out_ptr
-                first_row = row0
-            # the store: the tile's first element as one scalar pointer, then offsets and a
-            # mask inside the tile, made here from scalars. Rows, columns and mask made
-            # before the K loop (row_ok, col_ok, local_rows, cols) stayed live through it,
-            # and ptxas spilled 570-700 bytes a thread at 128 x 128 and 128 x 256 tiles
-            # (Triton 3.6 and 3.9, sm_90a: 255 registers); this way none, 186-204 registers
-            tile_out = out + (first_row + m_tile * BLOCK_M).to(tl.int64) * N + n_tile * BLOCK_N
-            e_r = tl.arange(0, BLOCK_M)
-            e_c = tl.arange(0, BLOCK_N)
-            tl.store(tile_out + (e_r[:, None].to(tl.int64) * N + e_c[None, :]), acc.to(out_ty),
-                     mask=(e_r[:, None] < rows - m_tile * BLOCK_M)
-                     & (e_c[None, :] < N - n_tile * BLOCK_N))
+        while task < m_tiles * n_tiles_n:
+            m_tile, n_tile = _grouped_tile(task, m_tiles, n_tiles_n, GROUP_M)
+            acc = _tile_product(x_ptr, w_ptr, m_tile * BLOCK_M, M - m_tile * BLOCK_M, n_tile,
+                                0, 0, K, N, K, stride_xm, stride_xk, stride_wg, stride_wk,
+                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, COPY, FP32_IEEE,
+                                EVEN_N, EVEN_K, USE_TMA)
+            _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M, BLOCK_N)
+            task += num_programs
+        if tl.program_id(0) == 0:
+            tl.store(recv_ptr, rows_taken)
+            if bad_count:
+                tl.store(status + 3 * world, STATUS_BAD_INPUT)
+    else:
+        positions = tl.arange(0, WORLD_P2)
+        in_world = positions < world
+        segs = tl.arange(0, GROUPS_P2)
+
+        # ---- the plan, from the counts (every program computes the same) ----------------
+        counts = tl.load(counts_ptr + positions[:, None] * G + segs[None, :],
+                         mask=in_world[:, None] & (segs[None, :] < G), other=0)
+        dest_rows = tl.sum(counts, axis=1)                           # [WORLD_P2], by rank
+        row_start = tl.cumsum(dest_rows, axis=0) - dest_rows         # first row of X for d
+        seg_tiles = tl.cdiv(counts, BLOCK_M) * n_tiles_n              # [WORLD_P2, GROUPS_P2]
+        seg_end = tl.cumsum(seg_tiles, axis=1)                        # tile numbers in a slice
+        seg_row = tl.cumsum(counts, axis=1) - counts                  # first row of segment
+        dest_tiles = tl.maximum(tl.sum(seg_tiles, axis=1), 1)        # an empty slice: 1 task
+        order = tl.load(order_ptr + positions, mask=in_world, other=0)
+        # tiles in order position p = dest_tiles[order[p]]
+        tiles_in_order = tl.sum(tl.where(order[:, None] == positions[None, :],
+                                         dest_tiles[None, :], 0), axis=1)
+        tiles_in_order = tl.where(in_world, tiles_in_order, 0)
+        next_prefix = tl.cumsum(tiles_in_order, axis=0)
+        total_tasks = tl.sum(tiles_in_order, axis=0)
+        # counts this rank could not have meant: nothing is computed, every slice is signalled
+        # with COUNT_BAD_INPUT, and the host raises for this rank
+        bad = (tl.min(tl.min(counts, axis=1), axis=0) < 0) | \
+            (tl.max(tl.where(in_world, dest_rows, 0), axis=0) > capacity) | \
+            (tl.sum(dest_rows, axis=0) > M)
+
         if MODE == 1:
-            if free:
-                # every thread's stores are issued before the one lane that bumps the counter
-                tl.debug_barrier()
-                done = tl.atomic_add(counters + 2 + dest, 1, sem="acq_rel", scope="gpu")
-                if done + 1 == tiles:
-                    tl.atomic_xchg(counters + 2 + dest, 0, sem="relaxed", scope="gpu")
-                    dest_ws = tl.load(peer_bases_ptr + dest) + ws_offset
-                    sent = tl.where(bad, COUNT_BAD_INPUT, _pick(dest_rows, dest, positions))
-                    # the count travels with the data: a plain store, published with the
-                    # tiles by the signal's release
-                    tl.store((dest_ws + count_off + ((epoch % 2) * world + rank) * 8).to(
-                        tl.pointer_type(tl.int64)), sent.to(tl.int64))
-                    tl.debug_barrier()
-                    tl.atomic_xchg((dest_ws + signal_off + rank * 8).to(tl.pointer_type(tl.int64)),
-                                   epoch, sem="release", scope="sys")
+            my_base = tl.load(peer_bases_ptr + rank) + ws_offset
+            epoch = tl.load((my_base + epoch_off).to(tl.pointer_type(tl.int64)), volatile=True) + 1
+            counters = (my_base + counters_off).to(tl.pointer_type(tl.int32))
+            # destination d's buffer of this parity is free once d acknowledged call epoch - 2
+            # (d stores that into this rank's ack slot d)
+            dest_free = in_world
+            if epoch > 2:
+                dest_free = _poll_slots((my_base + ack_off + positions * 8).to(
+                    tl.pointer_type(tl.int64)), status + world + positions, in_world, epoch - 2,
+                    wait_budget, STATUS_TIMEOUT)
+            parity_off = recv_off + (epoch % 2) * parity_bytes + rank * source_bytes
+            if bad:
+                if tl.program_id(0) == 0:
+                    tl.store(status + 3 * world, STATUS_BAD_INPUT)
+                    tl.store(status + 3 * world + 1, epoch.to(tl.int32))
+        else:
+            dest_free = in_world
+            if bad:
+                if tl.program_id(0) == 0:
+                    tl.store(status + 3 * world, STATUS_BAD_INPUT)
+
+        if SPLIT_K > 1:
+            splits = tl.where(bad | (total_tasks > split_tiles), 1, SPLIT_K)
+        else:
+            splits = 1
+        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), splits) * BLOCK_K
+        if MODE == 1:
             task = tl.atomic_add(counters, 1)
         else:
-            task += num_programs
+            task = tl.program_id(0)
+        while task < total_tasks * splits:
+            tile_task = task // splits
+            if SPLIT_K > 1:
+                k_lo = (task % splits) * k_per_split
+                k_hi = tl.minimum(k_lo + k_per_split, K)
+            else:
+                k_lo = 0
+                k_hi = K
+            # locate(): the slice is the number of slices that end at or before this task
+            pos = tl.sum((next_prefix <= tile_task).to(tl.int32), axis=0)
+            dest = _pick(order, pos, positions)
+            first = _pick(next_prefix - tiles_in_order, pos, positions)
+            tiles = _pick(tiles_in_order, pos, positions)
+            tile = tile_task - first
+            # the segment of this tile inside the slice
+            seg_end_d = tl.sum(tl.where(positions[:, None] == dest, seg_end, 0), axis=0)
+            g = tl.minimum(tl.sum((seg_end_d <= tile).to(tl.int32), axis=0), G - 1)
+            counts_d = tl.sum(tl.where(positions[:, None] == dest, counts, 0), axis=0)
+            seg_row_d = tl.sum(tl.where(positions[:, None] == dest, seg_row, 0), axis=0)
+            seg_tiles_d = tl.sum(tl.where(positions[:, None] == dest, seg_tiles, 0), axis=0)
+            seg_first = _pick(seg_end_d - seg_tiles_d, g, segs)
+            rows = _pick(counts_d, g, segs)
+            in_seg = tile - seg_first
+            rows = tl.where((in_seg < _pick(seg_tiles_d, g, segs)) & (bad == 0), rows, 0)
+            row0 = _pick(row_start, dest, positions) + _pick(seg_row_d, g, segs)
+            out_row0 = _pick(seg_row_d, g, segs)  # inside this rank's region at the destination
+            free = _pick(dest_free.to(tl.int32), dest, positions) > 0
+            store = (rows > 0) & free
+            # grouped tile order inside the segment (computed for every task: a task with no
+            # rows stores nothing)
+            m_tile, n_tile = _grouped_tile(tl.where(store, in_seg, 0), tl.cdiv(rows, BLOCK_M),
+                                           n_tiles_n, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if store:
+                acc = _tile_product(x_ptr, w_ptr, row0 + m_tile * BLOCK_M, rows - m_tile * BLOCK_M,
+                                    n_tile, g, k_lo, k_hi, N, K, stride_xm, stride_xk, stride_wg,
+                                    stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, COPY,
+                                    FP32_IEEE, EVEN_N, EVEN_K, USE_TMA)
+            if SPLIT_K > 1:
+                if splits > 1:
+                    acc, store, free = _split_join(acc, split_addr, split_tiles, tile_task,
+                                                   task % splits, rows > 0, free, SPLIT_K,
+                                                   BLOCK_M, BLOCK_N)
+            if store:
+                if MODE == 1:
+                    # scale-up: the tile goes straight into the destination's receive buffer; heap
+                    # bases and region offsets are 256-byte aligned (the hint must sit on the
+                    # pointer: the integer's is lost in the cast)
+                    dest_base = tl.load(peer_bases_ptr + dest) + ws_offset + parity_off
+                    out = tl.multiple_of(dest_base.to(tl.pointer_type(out_ty)), 16)
+                    first_row = out_row0
+                else:
+                    out = out_ptr
+                    first_row = row0
+                _store_tile(out, first_row, m_tile, n_tile, acc, rows, N, BLOCK_M, BLOCK_N)
+            if MODE == 1:
+                if free:
+                    # every thread's stores are issued before the one lane that bumps the counter
+                    tl.debug_barrier()
+                    done = tl.atomic_add(counters + 2 + dest, 1, sem="acq_rel", scope="gpu")
+                    if done + 1 == tiles:
+                        tl.atomic_xchg(counters + 2 + dest, 0, sem="relaxed", scope="gpu")
+                        dest_ws = tl.load(peer_bases_ptr + dest) + ws_offset
+                        sent = tl.where(bad, COUNT_BAD_INPUT, _pick(dest_rows, dest, positions))
+                        # the count travels with the data: a plain store, published with the
+                        # tiles by the signal's release
+                        tl.store((dest_ws + count_off + ((epoch % 2) * world + rank) * 8).to(
+                            tl.pointer_type(tl.int64)), sent.to(tl.int64))
+                        tl.debug_barrier()
+                        tl.atomic_xchg((dest_ws + signal_off + rank * 8).to(tl.pointer_type(tl.int64)),
+                                       epoch, sem="release", scope="sys")
+                task = tl.atomic_add(counters, 1)
+            else:
+                task += num_programs
 
-    if MODE == 1:
-        # exit_worker(): the last program out re-zeroes the counters, advances the epoch and
-        # waits until every source's slice of this call has arrived (the consumer side; a
-        # source that never signals is recorded in its status word)
-        exited = tl.atomic_add(counters + 1, 1)
-        if exited + 1 == num_programs:
-            tl.atomic_xchg(counters, 0)
-            tl.atomic_xchg(counters + 1, 0)
-            tl.store((my_base + epoch_off).to(tl.pointer_type(tl.int64)), epoch)
-            ready = _poll_slots((my_base + signal_off + positions * 8).to(
-                tl.pointer_type(tl.int64)), status + positions, in_world, epoch, wait_budget,
-                STATUS_TIMEOUT)
-            if tl.min(tl.where(in_world, ready.to(tl.int32), 1), axis=0) == 0:
-                tl.store(status + 3 * world + 1, epoch.to(tl.int32))
-    else:
-        if tl.program_id(0) == 0:
-            tl.store(recv_ptr, tl.where(bad, 0, tl.sum(dest_rows, axis=0)))
+        if MODE == 1:
+            # exit_worker(): the last program out re-zeroes the counters, advances the epoch and
+            # waits until every source's slice of this call has arrived (the consumer side; a
+            # source that never signals is recorded in its status word)
+            exited = tl.atomic_add(counters + 1, 1)
+            if exited + 1 == num_programs:
+                tl.atomic_xchg(counters, 0)
+                tl.atomic_xchg(counters + 1, 0)
+                tl.store((my_base + epoch_off).to(tl.pointer_type(tl.int64)), epoch)
+                ready = _poll_slots((my_base + signal_off + positions * 8).to(
+                    tl.pointer_type(tl.int64)), status + positions, in_world, epoch, wait_budget,
+                    STATUS_TIMEOUT)
+                if tl.min(tl.where(in_world, ready.to(tl.int32), 1), axis=0) == 0:
+                    tl.store(status + 3 * world + 1, epoch.to(tl.int32))
+        else:
+            if tl.program_id(0) == 0:
+                tl.store(recv_ptr, tl.where(bad, 0, tl.sum(dest_rows, axis=0)))
 
 
 @_kernel
@@ -490,7 +543,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             split_tiles="i32", WORLD_P2="constexpr", GROUPS_P2="constexpr", BLOCK_M="constexpr",
             BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", MODE="constexpr",
             COPY="constexpr", FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
-            USE_TMA="constexpr", SPLIT_K="constexpr"),
+            USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr"),
         "collect_kernel": dict(
             out_ptr=p, peer_bases_ptr=i64, recv_ptr=i64, status_addr="i64", ws_offset="i64",
             ack_off="i64", count_off="i64", epoch_off="i64", counters_off="i64",
