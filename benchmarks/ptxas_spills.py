@@ -71,7 +71,8 @@ def gemm_builds():
         constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=1, COPY=False, FP32_IEEE=False,
                           EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=split,
                           MODE=gemm_kernels.MODE_EXCHANGE if mode == "exchange"
-                          else gemm_kernels.MODE_LOCAL, DIRECT=mode == "direct")
+                          else gemm_kernels.MODE_LOCAL, DIRECT=mode == "direct",
+                          CLOCK=gemm_kernels.CLOCK_CUDA)
         src = ASTSource(fn=gemm_kernels.get("gemm_a2a_kernel"), signature=sig,
                         constexprs=constexprs)
         what = dict(tile=f"{bm}x{bn}x{bk}", split_k=split, mode=mode, origin=kind, **options)

@@ -44,11 +44,11 @@ def _compile(name, target_key, dtype="bf16", exchange=True, groups_p2=1, split_k
         constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2,
                           MODE=kernels.MODE_EXCHANGE if exchange else kernels.MODE_LOCAL,
                           COPY=False, FP32_IEEE=dtype == "fp32", EVEN_N=False, EVEN_K=False,
-                          USE_TMA=False, SPLIT_K=split_k)
+                          USE_TMA=False, SPLIT_K=split_k, CLOCK=kernels.device_clock(platform))
     elif name == "collect_kernel":
         constexprs = dict(WORLD_P2=8, ROWS=64, BLOCK_N=128)
     elif name == "abort_kernel":
-        constexprs = dict(WORLD_P2=8)
+        constexprs = dict(WORLD_P2=8, CLOCK=kernels.device_clock(platform))
     elif name == "grouped_weight_grad_kernel":
         constexprs = dict(WORLD_P2=8, GROUPS_P2=8, BLOCK_K=64, BLOCK_N=64, BLOCK_M=64)
     src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
@@ -119,6 +119,25 @@ def test_gemm_a2a_local_mode_writes_back_nothing_at_system_scope_on_amd(arch):
     assert not amd_isa.flag_stores("\n".join(code), SIGNAL_STORE)
 
 
+# what each target's real-time clock compiles to (Triton's globaltimer / memrealtime)
+CLOCK_READ = {"sm90": "%globaltimer", "gfx942": "s_memrealtime", "gfx90a": "s_memrealtime"}
+
+
+@pytest.mark.parametrize("target_key", sorted(TARGETS))
+@pytest.mark.parametrize("name", ["gemm_a2a_kernel", "abort_kernel"])
+def test_protocol_waits_are_bounded_by_the_device_clock(name, target_key):
+    # a wait's budget is time, not a count of polls: two ranks sharing one H200 once timed
+    # out at "30 s" (results/fused_gpu_h200_tenth_session_run3_nosync2rank_fail.log)
+    _, asm_key, _, _ = TARGETS[target_key]
+    assert CLOCK_READ[target_key] in _compile(name, target_key).asm[asm_key]
+
+
+def test_gemm_a2a_local_mode_reads_no_clock_on_sm90():
+    # no protocol, no wait: the clock of the waits must not cost the world-size-1 kernel
+    ptx = _compile("gemm_a2a_kernel", "sm90", exchange=False).asm["ptx"]
+    assert CLOCK_READ["sm90"] not in ptx
+
+
 def test_gemm_a2a_local_mode_has_no_system_scope_atomic_on_sm90():
     # world size 1 (and the backward's grouped dX): no protocol, no cross-GPU memory order
     ptx = _compile("gemm_a2a_kernel", "sm90", exchange=False).asm["ptx"]
@@ -141,7 +160,7 @@ def test_gemm_a2a_main_loop_is_pipelined_on_sm90():
     cfg.pop("USE_TMA", None)
     constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=1, MODE=kernels.MODE_EXCHANGE, COPY=False,
                       FP32_IEEE=False, EVEN_N=True, EVEN_K=True, stride_xk=1, stride_wn=1,
-                      USE_TMA=False, SPLIT_K=1)
+                      USE_TMA=False, SPLIT_K=1, CLOCK=kernels.CLOCK_CUDA)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs,
                     attrs=attrs)
     compiled = triton.compile(src, target=target, options=options)
@@ -163,7 +182,7 @@ def _tma_default_tile(mode, groups_p2, direct=False):
     cfg.pop("USE_TMA", None)
     constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2, MODE=mode, COPY=False,
                       FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=1,
-                      DIRECT=direct)
+                      DIRECT=direct, CLOCK=kernels.CLOCK_CUDA)
     return ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig,
                      constexprs=constexprs), options
 
@@ -225,7 +244,8 @@ def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
     cfg.pop("USE_TMA", None)
     constexprs = dict(cfg, WORLD_P2=2, GROUPS_P2=1, MODE=kernels.MODE_LOCAL, COPY=False,
                       FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True,
-                      SPLIT_K=cfg.get("SPLIT_K", 1), DIRECT=cfg.get("SPLIT_K", 1) == 1)
+                      SPLIT_K=cfg.get("SPLIT_K", 1), DIRECT=cfg.get("SPLIT_K", 1) == 1,
+                      CLOCK=kernels.CLOCK_CUDA)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
     ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx

@@ -102,10 +102,16 @@ def team_for(ctx) -> Team:
 
 
 def _wait_budget(timeout_s: float) -> int:
-    # Iterations of an acquire-polling loop (no device clock in Triton): a system-scope
-    # atomic takes about a microsecond on a GPU; the interpreter needs milliseconds per poll.
+    # The kernels' wait bound: microseconds of the device's real-time clock (their CLOCK,
+    # _CLOCK below); the interpreter has no clock and counts polls, milliseconds each there.
     per_s = 300 if _interpreting() else 1e6
     return int(min(2**31 - 1, max(1, timeout_s * per_s)))
+
+
+def _clock() -> int:
+    """CLOCK of the Triton kernels with waits (see triton_gemm_a2a.device_clock)."""
+    from . import triton_gemm_a2a as tk
+    return tk.device_clock(_PLATFORM, _interpreting())
 
 
 class _DeviceInts:
@@ -410,7 +416,7 @@ class _GemmLaunch:
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             MODE=0 if self.local else 1, COPY=self.copy, FP32_IEEE=x.dtype == torch.float32,
             EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False,
-            SPLIT_K=split_k, DIRECT=self.direct)
+            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock())
         self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
                     self.nprog)
         layout = handle.layout
@@ -857,7 +863,8 @@ def abort(handle) -> None:
         args = (team.peer_bases, handle.status_address, handle.workspace_offset,
                 layout.data_signals, layout.acks, layout.phase2_signals, layout.counts,
                 layout.local, team.rank, team.world, _wait_budget(handle.ctx.timeout_s))
-        _LAUNCHERS["abort_kernel"]((1,), args, dict(WORLD_P2=team.world_p2), {}, ("abort",))
+        _LAUNCHERS["abort_kernel"]((1,), args, dict(WORLD_P2=team.world_p2, CLOCK=_clock()), {},
+                                   ("abort",))
         return
     from .._native import check, ffi, lib
     team = team_for(handle.ctx)

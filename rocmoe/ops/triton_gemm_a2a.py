@@ -24,8 +24,8 @@ can be replayed from a CUDA/HIP graph.
 The buffer protocol's waits run inside the kernel: every program first polls the ack slots
 of the destinations (their buffer of this parity is free once they acknowledged call
 ``epoch - 2``), and the last program out polls this rank's data signals until every source
-has delivered. Both polls are bounded by an iteration budget and record a timeout in the
-status words (host-mapped memory: rocmoe.ops raises it at the next call); counts that do not
+has delivered. Both polls are bounded in time (``wait_budget`` microseconds of the device's
+real-time clock, see ``_elapsed_us``) and record a timeout in the status words (host-mapped memory: rocmoe.ops raises it at the next call); counts that do not
 fit (negative, above the capacity, more rows than X has) make every slice signal-only with
 ``ROCMOE_COUNT_BAD_INPUT`` and set this rank's own status word, so no peer waits and no
 wrong row lands anywhere.
@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as _cuda_extra
+from triton.language.extra import hip as _hip_extra
 
 from .._triton import KernelRegistry
 
@@ -66,17 +68,62 @@ COUNT_ABORTED = tl.constexpr(-1)
 COUNT_BAD_INPUT = tl.constexpr(-2)
 
 
+# CLOCK of the kernels with waits: what bounds a wait. A count of polls was the bound once
+# (a system-scope atomic "takes about a microsecond"), but a poll's cost depends on where the
+# slot lives and on who else runs on the GPU, so "30 s" was not 30 s. The device clocks run in
+# real time whatever the shader clock does, like platform.h's device_time_ns() of the HIP
+# kernels; the interpreter (CPU tensors) has none and keeps counting polls.
+CLOCK_POLLS, CLOCK_CUDA, CLOCK_HIP = 0, 1, 2
+# s_memrealtime's rate on gfx90a / gfx94x (ROCMOE_AMD_REALTIME_HZ of platform.h)
+_AMD_REALTIME_TICKS_PER_US = tl.constexpr(100)
+
+
+def device_clock(platform: str, interpreting: bool = False) -> int:
+    """CLOCK for kernels built for `platform` ("cuda" or "hip")."""
+    if interpreting:
+        return CLOCK_POLLS
+    return CLOCK_HIP if platform == "hip" else CLOCK_CUDA
+
+
 @triton.jit
-def _poll_slots(slot_ptrs, status_ptrs, mask, target, budget, code):
-    # Acquire-poll the masked slots until every one holds >= target or `budget` rounds
-    # pass; a slot still short gets `code` in its status word. Returns the ready mask.
+def _clock_now(CLOCK: tl.constexpr):
+    # the device's real-time clock in its own unit (0 where it has none)
+    if CLOCK == 1:
+        now = _cuda_extra.globaltimer()
+    elif CLOCK == 2:
+        now = _hip_extra.memrealtime()
+    else:
+        now = tl.full((), 0, tl.int64)
+    return now
+
+
+@triton.jit
+def _elapsed_us(start, polls, CLOCK: tl.constexpr):
+    # microseconds since `start` (_clock_now); without a clock, the number of polls so far
+    if CLOCK == 1:
+        spent = (_cuda_extra.globaltimer() - start) // 1000
+    elif CLOCK == 2:
+        spent = (_hip_extra.memrealtime() - start) // _AMD_REALTIME_TICKS_PER_US
+    else:
+        spent = polls.to(tl.int64)
+    return spent
+
+
+@triton.jit
+def _poll_slots(slot_ptrs, status_ptrs, mask, target, budget, code, CLOCK: tl.constexpr):
+    # Acquire-poll the masked slots until every one holds >= target or `budget` microseconds
+    # pass (polls, for CLOCK_POLLS); a slot still short gets `code` in its status word.
+    # Returns the ready mask.
     seen = tl.where(mask, tl.atomic_add(slot_ptrs, 0, mask=mask, sem="acquire", scope="sys"),
                     target)
+    start = _clock_now(CLOCK)
     spins = 0
-    while (tl.min(seen, axis=0) < target) & (spins < budget):
+    spent = tl.full((), 0, tl.int64)
+    while (tl.min(seen, axis=0) < target) & (spent < budget):
         seen = tl.where(mask, tl.atomic_add(slot_ptrs, 0, mask=mask, sem="acquire",
                                             scope="sys"), target)
         spins += 1
+        spent = _elapsed_us(start, spins, CLOCK)
     tl.store(status_ptrs, tl.full(seen.shape, code, tl.int32), mask=mask & (seen < target))
     return mask & (seen >= target)
 
@@ -206,7 +253,8 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     MODE: tl.constexpr, COPY: tl.constexpr, FP32_IEEE: tl.constexpr,
                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr = False,
-                    SPLIT_K: tl.constexpr = 1, DIRECT: tl.constexpr = False):
+                    SPLIT_K: tl.constexpr = 1, DIRECT: tl.constexpr = False,
+                    CLOCK: tl.constexpr = 0):
     # counts [world, G] int64 (G = 1 for one W): rows of X, destination-major then group.
     # COPY: no W, the "product" is X itself (the row exchange; N = K). USE_TMA (Hopper):
     # x_ptr / w_ptr are tensor descriptors of X [M, K] and W [G*K, N] with [BLOCK_M, BLOCK_K]
@@ -287,7 +335,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
             if epoch > 2:
                 dest_free = _poll_slots((my_base + ack_off + positions * 8).to(
                     tl.pointer_type(tl.int64)), status + world + positions, in_world, epoch - 2,
-                    wait_budget, STATUS_TIMEOUT)
+                    wait_budget, STATUS_TIMEOUT, CLOCK)
             parity_off = recv_off + (epoch % 2) * parity_bytes + rank * source_bytes
             if bad:
                 if tl.program_id(0) == 0:
@@ -394,7 +442,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                 tl.store((my_base + epoch_off).to(tl.pointer_type(tl.int64)), epoch)
                 ready = _poll_slots((my_base + signal_off + positions * 8).to(
                     tl.pointer_type(tl.int64)), status + positions, in_world, epoch, wait_budget,
-                    STATUS_TIMEOUT)
+                    STATUS_TIMEOUT, CLOCK)
                 if tl.min(tl.where(in_world, ready.to(tl.int32), 1), axis=0) == 0:
                     tl.store(status + 3 * world + 1, epoch.to(tl.int32))
         else:
@@ -458,7 +506,8 @@ def collect_kernel(out_ptr, peer_bases_ptr, recv_ptr, status_addr, ws_offset, ac
 
 @_kernel
 def abort_kernel(peer_bases_ptr, status_addr, ws_offset, signal_off, ack_off, phase2_off,
-                 count_off, epoch_off, rank, world, wait_budget, WORLD_P2: tl.constexpr):
+                 count_off, epoch_off, rank, world, wait_budget, WORLD_P2: tl.constexpr,
+                 CLOCK: tl.constexpr = 0):
     # This rank rejected its input: take part in the call without data. After each
     # destination released its buffer of this parity (call epoch - 2), write COUNT_ABORTED
     # into its count slot and raise its data (and phase-2) signal; advance the epoch; then
@@ -471,7 +520,8 @@ def abort_kernel(peer_bases_ptr, status_addr, ws_offset, signal_off, ack_off, ph
     free = in_world
     if epoch > 2:
         free = _poll_slots((my_base + ack_off + positions * 8).to(tl.pointer_type(tl.int64)),
-                           status + world + positions, in_world, epoch - 2, wait_budget, 1)
+                           status + world + positions, in_world, epoch - 2, wait_budget, 1,
+                           CLOCK)
     peer = tl.load(peer_bases_ptr + positions, mask=in_world, other=0) + ws_offset
     tl.store((peer + count_off + ((epoch % 2) * world + rank) * 8).to(
         tl.pointer_type(tl.int64)), tl.full((WORLD_P2,), COUNT_ABORTED, tl.int64), mask=free)
@@ -543,7 +593,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             split_tiles="i32", WORLD_P2="constexpr", GROUPS_P2="constexpr", BLOCK_M="constexpr",
             BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", MODE="constexpr",
             COPY="constexpr", FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
-            USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr"),
+            USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr", CLOCK="constexpr"),
         "collect_kernel": dict(
             out_ptr=p, peer_bases_ptr=i64, recv_ptr=i64, status_addr="i64", ws_offset="i64",
             ack_off="i64", count_off="i64", epoch_off="i64", counters_off="i64",
@@ -553,7 +603,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
         "abort_kernel": dict(
             peer_bases_ptr=i64, status_addr="i64", ws_offset="i64", signal_off="i64",
             ack_off="i64", phase2_off="i64", count_off="i64", epoch_off="i64", rank="i32",
-            world="i32", wait_budget="i32", WORLD_P2="constexpr"),
+            world="i32", wait_budget="i32", WORLD_P2="constexpr", CLOCK="constexpr"),
         "grouped_weight_grad_kernel": dict(
             x_ptr=p, gy_ptr=p, dw_ptr=p, counts_ptr=i64, world="i32", G="i32", K="i32",
             N="i32", stride_xm="i32", stride_gm="i32", WORLD_P2="constexpr",

@@ -291,6 +291,7 @@ def check_gemm_timeout(ctx, dtype, calls):
     ctx.timeout_s = short
     h = device_kernels(ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype))
     ctx.barrier()
+    start = time.monotonic()
     with torch.no_grad():
         h(x, w, [2] * world)
         if rank == 0:
@@ -298,7 +299,11 @@ def check_gemm_timeout(ctx, dtype, calls):
     try:
         h.synchronize()
     except errors.CommTimeoutError as exc:
-        print(f"RANK {rank} TIMEOUT {exc}", flush=True)
+        waited = time.monotonic() - start
+        print(f"RANK {rank} TIMEOUT after {waited:.2f} s: {exc}", flush=True)
+        # the budget is time on the device's clock: it cannot run out before the timeout
+        # (a count of polls could, when a poll took less than the microsecond it assumed)
+        assert waited >= 0.9 * short, f"timed out after {waited:.2f} s of a {short} s budget"
         return
     if rank == 0:
         raise AssertionError("rank 0 did not time out")
@@ -474,8 +479,12 @@ def check_nosync(ctx, dtype, calls):
         loss = loss + emb.batched(weight, packed_idx, packed_off, psw).float().square().mean()
         loss.backward()
 
+    start = time.monotonic()
     step()  # warm-up: compiles, tunes, makes the backward's row handles
     torch.cuda.synchronize()
+    # (ranks sharing a GPU can drift apart here by the JIT; the peers' waits must outlast it)
+    print(f"RANK {rank} nosync warm-up step {time.monotonic() - start:.1f} s, GEMM tuning "
+          f"{(gemm.__dict__.get('_tuned') or {}).get('candidates')}", flush=True)
     torch.cuda.set_sync_debug_mode("error")
     try:
         step()
