@@ -103,9 +103,25 @@ def team_for(ctx) -> Team:
 
 def _wait_budget(timeout_s: float) -> int:
     # The kernels' wait bound: microseconds of the device's real-time clock (their CLOCK,
-    # _CLOCK below); the interpreter has no clock and counts polls, milliseconds each there.
+    # _clock below); the interpreter has no clock and counts polls, milliseconds each there.
+    # A multiple of 16, so that every budget specialises the compiled kernel alike (Triton
+    # keys integer arguments on their divisibility by 16).
     per_s = 300 if _interpreting() else 1e6
-    return int(min(2**31 - 1, max(1, timeout_s * per_s)))
+    return min(2**31 - 16, 16 * max(1, math.ceil(timeout_s * per_s / 16)))
+
+
+def _first_call_budget(timeout_s: float) -> int:
+    """The wait budget of a GEMM plan's first launch. The peers make the same call at the
+    same time, but each first compiles and tunes its kernels (tens of seconds at fp32: 65 s
+    for the first step of four handles on an H200), and ranks drift apart there: two ranks
+    sharing a GPU once timed out at 30 s waiting for a peer still in the JIT
+    (results/fused_gpu_h200_tenth_session_run3_nosync2rank_fail.log). So the first launch
+    waits ROCMOE_FIRST_CALL_TIMEOUT_S (at least ROCMOE_TIMEOUT_S); the interpreter, which
+    compiles nothing, waits the plain budget."""
+    if _interpreting():
+        return _wait_budget(timeout_s)
+    first = float(os.environ.get("ROCMOE_FIRST_CALL_TIMEOUT_S", "300"))
+    return _wait_budget(max(timeout_s, first))
 
 
 def _clock() -> int:
@@ -424,6 +440,8 @@ class _GemmLaunch:
         self.tail_args = (status, handle.workspace_offset, *_offsets_gemm(layout), team.rank,
                           world)
         self.wait_budget = _wait_budget(handle.ctx.timeout_s)
+        self.first_budget = _first_call_budget(handle.ctx.timeout_s)
+        self.launched = False  # the first launch waits first_budget (the peers' JIT)
         self.split_args = ((self.split_scratch.data_ptr(), self.split_tiles)
                            if self.split_scratch is not None else (0, 0))
         self.capacity = layout.capacity if scratch_status is None else 1 << 62
@@ -461,7 +479,8 @@ class _GemmLaunch:
         TMA."""
         return (x, w_raw, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
                 x.shape[0], handle.N, x.shape[1], self.per, self.capacity, self.nprog,
-                x.stride(0), x.stride(1), *strides_w, self.wait_budget, *self.split_args)
+                x.stride(0), x.stride(1), *strides_w,
+                self.wait_budget if self.launched else self.first_budget, *self.split_args)
 
     def launch(self, handle, team, x, w, counts, out, recv, descriptors) -> None:
         strides_w = (0, 0, 0) if self.copy else \
@@ -475,6 +494,7 @@ class _GemmLaunch:
             raw = self._raw_args(handle, team, x, w, strides_w, counts, out, recv)
             tried = tma_native
             if tma_native.launch((self.nprog,), raw):
+                self.launched = True
                 if not self.local:
                     self._collect(team, out, recv, x.device)
                 return
@@ -502,6 +522,7 @@ class _GemmLaunch:
             if use_tma not in self.native and compiled is not None:
                 self.native[use_tma] = native_launch.try_native(compiled, raw, _GEMM_DYNAMIC,
                                                                 x.device)
+        self.launched = True
         if not self.local:
             self._collect(team, out, recv, x.device)
 

@@ -112,3 +112,25 @@ def test_the_gemm_plan_names_every_argument_fixed_or_dynamic():
     assert names == ["x_ptr", "w_ptr", "out_ptr", "counts_ptr", "order_ptr", "peer_bases_ptr",
                      "recv_ptr", "M", "stride_xm", "stride_xk", "stride_wg", "stride_wk",
                      "stride_wn"]
+
+
+def test_a_gemm_plans_first_launch_waits_the_first_call_timeout(monkeypatch):
+    # the peers of a first call may still be compiling and tuning: its waits are bounded by
+    # ROCMOE_FIRST_CALL_TIMEOUT_S (microseconds of the device clock), later ones by the
+    # context's timeout
+    monkeypatch.setattr(gpu, "_interpreting", lambda: False)
+    monkeypatch.setenv("ROCMOE_FIRST_CALL_TIMEOUT_S", "300")
+    assert gpu._wait_budget(3.0) == 3_000_000
+    assert gpu._first_call_budget(3.0) == 300_000_000
+    assert gpu._first_call_budget(400.0) == 400_000_000  # never below the plain timeout
+
+
+def test_the_first_call_budget_specialises_the_kernel_like_the_plain_one(monkeypatch):
+    # the plan specialises its fixed arguments once, at the first launch: the two budgets
+    # must key the same compiled kernel (multiples of 16, 32-bit)
+    monkeypatch.setattr(gpu, "_interpreting", lambda: False)
+    launcher = gpu._Launcher("gemm_a2a_kernel")
+    budgets = [gpu._wait_budget(t) for t in (0.001, 2.5, 3.3, 60)]
+    budgets += [gpu._first_call_budget(t) for t in (0.001, 60)]
+    specs = {launcher.specialize((b,), (0,)) for b in budgets}
+    assert len(specs) == 1, specs
