@@ -3,7 +3,7 @@ via mpiexec).
 
 usage: fused_gpu_script.py OPS [--calls N] [--dtype D[,D...]]
   OPS    comma list of gemm | gemm_grouped | rows | embedding | gemv | gemm_timeout |
-         bad_counts | abort | gemv_mismatch | graph | native | lean
+         bad_counts | abort | gemv_mismatch | graph | native | lean | first_call_drift
 On a GPU the handles run their CUDA/HIP kernels (ipc backend); on a CPU-only machine the
 host backend's heap stands in and the Triton kernels (gemm, gemm_grouped, rows, the
 protocol cases) run under TRITON_INTERPRET=1. Every rank checks its result against a float64
@@ -315,6 +315,28 @@ def check_gemm_timeout(ctx, dtype, calls):
     time.sleep(float(os.environ.get("ROCMOE_TIMEOUT_S", 30)))
 
 
+def check_first_call_drift(ctx, dtype, calls):
+    # rank 0 reaches a handle's first call twice the timeout after the others, as a rank
+    # still in the JIT and the tuner would: the others' first launch waits
+    # ROCMOE_FIRST_CALL_TIMEOUT_S, not the timeout, so the call completes everywhere (it
+    # timed out at 30 s on two ranks sharing an H200 before); the next call is bounded by
+    # the timeout again (gemm_timeout checks that)
+    rank, world = ctx.rank, ctx.world_size
+    x, w, ref = _shared_gemm_case(ctx, dtype)
+    h = device_kernels(ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype))
+    ctx.barrier()
+    if rank == 0:
+        time.sleep(2 * ctx.timeout_s)
+    with torch.no_grad():
+        for _ in range(2):
+            y, recv = h(x, w, [2] * world)
+            h.synchronize()
+            assert recv.tolist() == [2] * world, recv
+            e = rel_err(y[:2 * world], ref)
+            assert e < TOL[dtype], f"first_call_drift: relative error {e}"
+    h.close()
+
+
 def _shared_gemm_case(ctx, dtype):
     """(x [2 * world, 16], w [16, 16]) equal on every rank, and the float64 reference of a
     call sending 2 rows to every rank."""
@@ -615,7 +637,8 @@ def main():
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
               "abort": check_abort, "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,
               "nosync": check_nosync, "native": check_native, "lean": check_lean,
-              "split": check_split, "embedding_bad_index": check_embedding_bad_index}
+              "split": check_split, "embedding_bad_index": check_embedding_bad_index,
+              "first_call_drift": check_first_call_drift}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once; a failing
     # op / dtype is reported and the next one still runs (the exit status says it failed)
     failed = 0

@@ -94,3 +94,13 @@ def test_missing_peer_times_out_on_gpu():
     proc = run_mpi(SCRIPT, 2, "gemm_timeout", "--dtype", "bf16", timeout=300,
                    env=mpi_env(ROCMOE_TIMEOUT_S="3"))
     assert "RANK 0 TIMEOUT" in proc.stdout and "rank(s) [1]" in proc.stdout, proc.stdout
+
+
+def test_a_peer_late_for_a_first_call_by_twice_the_timeout_does_not_time_it_out_on_gpu():
+    # as a rank still compiling and tuning would be: the first launch of a GEMM plan waits
+    # ROCMOE_FIRST_CALL_TIMEOUT_S; with it at 0 the same job times out (the check can fail)
+    _require_gpu_build()
+    proc = run_mpi(SCRIPT, 2, "first_call_drift", "--dtype", "bf16", timeout=200,
+                   env=mpi_env(ROCMOE_TIMEOUT_S="3"))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK first_call_drift") == 2, proc.stdout
