@@ -3,10 +3,10 @@
 # handle's device kernels at 1 and 2 ranks (ranks share the GPU), CUDA-graph replay, the
 # failure cases, then the benchmark against the torch ops.
 # Usage (repo root, on a GPU machine): OUT=/some/dir bash benchmarks/gpu_handles.sh [STAGES]
-#   STAGES: comma list of build,check,graph,fail,bench (default: all)
+#   STAGES: comma list of build,check,graph,fail,drift,bench (default: all)
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
-STAGES=${1:-build,check,graph,fail,bench}
+STAGES=${1:-build,check,graph,fail,drift,bench}
 source benchmarks/device_env.sh
 export TRITON_DEFAULT_FP_FUSION=1
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -41,6 +41,20 @@ if has fail; then
   ROCMOE_TIMEOUT_S=3 timeout 60 mpirun -n 2 --oversubscribe python3 $SCRIPT gemm_timeout \
     --dtype bf16 > "$OUT/timeout.log" 2>&1
   echo "rc=$?"; grep -E "TIMEOUT|FAIL" "$OUT/timeout.log" | cut -c1-200 | head -4
+fi
+if has drift; then
+  # rank 0 reaches each handle's first call 2 x ROCMOE_TIMEOUT_S late: it must complete
+  # (ROCMOE_FIRST_CALL_TIMEOUT_S); with that at 0 the GEMM's first call must time out.
+  # Each output line is stamped with the seconds since the job started.
+  for first in 300 0; do
+    stamp "drift: 2 ranks, ROCMOE_FIRST_CALL_TIMEOUT_S=$first"
+    s=$(date +%s)
+    ROCMOE_TIMEOUT_S=3 ROCMOE_FIRST_CALL_TIMEOUT_S=$first timeout 240 mpirun -n 2 \
+      --oversubscribe python3 $SCRIPT first_call_drift --dtype bf16,fp32 2>&1 |
+      while IFS= read -r l; do echo "[$(( $(date +%s) - s ))s] $l"; done > "$OUT/drift_$first.log"
+    echo "rc=${PIPESTATUS[0]} after $(( $(date +%s) - s )) s"
+    grep -E "RANK .* (OK|FAIL)|Error" "$OUT/drift_$first.log" | cut -c1-220 | head -8
+  done
 fi
 if has bench; then
   stamp bench

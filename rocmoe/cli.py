@@ -25,9 +25,10 @@ BENCHMARKS = ("heap", "fused", "fused_gpu", "moe", "moe_kernels", "ipc", "multi_
 ENV_KNOBS = (
     ("ROCMOE_HEAP_SIZE", "1G", "symmetric heap bytes per rank (K/M/G suffixes)"),
     ("ROCMOE_TIMEOUT_S", "60", "bound in seconds for every wait and control collective"),
-    ("ROCMOE_FIRST_CALL_TIMEOUT_S", "300", "bound of the device waits in the first call of a "
-                                           "GEMM handle's kernel, which peers may spend in "
-                                           "the JIT and the tuner (at least ROCMOE_TIMEOUT_S)"),
+    ("ROCMOE_FIRST_CALL_TIMEOUT_S", "300", "bound of the device waits in a handle's first "
+                                           "call (a GEMM plan's first launch), which peers "
+                                           "may spend in the JIT and the tuner (at least "
+                                           "ROCMOE_TIMEOUT_S)"),
     ("ROCMOE_HOST_WORKERS", "auto", "worker threads per rank for the host backend's fused ops"),
     ("ROCMOE_MOE_BACKEND", "auto", "block-sparse MoE kernels: auto, triton or torch"),
     ("ROCMOE_REPLICA_SUM_BYTES", str(256 << 20), "heap bytes per rank for vExpert's replica "

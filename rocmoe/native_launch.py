@@ -369,6 +369,19 @@ class NativeLaunch:
             raise Unsupported(f"cuTensorMapEncodeTiled refused the map ({rc})")
         return buf, ffi.cast("void *", addr)
 
+    def set_fixed(self, pos: int, value: int) -> None:
+        """Rewrite integer argument `pos`, one that calls do not change (a GEMM plan's wait
+        budget after its first launch), for every later launch. Its specialisation must stay
+        the one compiled."""
+        fields = self._by_pos.get(pos)
+        if fields is None or fields[0].kind != "int":
+            raise Unsupported(f"argument {pos} is not an integer parameter")
+        cell = fields[0].cell
+        if _int_token(value) != _int_token(int(cell[0])):
+            raise Unsupported(f"argument {pos}: {value} is not specialised as {int(cell[0])} "
+                              "was")
+        cell[0] = value
+
     # -- pieces for a caller that rewrites only what changed ----------------------------
     def step(self, pos: int):
         """The step of dynamic argument `pos`: step(a) writes it and says whether its

@@ -118,10 +118,18 @@ def _first_call_budget(timeout_s: float) -> int:
     (results/fused_gpu_h200_tenth_session_run3_nosync2rank_fail.log). So the first launch
     waits ROCMOE_FIRST_CALL_TIMEOUT_S (at least ROCMOE_TIMEOUT_S); the interpreter, which
     compiles nothing, waits the plain budget."""
+    return _wait_budget(first_call_timeout_s(timeout_s))
+
+
+def first_call_timeout_s(timeout_s: float) -> float:
+    """Seconds the first launch of a handle's kernel (or of a GEMM plan) may wait for its
+    peers: ROCMOE_FIRST_CALL_TIMEOUT_S, at least `timeout_s` (see _first_call_budget). The
+    HIP kernels of EmbeddingAllToAll and GemvAllReduce compile nothing themselves, but a
+    peer may still be in the JIT of another handle or of torch when it reaches them."""
     if _interpreting():
-        return _wait_budget(timeout_s)
+        return timeout_s
     first = float(os.environ.get("ROCMOE_FIRST_CALL_TIMEOUT_S", "300"))
-    return _wait_budget(max(timeout_s, first))
+    return max(timeout_s, first)
 
 
 def _clock() -> int:
@@ -494,7 +502,8 @@ class _GemmLaunch:
             raw = self._raw_args(handle, team, x, w, strides_w, counts, out, recv)
             tried = tma_native
             if tma_native.launch((self.nprog,), raw):
-                self.launched = True
+                if not self.launched:
+                    self._first_launch_done()
                 if not self.local:
                     self._collect(team, out, recv, x.device)
                 return
@@ -522,9 +531,20 @@ class _GemmLaunch:
             if use_tma not in self.native and compiled is not None:
                 self.native[use_tma] = native_launch.try_native(compiled, raw, _GEMM_DYNAMIC,
                                                                 x.device)
-        self.launched = True
+        if not self.launched:
+            self._first_launch_done()
         if not self.local:
             self._collect(team, out, recv, x.device)
+
+    def _first_launch_done(self) -> None:
+        """The plan's first launch is enqueued: later ones wait the context's timeout. A
+        native launch keeps the arguments of the call it was made on except the ones a call
+        changes, and the budget is not one of those: rewrite it there too (without this,
+        every later call of the plan waited ROCMOE_FIRST_CALL_TIMEOUT_S for a dead peer)."""
+        self.launched = True
+        for native in self.native.values():
+            if native:
+                native.set_fixed(_GEMM_BUDGET, self.wait_budget)
 
     def _collect(self, team, out, recv, device) -> None:
         """The receiving side of a call at world size > 1: wait for every source, copy what
@@ -548,6 +568,7 @@ class _GemmLaunch:
 # capacity, grid, wait budget) is fixed for a plan
 _GEMM_DYNAMIC = (0, 1, 2, 3, 4, 5, 6, 19, 25, 26, 27, 28, 29)
 _GEMM_FIXED = tuple(i for i in range(33) if i not in _GEMM_DYNAMIC)
+_GEMM_BUDGET = 30  # wait_budget: fixed, but the first launch's is longer (_first_launch_done)
 # the most split-K scratch a plan allocates (about 20 MiB at 512 x 4096 x 4096, SPLIT_K 2)
 _SPLIT_SCRATCH_MAX = 64 << 20
 
@@ -891,11 +912,11 @@ def abort(handle) -> None:
     team = team_for(handle.ctx)
     if handle.op == "embedding_all_to_all":
         args = ffi.new("rocmoe_gpu_embedding_args *")
-        _fill(ffi, args, team, handle)
+        _fill(ffi, args, team, handle, first_call=False)  # as the Triton abort: the timeout
         check(lib.rocmoe_gpu_embedding_a2a(args, 1), "EmbeddingAllToAll abort (GPU)")
     else:
         args = ffi.new("rocmoe_gpu_gemv_args *")
-        _fill(ffi, args, team, handle)
+        _fill(ffi, args, team, handle, first_call=False)
         check(lib.rocmoe_gpu_gemv_allreduce(args, 1), "GemvAllReduce abort (GPU)")
 
 
@@ -918,8 +939,10 @@ def _stream_ptr(ffi, device):
     return ffi.cast("void *", torch.cuda.current_stream(index).cuda_stream)
 
 
-def _fill(ffi, args, team: Team, handle) -> None:
-    """The team and fused parts of a HIP kernel's arguments (once per handle's struct)."""
+def _fill(ffi, args, team: Team, handle, first_call: bool = True) -> None:
+    """The team and fused parts of a HIP kernel's arguments (once per handle's struct). A
+    struct for a first call waits first_call_timeout_s; its caller sets fused.timeout_s to
+    the context's timeout once that call is launched (_launched)."""
     args.team.peer_bases = ffi.cast("const void *", team.peer_bases.data_ptr())
     args.team.rank, args.team.world = team.rank, team.world
     args.team.ranks_per_node = team.ranks_per_node
@@ -928,8 +951,14 @@ def _fill(ffi, args, team: Team, handle) -> None:
     args.fused.stage = ffi.NULL  # every peer of an ipc heap is load/store reachable
     args.fused.status = ffi.cast("int *", handle.status_address)
     args.fused.workgroups = int(os.environ.get("ROCMOE_GPU_WORKGROUPS", "0"))
-    args.fused.timeout_s = handle.ctx.timeout_s
+    args.fused.timeout_s = (first_call_timeout_s(handle.ctx.timeout_s) if first_call
+                            else handle.ctx.timeout_s)
     args.fused.stream = _stream_ptr(ffi, handle.ctx.device)
+
+
+def _launched(args, handle) -> None:
+    """`args`' first call is launched: its later calls wait the context's timeout."""
+    args.fused.timeout_s = handle.ctx.timeout_s
 
 
 def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
@@ -986,6 +1015,9 @@ def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
         args.device_tables = ffi.cast("const rocmoe_gpu_table *", keep.data_ptr())
     args.out = ffi.cast("void *", out.data_ptr())
     check(lib.rocmoe_gpu_embedding_a2a(args, 0), "EmbeddingAllToAll (GPU)")
+    if not getattr(handle, "_gpu_launched", False):
+        _launched(args, handle)
+        handle._gpu_launched = True
     del keep, wts, idx, offs, ps  # freed into stream order: reused only after the kernel
 
 
@@ -1026,6 +1058,7 @@ class PackedEmbeddingLaunch:
             fields[field] = ("packed", field)
         self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_embedding_args", fields)
         self.args, self.fn, self.check = args, lib.rocmoe_gpu_embedding_a2a, check
+        self.handle, self.first = handle, True  # the first call waits longer (_fill)
         self.stream = native_launch.stream_getter(handle.ctx.device)
 
     def __call__(self, weight, indices, offsets, psw, batch: int, out: torch.Tensor) -> None:
@@ -1051,6 +1084,9 @@ class PackedEmbeddingLaunch:
         rc = self.fn(self.args, 0)
         if rc:
             self.check(rc, "EmbeddingAllToAll.batched (GPU)")
+        if self.first:
+            _launched(self.args, self.handle)
+            self.first = False
         del w, idx, off, ps  # freed into stream order: reused only after the kernel
 
 
@@ -1088,6 +1124,7 @@ class GemvLaunch:
             "stream": ("fused", "stream"), "k": ("k",), "w": ("w",), "x": ("x",),
             "out": ("out",)})
         self.args, self.fn, self.check = args, lib.rocmoe_gpu_gemv_allreduce, check
+        self.handle, self.first = handle, True  # the first call waits longer (_fill)
         self.stream = native_launch.stream_getter(handle.ctx.device)
 
     def __call__(self, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor) -> None:
@@ -1102,6 +1139,9 @@ class GemvLaunch:
         rc = self.fn(self.args, 0)
         if rc:
             self.check(rc, "GemvAllReduce (GPU)")
+        if self.first:
+            _launched(self.args, self.handle)
+            self.first = False
         del wc, xc  # a copy made here is freed into stream order: reused after the kernel
 
 

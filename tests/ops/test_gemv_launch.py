@@ -17,7 +17,8 @@ def _launch(monkeypatch, n=6, k_local=4):
     monkeypatch.setattr(gpu, "team_for", lambda ctx: None)
     monkeypatch.setattr(gpu.native_launch, "stream_getter",
                         lambda device: (lambda: 0x9000 + device.index))
-    handle = types.SimpleNamespace(ctx=types.SimpleNamespace(device=torch.device("cuda", 1)),
+    handle = types.SimpleNamespace(ctx=types.SimpleNamespace(device=torch.device("cuda", 1),
+                                                         timeout_s=30.0),
                                    N=n, K_local=k_local)
     launch = gpu.GemvLaunch(handle)
     seen = []

@@ -218,3 +218,22 @@ def test_generated_argument_writer_agrees_with_the_steps():
                 assert nl._by_pos[0][0].cell[0] == args[0].ptr
                 assert nl._by_pos[5][0].cell[0] == args[5]
     assert outcomes == {True, False}
+
+
+def test_a_fixed_integer_argument_can_be_rewritten_for_later_launches():
+    # a GEMM plan's wait budget: the first launch's (ROCMOE_FIRST_CALL_TIMEOUT_S) is written
+    # when the native launch is made, the later calls' afterwards
+    nl, _ = _launch_without_gpu((_FakeTensor(4096), 300_000_000), ["ptr", "int"])
+    nl._write(1, 300_000_000)
+    nl.set_fixed(1, 3_000_000)
+    assert nl._by_pos[1][0].cell[0] == 3_000_000
+
+
+def test_a_fixed_argument_keeps_its_specialisation():
+    nl, _ = _launch_without_gpu((_FakeTensor(4096), 48), ["ptr", "int"])
+    nl._write(1, 48)
+    with pytest.raises(native_launch.Unsupported):
+        nl.set_fixed(1, 47)  # 48 was specialised as divisible by 16
+    with pytest.raises(native_launch.Unsupported):
+        nl.set_fixed(0, 16)  # a pointer
+    assert nl._by_pos[1][0].cell[0] == 48

@@ -16,7 +16,8 @@ def _launch(monkeypatch):
     monkeypatch.setattr(gpu, "team_for", lambda ctx: None)
     monkeypatch.setattr(gpu.native_launch, "stream_getter",
                         lambda device: (lambda: 0x7000 + device.index))
-    handle = types.SimpleNamespace(ctx=types.SimpleNamespace(device=torch.device("cuda", 2)),
+    handle = types.SimpleNamespace(ctx=types.SimpleNamespace(device=torch.device("cuda", 2),
+                                                         timeout_s=30.0),
                                    mode="mean", num_tables=3, total_tables=5,
                                    table_base=1, dim=8,
                                    _row_base_t=torch.tensor([0, 4, 9, 15]))

@@ -125,6 +125,21 @@ def test_a_gemm_plans_first_launch_waits_the_first_call_timeout(monkeypatch):
     assert gpu._first_call_budget(400.0) == 400_000_000  # never below the plain timeout
 
 
+def test_a_gemm_plan_rewrites_its_native_launches_budget_after_the_first_launch():
+    # a native launch keeps the fixed arguments of the call it was made on, the first's
+    # long budget among them: without the rewrite every later call waited
+    # ROCMOE_FIRST_CALL_TIMEOUT_S for a dead peer (300 s on the H200, where the missing-peer
+    # test hung)
+    assert tk.get("gemm_a2a_kernel").arg_names[gpu._GEMM_BUDGET] == "wait_budget"
+    assert gpu._GEMM_BUDGET in gpu._GEMM_FIXED
+    written = []
+    native = types.SimpleNamespace(set_fixed=lambda pos, v: written.append((pos, v)))
+    plan = gpu._GemmLaunch.__new__(gpu._GemmLaunch)
+    plan.native, plan.wait_budget, plan.launched = {True: native, False: None}, 3_000_000, False
+    plan._first_launch_done()
+    assert plan.launched and written == [(gpu._GEMM_BUDGET, 3_000_000)]
+
+
 def test_the_first_call_budget_specialises_the_kernel_like_the_plain_one(monkeypatch):
     # the plan specialises its fixed arguments once, at the first launch: the two budgets
     # must key the same compiled kernel (multiples of 16, 32-bit)

@@ -306,6 +306,9 @@ def check_gemm_timeout(ctx, dtype, calls):
         # assumed; the interpreter still counts polls)
         if dev.type == "cuda":
             assert waited >= 0.9 * short, f"timed out after {waited:.2f} s of a {short} s budget"
+        # and it is the timeout, not ROCMOE_FIRST_CALL_TIMEOUT_S: call 2 is not a first call
+        # (a native launch once kept the first call's budget: this wait took 300 s)
+        assert waited < short + 30, f"timed out after {waited:.2f} s of a {short} s budget"
         return
     if rank == 0:
         raise AssertionError("rank 0 did not time out")
@@ -322,6 +325,7 @@ def check_first_call_drift(ctx, dtype, calls):
     # timed out at 30 s on two ranks sharing an H200 before); the next call is bounded by
     # the timeout again (gemm_timeout checks that)
     rank, world = ctx.rank, ctx.world_size
+    dev = ctx.device
     x, w, ref = _shared_gemm_case(ctx, dtype)
     h = device_kernels(ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype))
     ctx.barrier()
@@ -335,6 +339,38 @@ def check_first_call_drift(ctx, dtype, calls):
             e = rel_err(y[:2 * world], ref)
             assert e < TOL[dtype], f"first_call_drift: relative error {e}"
     h.close()
+    # the HIP kernels of GemvAllReduce and EmbeddingAllToAll likewise (a peer may reach
+    # their first call late from another handle's JIT)
+    g = torch.Generator().manual_seed(12)
+    wv, xv = torch.randn(40, 8, generator=g), torch.randn(8, generator=g)
+    gv = ops.GemvAllReduce(ctx, 40, 8, dtype)
+    table = torch.randn(30, 16, generator=g)  # every rank's one table: the same
+    batch = 3 * world
+    lens = torch.arange(batch) % 3  # bags of 0, 1 and 2 lookups
+    idx = torch.randint(0, 30, (int(lens.sum()),), generator=g)
+    offs = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)[:-1]])
+    bags = torch.nn.functional.embedding_bag(idx, table.to(dtype).double(), offs, mode="sum")
+    emb_ref = bags[3 * rank:3 * rank + 3, None].expand(3, world, 16)  # [bags, tables, D]
+    emb = ops.EmbeddingAllToAll(ctx, [30], 16, batch, int(lens.sum()), "sum", dtype)
+    for what in ("gemv", "embedding"):
+        ctx.barrier()
+        if rank == 0:
+            time.sleep(2 * ctx.timeout_s)
+        with torch.no_grad():
+            for _ in range(2):
+                if what == "gemv":
+                    out = gv(wv.to(dev, dtype), xv.to(dev, dtype))
+                    gv.synchronize()
+                    want = world * (wv.to(dtype).double() @ xv.to(dtype).double())
+                else:
+                    out = emb([table.to(dev, dtype)], [idx.to(dev)], [offs.to(dev)],
+                              batch=batch)
+                    emb.synchronize()
+                    want = emb_ref
+                e = rel_err(out, want)
+                assert e < TOL[dtype], f"first_call_drift {what}: relative error {e}"
+    gv.close()
+    emb.close()
 
 
 def _shared_gemm_case(ctx, dtype):
