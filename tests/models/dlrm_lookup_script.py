@@ -11,6 +11,7 @@ ranks or more leaves a rank without tables. Every rank prints "rank r ok <what>"
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -18,18 +19,14 @@ import torch
 import rocmoe
 from rocmoe.models.dlrm import DLRM
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rank_report import RankReport  # noqa: E402
+
 torch.set_num_threads(1)
 ctx = rocmoe.init(backend="host", heap_size=64 << 20)
 RANK, WORLD = ctx.rank, ctx.world_size
 SIZES, DIM, PER_RANK = [50, 7, 30], 4, 4
-failures = 0
-
-
-def report(ok: bool, what: str, detail: str = "") -> None:
-    global failures
-    failures += not ok
-    print(f"rank {RANK} {'ok' if ok else 'FAIL'} {what}{(': ' + detail) if detail else ''}",
-          flush=True)
+report = RankReport(f"rank {RANK}")
 
 
 def model(**bounds) -> DLRM:
@@ -65,4 +62,4 @@ for step in range(2):
     report(same, f"step {step} gradients")
 ctx.barrier()
 ctx.finalize()
-sys.exit(1 if failures else 0)
+sys.exit(report.status())

@@ -20,21 +20,16 @@ import rocmoe
 import rocmoe.ops as ops
 from rocmoe.ops import reference as ref
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rank_report import RankReport  # noqa: E402
+
 torch.set_num_threads(1)
 ctx = rocmoe.init(backend="host", heap_size=256 << 20)
 RANK, WORLD = ctx.rank, ctx.world_size
-failures = 0
+report = RankReport(f"rank {RANK}/{WORLD}")
 
 TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def report(ok: bool, what: str, detail: str = "") -> None:
-    global failures
-    if not ok:
-        failures += 1
-    print(f"rank {RANK}/{WORLD} {'ok' if ok else 'FAIL'} {what}{(': ' + detail) if detail else ''}",
-          flush=True)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype, scale: float = 1.0) -> tuple[bool, str]:
@@ -511,8 +506,8 @@ def main() -> int:
             sys.stdout.flush()
             os._exit(1)
     ctx.finalize()
-    print(f"rank {RANK}/{WORLD} {'PASSED' if failures == 0 else f'{failures} FAILED'}", flush=True)
-    return 1 if failures else 0
+    report.summary()
+    return report.status()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ rocmoe.ops.reference (compute with torch, move with MPI), on the same inputs.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -20,17 +21,13 @@ import rocmoe
 import rocmoe.ops as ops
 from rocmoe.ops import reference as ref
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rank_report import RankReport  # noqa: E402
+
 torch.set_num_threads(1)
 ctx = rocmoe.init(backend="host", heap_size=128 << 20)
 RANK, WORLD = ctx.rank, ctx.world_size
-failures = 0
-
-
-def report(ok: bool, what: str, detail: str = "") -> None:
-    global failures
-    failures += not ok
-    print(f"rank {RANK} {'ok' if ok else 'FAIL'} {what}{(': ' + detail) if detail else ''}",
-          flush=True)
+report = RankReport(f"rank {RANK}")
 
 
 def close(a, b, tol=1e-4) -> bool:
@@ -312,9 +309,9 @@ def main():
             GROUPS[name]()
         except Exception:  # noqa: BLE001
             report(False, f"group {name} crashed", traceback.format_exc().replace("\n", " | "))
-    print(f"rank {RANK} {'PASSED' if failures == 0 else f'{failures} FAILED'}", flush=True)
+    report.summary()
     ctx.finalize()
-    sys.exit(0 if failures == 0 else 1)
+    sys.exit(report.status())
 
 
 if __name__ == "__main__":
