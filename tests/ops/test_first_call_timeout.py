@@ -57,3 +57,19 @@ def test_a_packed_embedding_handles_first_call_waits_the_first_call_timeout(firs
 def test_the_first_call_timeout_is_never_below_the_contexts(first_call_300):
     assert gpu.first_call_timeout_s(3.0) == 300.0
     assert gpu.first_call_timeout_s(400.0) == 400.0
+
+
+def test_a_per_table_embedding_handles_first_call_waits_the_first_call_timeout(
+        first_call_300, monkeypatch):
+    from rocmoe import _native
+    seen = []
+    monkeypatch.setattr(_native, "lib", types.SimpleNamespace(
+        ROCMOE_OK=_native.lib.ROCMOE_OK,
+        rocmoe_gpu_embedding_inline_tables=lambda: 8,  # the records inline, no device copy
+        rocmoe_gpu_embedding_a2a=lambda args, abort: seen.append(args.fused.timeout_s) or 0))
+    handle = _handle("embedding_all_to_all", total_tables=2, table_base=0, dim=4)
+    table = torch.zeros(5, 4)
+    for _ in range(3):
+        gpu.embedding(handle, [table], [torch.zeros(3, dtype=torch.int64)], [torch.arange(2)],
+                      None, 2, "sum", torch.zeros(1, 2, 4))
+    assert seen == [300.0, 3.0, 3.0]
