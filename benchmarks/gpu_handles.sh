@@ -20,7 +20,7 @@ fi
 if has check; then
   for n in 1 2; do
     stamp "check: $n rank(s)"
-    ROCMOE_TIMEOUT_S=20 timeout 150 mpirun -n $n --oversubscribe python3 $SCRIPT \
+    ROCMOE_TIMEOUT_S=20 timeout 400 mpirun -n $n --oversubscribe python3 $SCRIPT \
       gemm,gemm_grouped,rows,embedding,gemv,nosync --calls 3 --dtype fp32,bf16 > "$OUT/check_$n.log" 2>&1
     echo "rc=$?"; grep -E "RANK .* (OK|FAIL)|Error" "$OUT/check_$n.log" | sort | uniq -c | head -24
   done
