@@ -110,9 +110,11 @@ def _env_info() -> dict:
     for name, default, what in ENV_KNOBS:
         out[name] = {"value": os.environ.get(name), "default": default, "meaning": what}
     try:
-        from .runtime import heap_size_from_env, timeout_from_env
+        from .runtime import (first_call_timeout_from_env, heap_size_from_env,
+                              timeout_from_env)
         out["ROCMOE_HEAP_SIZE"]["effective_bytes"] = heap_size_from_env()
         out["ROCMOE_TIMEOUT_S"]["effective"] = timeout_from_env()
+        out["ROCMOE_FIRST_CALL_TIMEOUT_S"]["effective"] = first_call_timeout_from_env()
     except errors.RocmoeError as exc:
         out["error"] = str(exc)
     return out

@@ -27,6 +27,7 @@ from .heap import SymmetricHeap
 
 DEFAULT_HEAP_SIZE = 1 << 30
 DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_FIRST_CALL_TIMEOUT_S = 300.0
 
 _current: Optional["Context"] = None
 _current_lock = threading.Lock()
@@ -50,15 +51,27 @@ def heap_size_from_env() -> int:
 
 
 def timeout_from_env() -> float:
-    text = os.environ.get("ROCMOE_TIMEOUT_S")
+    return _seconds_from_env("ROCMOE_TIMEOUT_S", DEFAULT_TIMEOUT_S, zero_ok=False)
+
+
+def first_call_timeout_from_env() -> float:
+    """ROCMOE_FIRST_CALL_TIMEOUT_S: the bound of a handle's first device waits (0: no more
+    than ROCMOE_TIMEOUT_S; see rocmoe.ops.gpu.first_call_timeout_s)."""
+    return _seconds_from_env("ROCMOE_FIRST_CALL_TIMEOUT_S", DEFAULT_FIRST_CALL_TIMEOUT_S,
+                             zero_ok=True)
+
+
+def _seconds_from_env(name: str, default: float, zero_ok: bool) -> float:
+    text = os.environ.get(name)
     if not text:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise errors.InvalidArgumentError(f"ROCMOE_TIMEOUT_S={text!r} must be a positive number")
+    if not (value >= 0 if zero_ok else value > 0):
+        kind = "a non-negative" if zero_ok else "a positive"
+        raise errors.InvalidArgumentError(f"{name}={text!r} must be {kind} number")
     return value
 
 

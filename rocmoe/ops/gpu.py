@@ -128,8 +128,8 @@ def first_call_timeout_s(timeout_s: float) -> float:
     peer may still be in the JIT of another handle or of torch when it reaches them."""
     if _interpreting():
         return timeout_s
-    first = float(os.environ.get("ROCMOE_FIRST_CALL_TIMEOUT_S", "300"))
-    return max(timeout_s, first)
+    from ..runtime import first_call_timeout_from_env
+    return max(timeout_s, first_call_timeout_from_env())
 
 
 def _clock() -> int:

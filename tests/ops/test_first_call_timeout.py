@@ -73,3 +73,12 @@ def test_a_per_table_embedding_handles_first_call_waits_the_first_call_timeout(
         gpu.embedding(handle, [table], [torch.zeros(3, dtype=torch.int64)], [torch.arange(2)],
                       None, 2, "sum", torch.zeros(1, 2, 4))
     assert seen == [300.0, 3.0, 3.0]
+
+
+def test_a_bad_first_call_timeout_is_a_clear_error(first_call_300, monkeypatch):
+    from rocmoe import errors
+    monkeypatch.setenv("ROCMOE_FIRST_CALL_TIMEOUT_S", "soon")
+    with pytest.raises(errors.InvalidArgumentError, match="ROCMOE_FIRST_CALL_TIMEOUT_S"):
+        gpu.first_call_timeout_s(3.0)
+    monkeypatch.setenv("ROCMOE_FIRST_CALL_TIMEOUT_S", "0")  # allowed: the plain timeout
+    assert gpu.first_call_timeout_s(3.0) == 3.0

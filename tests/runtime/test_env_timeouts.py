@@ -1,0 +1,28 @@
+"""The timeouts read from the environment: a value that is not a number of seconds is a
+clear InvalidArgumentError naming the variable, never a ValueError or a silent default."""
+
+import pytest
+
+from rocmoe import errors
+from rocmoe.runtime import first_call_timeout_from_env, timeout_from_env
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "soon", "nan"])
+def test_a_timeout_must_be_a_positive_number(monkeypatch, text):
+    monkeypatch.setenv("ROCMOE_TIMEOUT_S", text)
+    with pytest.raises(errors.InvalidArgumentError, match="ROCMOE_TIMEOUT_S"):
+        timeout_from_env()
+
+
+def test_the_first_call_timeout_may_be_zero_but_not_negative(monkeypatch):
+    monkeypatch.setenv("ROCMOE_FIRST_CALL_TIMEOUT_S", "0")
+    assert first_call_timeout_from_env() == 0.0
+    monkeypatch.setenv("ROCMOE_FIRST_CALL_TIMEOUT_S", "-5")
+    with pytest.raises(errors.InvalidArgumentError, match="ROCMOE_FIRST_CALL_TIMEOUT_S"):
+        first_call_timeout_from_env()
+
+
+def test_unset_timeouts_take_their_defaults(monkeypatch):
+    monkeypatch.delenv("ROCMOE_TIMEOUT_S", raising=False)
+    monkeypatch.delenv("ROCMOE_FIRST_CALL_TIMEOUT_S", raising=False)
+    assert (timeout_from_env(), first_call_timeout_from_env()) == (60.0, 300.0)
