@@ -237,3 +237,40 @@ def test_a_fixed_argument_keeps_its_specialisation():
     with pytest.raises(native_launch.Unsupported):
         nl.set_fixed(0, 16)  # a pointer
     assert nl._by_pos[1][0].cell[0] == 48
+
+
+def _descriptor_step(want_ptrs):
+    """A NativeLaunch with one descriptor argument, made without a kernel: its step, and
+    the base addresses its specialisation check and its map writer were called with (the
+    check passes for `want_ptrs`)."""
+    nl = native_launch.NativeLaunch.__new__(native_launch.NativeLaunch)
+    f = native_launch._Field("tma", 128)
+    f.desc = (None, 2)
+    nl._by_pos = {0: [f]}
+    checked, written = [], []
+    nl._token = lambda pos, a: checked.append(a.base.ptr) or a.base.ptr in want_ptrs
+    nl._write = lambda pos, a: written.append(a.base.ptr)
+    return nl._step(0, True), checked, written
+
+
+def _descriptor(ptr):
+    import types
+    return types.SimpleNamespace(base=_FakeTensor(ptr), shape=(64, 32), strides=(32, 1),
+                                 block_shape=[64, 32])
+
+
+def test_a_descriptor_step_checks_each_tensor_once_when_tensors_take_turns():
+    # a GEMM's outputs come from a ring of a few buffers: each buffer's map is written
+    # whenever it comes back, its specialisation checked only the first time
+    step, checked, written = _descriptor_step({4096, 8192})
+    a, b = _descriptor(4096), _descriptor(8192)
+    assert all(step(d) for d in (a, b, a, b, a, a))
+    assert checked == [4096, 8192]
+    assert written == [4096, 8192, 4096, 8192, 4096]  # the last call: its map is in place
+
+
+def test_a_descriptor_step_never_remembers_a_refusal():
+    step, checked, written = _descriptor_step({4096})
+    bad = _descriptor(4104)
+    assert not step(bad) and not step(bad)
+    assert checked == [4104, 4104] and written == []
