@@ -3,10 +3,10 @@
 # handle's device kernels at 1 and 2 ranks (ranks share the GPU), CUDA-graph replay, the
 # failure cases, then the benchmark against the torch ops.
 # Usage (repo root, on a GPU machine): OUT=/some/dir bash benchmarks/gpu_handles.sh [STAGES]
-#   STAGES: comma list of build,check,graph,store,fail,drift,bench (default: all)
+#   STAGES: comma list of build,check,graph,fail,drift,bench (default: all)
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
-STAGES=${1:-build,check,graph,store,fail,drift,bench}
+STAGES=${1:-build,check,graph,fail,drift,bench}
 source benchmarks/device_env.sh
 export TRITON_DEFAULT_FP_FUSION=1
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -31,17 +31,6 @@ if has graph; then
     ROCMOE_TIMEOUT_S=20 timeout 90 mpirun -n $n --oversubscribe python3 $SCRIPT graph \
       --dtype bf16 > "$OUT/graph_$n.log" 2>&1
     echo "rc=$?"; grep -E "RANK .* (OK|FAIL)|Error" "$OUT/graph_$n.log" | head -8
-  done
-fi
-if has store; then
-  # a GEMM tile config whose full tiles leave by TMA stores (world size 1), forced: the
-  # results, rows past the count left alone, the native and lean launches, graph replay
-  for n in 1 2; do
-    stamp "tma store: $n rank(s)"
-    ROCMOE_TIMEOUT_S=60 ROCMOE_GEMM_CONFIG='{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "TMA_STORE": true}' \
-      timeout 200 mpirun -n $n --oversubscribe python3 $SCRIPT tma_store,native,lean,graph \
-      --calls 3 --dtype bf16,fp16 > "$OUT/store_$n.log" 2>&1
-    echo "rc=$?"; grep -E "RANK .* (OK|FAIL)|Error|variants" "$OUT/store_$n.log" | sort | uniq -c | head -20
   done
 fi
 if has fail; then

@@ -227,78 +227,25 @@ def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2
 
 def _tile_id(extra):
     c = dict(kernels.default_config("cuda"), **extra)
-    store = "/tma_store" if c.get("TMA_STORE") else ""
-    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}/split{c.get('SPLIT_K', 1)}"
-            f"/stages{c['num_stages']}{store}")
+    return f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}/split{c.get('SPLIT_K', 1)}"
 
 
-def _tuning_tile_source(extra):
-    """(source, options) of gemm_a2a_kernel with a tuning candidate's tile and TMA loads in
-    local mode, as the tuner runs it: the direct path unless K is split, and out as a
-    descriptor too where the candidate stores by TMA."""
+@pytest.mark.parametrize("extra", [c for c in gpu_ops._TUNE_CANDIDATES + gpu_ops._TUNE_SKINNY
+                                   if "BLOCK_M" in c or "SPLIT_K" in c], ids=_tile_id)
+def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
+    # the first call of a GemmAllToAll shape times these tiles on the GPU; each must build
+    # for Hopper with its TMA loads and matrix instructions (local mode, as the tuner runs:
+    # the direct path unless K is split)
     cfg = dict(kernels.default_config("cuda"), **extra)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    store = bool(cfg.pop("TMA_STORE", False))
     sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
                x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
-    if store:
-        sig["out_desc"] = f"tensordesc<bf16[{bm}, {bn}]>"
     options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
     cfg.pop("USE_TMA", None)
-    cfg.pop("PROGRAMS_PER_SM", None)
     constexprs = dict(cfg, WORLD_P2=2, GROUPS_P2=1, MODE=kernels.MODE_LOCAL, COPY=False,
                       FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True,
                       SPLIT_K=cfg.get("SPLIT_K", 1), DIRECT=cfg.get("SPLIT_K", 1) == 1,
-                      CLOCK=kernels.CLOCK_CUDA, TMA_STORE=store)
+                      CLOCK=kernels.CLOCK_CUDA)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
-    return src, options
-
-
-@pytest.mark.parametrize("extra", [c for c in gpu_ops._TUNE_CANDIDATES + gpu_ops._TUNE_SKINNY
-                                   if {"BLOCK_M", "SPLIT_K", "TMA_STORE"} & set(c)],
-                         ids=_tile_id)
-def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
-    # the first call of a GemmAllToAll shape times these tiles on the GPU; each must build
-    # for Hopper with its TMA loads and matrix instructions
-    src, options = _tuning_tile_source(extra)
     ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
-
-
-@pytest.mark.parametrize("extra", [c for c in gpu_ops._TUNE_CANDIDATES + gpu_ops._TUNE_SKINNY
-                                   if c.get("TMA_STORE")], ids=_tile_id)
-def test_a_tma_store_tile_stores_full_tiles_by_the_copy_engine_on_sm90(extra, monkeypatch,
-                                                                        tmp_path, capsys):
-    # TMA_STORE: a tile whose rows are all taken goes out as one bulk tensor store from
-    # shared memory; the tile at the count's end keeps the masked stores; and ptxas keeps
-    # both in registers
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cached build runs no ptxas
-    monkeypatch.setenv("TRITON_DUMP_PTXAS_LOG", "1")
-    src, options = _tuning_tile_source(extra)
-    capsys.readouterr()
-    ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
-    log = capsys.readouterr().out
-    assert re.search(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta", ptx), \
-        "no bulk tensor store"
-    assert re.search(r"st\.global(\.v\d)?\.b", ptx), "no masked stores for the last tile"
-    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", log)
-    assert spills and all(int(b) == 0 for b in spills), log
-
-
-def test_tma_store_is_refused_outside_the_direct_path():
-    # the plan's path stores into a destination's heap at a row the counts give: no host
-    # descriptor covers it, so the kernel must not build with TMA_STORE there
-    _, options = _tuning_tile_source(dict(TMA_STORE=True))
-    cfg = dict(kernels.default_config("cuda"))
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
-               x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>",
-               out_desc=f"tensordesc<bf16[{bm}, {bn}]>")
-    for key in ("USE_TMA", "num_warps", "num_stages"):
-        cfg.pop(key)
-    constexprs = dict(cfg, WORLD_P2=2, GROUPS_P2=1, MODE=kernels.MODE_LOCAL, COPY=False,
-                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=1,
-                      DIRECT=False, CLOCK=kernels.CLOCK_CUDA, TMA_STORE=True)
-    src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
-    with pytest.raises(Exception, match="TMA_STORE is the DIRECT path's"):
-        triton.compile(src, target=TARGETS["sm90"][0], options=options)

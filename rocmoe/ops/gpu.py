@@ -325,18 +325,6 @@ def tma_operands_fit(x: torch.Tensor, w: Optional[torch.Tensor], cfg: dict) -> b
             and w.data_ptr() % 16 == 0 and (w.stride(-2) * es) % 16 == 0 and w.shape[-1] > 0)
 
 
-# the plan variant whose full output tiles leave by TMA stores (next to False: pointer loads,
-# True: TMA loads), a name of its own so that it never equals True
-TMA_STORE = "tma_store"
-
-
-def tma_store_fits(out: torch.Tensor, n: int) -> bool:
-    """Whether the direct path can store into `out` by a tensor descriptor: [rows, n] with
-    unit inner stride, a 16-byte aligned base and rows, rows present."""
-    return (out.dim() == 2 and out.shape[0] > 0 and out.shape[1] == n and out.stride(1) == 1
-            and out.data_ptr() % 16 == 0 and (out.stride(0) * out.element_size()) % 16 == 0)
-
-
 def gemm_operands(x: torch.Tensor, w: Optional[torch.Tensor], cfg: dict, descriptors=None) -> tuple:
     """(X argument, W argument, USE_TMA) of the GEMM kernel: tensor descriptors where
     tma_operands_fit, the tensors themselves otherwise. `descriptors`: a per-handle cache of
@@ -400,20 +388,6 @@ _TUNE_SKINNY += (
     dict(SPLIT_K=2),
     dict(SPLIT_K=4),
 )
-# and the tiles the H200 kept (benchmarks/results/fused_gpu_h200_*gemm*.jsonl) with their
-# full tiles stored by TMA (world size 1): a bare Triton GEMM ran 0.5-1.8 % faster so at
-# 2048^3 and 512 x 4096^2 (results/probe_gemm_gap_h200.jsonl). A tile whose pipeline leaves
-# no room for the store's staging buffer (128 x 256 with 4 stages) does not compile and is
-# not offered.
-_TUNE_CANDIDATES += (
-    dict(TMA_STORE=True),
-    dict(PROGRAMS_PER_SM=1, TMA_STORE=True),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, TMA_STORE=True),
-)
-_TUNE_SKINNY += (
-    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, TMA_STORE=True),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=8, TMA_STORE=True),
-)
 
 
 class _GemmLaunch:
@@ -456,13 +430,9 @@ class _GemmLaunch:
         self.options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages")
                         if k2 in cfg and dev.type != "cpu"}
         self.use_tma_wanted = bool(cfg.get("USE_TMA")) and not self.copy
-        # TMA_STORE: full tiles of the direct path leave by the copy engine too
-        self.tma_store_wanted = (self.use_tma_wanted and self.direct and dev.type == "cuda"
-                                 and bool(cfg.get("TMA_STORE")))
         self.fixed_spec = None
-        # variant (False: pointers, True: TMA loads, TMA_STORE: and stores) -> NativeLaunch
-        # (None: refused, see native_launch.last_refusal); made from the kernel the JIT ran
-        # on the first call of each
+        # use_tma -> NativeLaunch (None: refused, see native_launch.last_refusal); made from
+        # the kernel the JIT ran on the first call of each
         self.native: dict = {}
         self.collect_native = None  # NativeLaunch, False when refused
         self.constexprs = dict(
@@ -470,7 +440,7 @@ class _GemmLaunch:
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             MODE=0 if self.local else 1, COPY=self.copy, FP32_IEEE=x.dtype == torch.float32,
             EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False,
-            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock(), TMA_STORE=False)
+            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock())
         self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
                     self.nprog)
         layout = handle.layout
@@ -518,67 +488,53 @@ class _GemmLaunch:
         return (x, w_raw, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
                 x.shape[0], handle.N, x.shape[1], self.per, self.capacity, self.nprog,
                 x.stride(0), x.stride(1), *strides_w,
-                self.wait_budget if self.launched else self.first_budget, *self.split_args, out)
+                self.wait_budget if self.launched else self.first_budget, *self.split_args)
 
     def launch(self, handle, team, x, w, counts, out, recv, descriptors) -> None:
         strides_w = (0, 0, 0) if self.copy else \
             (w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1))
-        # the kernels made for TMA first (the one that also stores by TMA, then the one that
-        # loads by TMA): a native launch checks every operand it loads or stores by a map
-        # (base and row alignment by its tokens, unit inner stride and non-empty shape by
-        # the driver's encode), so only a grouped W's contiguity, which a map of [G*K, N]
-        # assumes, is left to check here
-        tried = ()
-        if not self.copy and (w.dim() == 2 or w.is_contiguous()):
-            for variant in (TMA_STORE, True):
-                tma_native = self.native.get(variant)
-                if not tma_native:
-                    continue
-                raw = self._raw_args(handle, team, x, w, strides_w, counts, out, recv)
-                tried += (tma_native,)
-                if tma_native.launch((self.nprog,), raw):
-                    self._launched(team, out, recv, x.device)
-                    return
+        # the kernel made for TMA loads first: its launch checks every operand it loads by
+        # a map (base and row alignment by its tokens, unit inner stride and non-empty
+        # shape by the driver's encode), so only a grouped W's contiguity, which a map of
+        # [G*K, N] assumes, is left to check here
+        tma_native, tried = self.native.get(True), None
+        if tma_native is not None and (w.dim() == 2 or w.is_contiguous()):
+            raw = self._raw_args(handle, team, x, w, strides_w, counts, out, recv)
+            tried = tma_native
+            if tma_native.launch((self.nprog,), raw):
+                if not self.launched:
+                    self._first_launch_done()
+                if not self.local:
+                    self._collect(team, out, recv, x.device)
+                return
         if self.copy:
-            w_raw, variant = x, False
+            w_raw, use_tma = x, False
         else:
             w_raw = w
-            variant = self.use_tma_wanted and tma_operands_fit(x, w, self.cfg)
-            if variant and self.tma_store_wanted and tma_store_fits(out, handle.N):
-                variant = TMA_STORE
+            use_tma = self.use_tma_wanted and tma_operands_fit(x, w, self.cfg)
         raw = self._raw_args(handle, team, x, w_raw, strides_w, counts, out, recv)
-        native = self.native.get(variant)
-        # (not a TMA kernel's native launch again when it refused this call above)
-        if native is None or native in tried or not native.launch((self.nprog,), raw):
-            args = raw
-            if variant:
+        native = self.native.get(use_tma)
+        # (not the TMA kernel's native launch again when it refused this call above)
+        if native is None or native is tried or not native.launch((self.nprog,), raw):
+            if use_tma:
                 x_arg, w_arg, use_tma = gemm_operands(x, w, self.cfg, descriptors)
-                out_arg = out
-                if use_tma and variant is TMA_STORE:
-                    out_arg = tensor_descriptor(out, out.shape[0], out.shape[1], out.stride(0),
-                                                [self.bm, self.cfg["BLOCK_N"]])
-                variant = (False if not use_tma else
-                           True if out_arg is out else variant)
-                if variant:
-                    args = (x_arg, w_arg) + raw[2:_GEMM_OUT_DESC] + (out_arg,)
-            constexprs = (self.constexprs if not variant else
-                          dict(self.constexprs, USE_TMA=True, TMA_STORE=variant is TMA_STORE))
+                args = (x_arg, w_arg) + raw[2:]
+            else:
+                args = raw
+            constexprs = self.constexprs if not use_tma else dict(self.constexprs, USE_TMA=True)
             launcher = _LAUNCHERS["gemm_a2a_kernel"]
             if self.fixed_spec is None:  # the arguments a call cannot change, specialised once
                 assert len(args) == len(_GEMM_FIXED) + len(_GEMM_DYNAMIC), len(args)
                 self.fixed_spec = launcher.specialize(args, _GEMM_FIXED)
             compiled = launcher((self.nprog,), args, constexprs, self.options,
-                                (self.key, variant, self.fixed_spec), dynamic=_GEMM_DYNAMIC)
-            if variant not in self.native and compiled is not None:
-                self.native[variant] = native_launch.try_native(compiled, raw, _GEMM_DYNAMIC,
+                                (self.key, use_tma, self.fixed_spec), dynamic=_GEMM_DYNAMIC)
+            if use_tma not in self.native and compiled is not None:
+                self.native[use_tma] = native_launch.try_native(compiled, raw, _GEMM_DYNAMIC,
                                                                 x.device)
-        self._launched(team, out, recv, x.device)
-
-    def _launched(self, team, out, recv, device) -> None:
         if not self.launched:
             self._first_launch_done()
         if not self.local:
-            self._collect(team, out, recv, device)
+            self._collect(team, out, recv, x.device)
 
     def _first_launch_done(self) -> None:
         """The plan's first launch is enqueued: later ones wait the context's timeout. A
@@ -610,9 +566,8 @@ class _GemmLaunch:
 # gemm_a2a_kernel's arguments as _GemmLaunch passes them: the tensors, M and the strides of
 # X and W change from call to call; the rest (workspace offsets, rank, N, K, groups,
 # capacity, grid, wait budget) is fixed for a plan
-_GEMM_DYNAMIC = (0, 1, 2, 3, 4, 5, 6, 19, 25, 26, 27, 28, 29, 33)
-_GEMM_FIXED = tuple(i for i in range(34) if i not in _GEMM_DYNAMIC)
-_GEMM_OUT_DESC = 33  # out again: its tensor descriptor where the plan stores by TMA
+_GEMM_DYNAMIC = (0, 1, 2, 3, 4, 5, 6, 19, 25, 26, 27, 28, 29)
+_GEMM_FIXED = tuple(i for i in range(33) if i not in _GEMM_DYNAMIC)
 _GEMM_BUDGET = 30  # wait_budget: fixed, but the first launch's is longer (_first_launch_done)
 # the most split-K scratch a plan allocates (about 20 MiB at 512 x 4096 x 4096, SPLIT_K 2)
 _SPLIT_SCRATCH_MAX = 64 << 20
@@ -720,8 +675,7 @@ class _LeanGemmLaunch:
     row-major [M, K] and W of the handle's shape, dtype and GPU; with M and W's
     contiguity as in the last launch through the plan (the fields M, the strides and X's
     map shape depend on), only the pointers can differ: out, counts and recv are written,
-    X's and W's maps (and out's, where the plan stores by TMA) re-made only when their
-    address moved. Anything else (another M, a
+    X's and W's maps re-made only when their address moved. Anything else (another M, a
     strided W, a pointer of another alignment, a launch through the plan in between, which
     `NativeLaunch.generation` shows) goes through the plan, which rewrites every argument;
     `record` then takes that launch as the new base."""
@@ -732,22 +686,15 @@ class _LeanGemmLaunch:
         self.out_cell, self.out_aligned = native.pointer_cell(2)
         self.counts_cell, self.counts_aligned = native.pointer_cell(3)
         self.recv_cell, self.recv_aligned = native.pointer_cell(6)
-        # out again at _GEMM_OUT_DESC: a pointer the kernel does not use, or out's map
-        if native.is_descriptor(_GEMM_OUT_DESC):
-            self.desc_cell, self.desc_step = None, native.step(_GEMM_OUT_DESC)
-        else:
-            self.desc_cell, _ = native.pointer_cell(_GEMM_OUT_DESC)
-            self.desc_step = None
-        self.gen, self.m, self.xp, self.wp, self.op = -1, -1, 0, 0, 0
+        self.gen, self.m, self.xp, self.wp = -1, -1, 0, 0
 
-    def record(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-               gen_before: int) -> None:
+    def record(self, x: torch.Tensor, w: torch.Tensor, gen_before: int) -> None:
         """After a launch through the plan: the base of the next lean launches, when that
         launch wrote every argument of this kernel (and M > 1, W contiguous)."""
         nl = self.nl
         if nl.generation > gen_before and nl.written and x.shape[0] > 1 and w.is_contiguous():
             self.gen, self.m = nl.generation, x.shape[0]
-            self.xp, self.wp, self.op = x.data_ptr(), w.data_ptr(), out.data_ptr()
+            self.xp, self.wp = x.data_ptr(), w.data_ptr()
         else:
             self.gen = -1
 
@@ -770,12 +717,6 @@ class _LeanGemmLaunch:
         if ((p & 15) == 0) is not self.out_aligned:
             return False
         self.out_cell[0] = p
-        if self.desc_step is None:
-            self.desc_cell[0] = p
-        elif p != self.op:
-            if not self.desc_step(out):
-                return False
-            self.op = p
         p = counts.data_ptr()
         if ((p & 15) == 0) is not self.counts_aligned:
             return False
@@ -792,7 +733,7 @@ class _LeanGemmLaunch:
 
 
 def _lean_launch(plan: "_GemmLaunch", team: Team) -> Optional[_LeanGemmLaunch]:
-    native = plan.native.get(TMA_STORE) or plan.native.get(True) or plan.native.get(False)
+    native = plan.native.get(True) or plan.native.get(False)
     if not native:
         return None
     try:
@@ -864,7 +805,7 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
             before = fast.nl.generation if fast is not None else 0
             plan.launch(handle, team, x, w, counts, out, recv, descriptors)
             if fast is not None:
-                fast.record(x, w, out, before)
+                fast.record(x, w, before)
         return out, recv
     return call
 
@@ -910,7 +851,7 @@ def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Te
     args = (x, w, out, counts, order, team.peer_bases, recv, status_address,
             0, *([0] * 8), 0, world, int(x.shape[0]), n_out, k_in, g,
             1 << 62, nprog, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            w.stride(2), 1, 0, 0, out)
+            w.stride(2), 1, 0, 0)
     key = ("local", tuple(sorted(constexprs.items())), nprog)
     _LAUNCHERS["gemm_a2a_kernel"]((nprog,), args, constexprs, options, key)
     return out

@@ -248,13 +248,13 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     counters_off, recv_off, parity_bytes, source_bytes,
                     rank, world, M, N, K, G, capacity, num_programs,
                     stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, wait_budget,
-                    split_addr, split_tiles, out_desc,
+                    split_addr, split_tiles,
                     WORLD_P2: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     MODE: tl.constexpr, COPY: tl.constexpr, FP32_IEEE: tl.constexpr,
                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr = False,
                     SPLIT_K: tl.constexpr = 1, DIRECT: tl.constexpr = False,
-                    CLOCK: tl.constexpr = 0, TMA_STORE: tl.constexpr = False):
+                    CLOCK: tl.constexpr = 0):
     # counts [world, G] int64 (G = 1 for one W): rows of X, destination-major then group.
     # COPY: no W, the "product" is X itself (the row exchange; N = K). USE_TMA (Hopper):
     # x_ptr / w_ptr are tensor descriptors of X [M, K] and W [G*K, N] with [BLOCK_M, BLOCK_K]
@@ -267,8 +267,6 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
     # whatever the arrival order), stores the tile and counts it done. A call with more tiles
     # than the scratch holds, or bad counts, runs unsplit.
     # DIRECT (MODE_LOCAL with G = 1 and SPLIT_K = 1, counts [1]): no plan, see below.
-    # out_desc: `out` again, as a tensor descriptor of [rows of out, N] with [BLOCK_M,
-    # BLOCK_N] blocks where TMA_STORE (DIRECT with USE_TMA only), else unused (out itself).
     if USE_TMA:
         out_ty = x_ptr.dtype
     else:
@@ -294,28 +292,13 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                                 0, 0, K, N, K, stride_xm, stride_xk, stride_wg, stride_wk,
                                 stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, COPY, FP32_IEEE,
                                 EVEN_N, EVEN_K, USE_TMA)
-            if TMA_STORE:
-                # a tile whose rows are all taken leaves through the copy engine (the
-                # tile's registers go to shared memory once; the bulk store runs on while
-                # the next tile's loads start: +0.5-1.8 % at 512 x 4096^2 and 2048^3 on an
-                # H200, benchmarks/results/probe_gemm_gap_h200.jsonl); the tile holding the
-                # count's end keeps the masked stores (a box cannot be cut at a row the
-                # device reads), and tiles past it store nothing, as below
-                if (m_tile + 1) * BLOCK_M <= rows_taken:
-                    out_desc.store([(m_tile * BLOCK_M).to(tl.int32),
-                                    (n_tile * BLOCK_N).to(tl.int32)], acc.to(out_ty))
-                else:
-                    _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M,
-                                BLOCK_N)
-            else:
-                _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M, BLOCK_N)
+            _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M, BLOCK_N)
             task += num_programs
         if tl.program_id(0) == 0:
             tl.store(recv_ptr, rows_taken)
             if bad_count:
                 tl.store(status + 3 * world, STATUS_BAD_INPUT)
     else:
-        tl.static_assert(not TMA_STORE, "TMA_STORE is the DIRECT path's")
         positions = tl.arange(0, WORLD_P2)
         in_world = positions < world
         segs = tl.arange(0, GROUPS_P2)
@@ -607,11 +590,10 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             rank="i32", world="i32", M="i32", N="i32", K="i32", G="i32", capacity="i64",
             num_programs="i32", stride_xm="i32", stride_xk="i32", stride_wg="i32",
             stride_wk="i32", stride_wn="i32", wait_budget="i32", split_addr="i64",
-            split_tiles="i32", out_desc=p, WORLD_P2="constexpr", GROUPS_P2="constexpr", BLOCK_M="constexpr",
+            split_tiles="i32", WORLD_P2="constexpr", GROUPS_P2="constexpr", BLOCK_M="constexpr",
             BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", MODE="constexpr",
             COPY="constexpr", FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
-            USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr", CLOCK="constexpr",
-            TMA_STORE="constexpr"),
+            USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr", CLOCK="constexpr"),
         "collect_kernel": dict(
             out_ptr=p, peer_bases_ptr=i64, recv_ptr=i64, status_addr="i64", ws_offset="i64",
             ack_off="i64", count_off="i64", epoch_off="i64", counters_off="i64",

@@ -4,7 +4,6 @@ launches, and leaves every call whose other arguments may differ to the plan."""
 
 import torch
 
-from rocmoe.ops.gpu import _GEMM_OUT_DESC as OUT_DESC
 from rocmoe.ops.gpu import _LeanGemmLaunch
 
 
@@ -12,16 +11,11 @@ class FakeNative:
     """Stands for a NativeLaunch: steps that record what they wrote, pointer cells, the
     generation counter and the launches made as written."""
 
-    def __init__(self, out_descriptor=False):
+    def __init__(self):
         self.generation, self.written = 0, False
-        # 33: out again, a pointer the kernel does not use or (TMA_STORE) out's map
-        self.descriptors = {0, 1} | ({OUT_DESC} if out_descriptor else set())
-        self.cells = {pos: [0] for pos in (2, 3, 6, OUT_DESC) if pos not in self.descriptors}
+        self.cells = {pos: [0] for pos in (2, 3, 6)}
         self.stepped, self.launched = [], []
         self.step_ok = True
-
-    def is_descriptor(self, pos):
-        return pos in self.descriptors
 
     def step(self, pos):
         def write(a):
@@ -47,18 +41,18 @@ class FakePlan:
     nprog, local = 7, True
 
 
-def _outputs():
-    return torch.empty(64, 8), torch.empty(1, dtype=torch.int64), torch.empty(1, dtype=torch.int64)
-
-
-def _setup(m=64, out_descriptor=False, out=None):
-    nl = FakeNative(out_descriptor)
+def _setup(m=64):
+    nl = FakeNative()
     lean = _LeanGemmLaunch(FakePlan(), None, nl)
     x, w = torch.randn(m, 16), torch.randn(16, 8)
     before = nl.generation
     nl.full_launch()
-    lean.record(x, w, out if out is not None else _outputs()[0], before)
+    lean.record(x, w, before)
     return nl, lean, x, w
+
+
+def _outputs():
+    return torch.empty(64, 8), torch.empty(1, dtype=torch.int64), torch.empty(1, dtype=torch.int64)
 
 
 def test_same_shapes_launch_with_only_the_pointers_written():
@@ -67,37 +61,8 @@ def test_same_shapes_launch_with_only_the_pointers_written():
     assert lean(x, w, counts, out, recv, STREAM)
     (grid, stream, cells), = nl.launched
     assert grid == 7 and stream == STREAM
-    assert cells == {2: out.data_ptr(), 3: counts.data_ptr(), 6: recv.data_ptr(),
-                     OUT_DESC: out.data_ptr()}
-    assert nl.stepped == []  # X and W did not move: their maps stay
-
-
-def test_a_tma_store_plan_keeps_the_map_of_the_output_it_last_wrote():
-    out, counts, recv = _outputs()
-    nl, lean, x, w = _setup(out_descriptor=True, out=out)
-    assert lean(x, w, counts, out, recv, STREAM)
-    (_, _, cells), = nl.launched
     assert cells == {2: out.data_ptr(), 3: counts.data_ptr(), 6: recv.data_ptr()}
-    assert nl.stepped == []
-
-
-def test_a_tma_store_plan_writes_the_map_of_a_new_output_once():
-    before = torch.empty(64, 8)  # the plan's output (kept, so that the new one is elsewhere)
-    nl, lean, x, w = _setup(out_descriptor=True, out=before)
-    out, counts, recv = _outputs()
-    assert lean(x, w, counts, out, recv, STREAM)
-    assert lean(x, w, counts, out, recv, STREAM)
-    assert nl.stepped == [(OUT_DESC, out.data_ptr())]
-    assert len(nl.launched) == 2
-
-
-def test_an_output_the_tma_store_kernel_was_not_compiled_for_goes_to_the_plan():
-    before = torch.empty(64, 8)
-    nl, lean, x, w = _setup(out_descriptor=True, out=before)
-    nl.step_ok = False
-    out, counts, recv = _outputs()
-    assert not lean(x, w, counts, out, recv, STREAM)
-    assert nl.launched == []
+    assert nl.stepped == []  # X and W did not move: their maps stay
 
 
 def test_a_moved_x_is_written_through_its_step():
@@ -149,6 +114,6 @@ def test_record_refuses_a_plan_launch_that_did_not_write_every_argument():
     nl = FakeNative()
     lean = _LeanGemmLaunch(FakePlan(), None, nl)
     x, w = torch.randn(64, 16), torch.randn(16, 8)
+    lean.record(x, w, nl.generation)  # the plan went through the JIT: no generation moved
     out, counts, recv = _outputs()
-    lean.record(x, w, out, nl.generation)  # the plan went through the JIT: no generation moved
     assert not lean(x, w, counts, out, recv, STREAM)

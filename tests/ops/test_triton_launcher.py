@@ -111,8 +111,7 @@ def test_the_gemm_plan_names_every_argument_fixed_or_dynamic():
     names = [fn.arg_names[i] for i in gpu._GEMM_DYNAMIC]
     assert names == ["x_ptr", "w_ptr", "out_ptr", "counts_ptr", "order_ptr", "peer_bases_ptr",
                      "recv_ptr", "M", "stride_xm", "stride_xk", "stride_wg", "stride_wk",
-                     "stride_wn", "out_desc"]
-    assert fn.arg_names[gpu._GEMM_OUT_DESC] == "out_desc"
+                     "stride_wn"]
 
 
 def test_a_gemm_plans_first_launch_waits_the_first_call_timeout(monkeypatch):

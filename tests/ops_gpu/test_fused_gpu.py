@@ -45,21 +45,6 @@ def test_split_k_gemm_matches_reference_and_replays_from_graphs_on_gpu(ranks):
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_gemm_tiles_stored_by_tma_match_reference_and_leave_rows_past_the_count_alone_on_gpu(
-        ranks):
-    _require_gpu_build()
-    # the tuner's TMA-store tiles, forced: full tiles by bulk tensor stores at world size 1
-    # (through the driver, the lean path and a graph), the masked path above it
-    store = '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "TMA_STORE": true}'
-    proc = run_mpi(SCRIPT, ranks, "tma_store,native,lean,graph", "--calls", "3",
-                   "--dtype", "bf16,fp16", timeout=400,
-                   env=mpi_env(ROCMOE_TIMEOUT_S="60", ROCMOE_GEMM_CONFIG=store))
-    assert proc.returncode == 0, proc.stdout
-    for op in ("tma_store", "native", "lean", "graph"):
-        assert proc.stdout.count(f"OK {op} ") == 2 * ranks, proc.stdout
-
-
-@pytest.mark.parametrize("ranks", [1, 2])
 def test_gemm_handle_launches_natively_through_the_driver_with_the_jits_results(ranks):
     _require_gpu_build()
     proc = run_mpi(SCRIPT, ranks, "native", "--dtype", "bf16,fp32", timeout=300,
