@@ -105,6 +105,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--output", default="probe_gemm_gap.jsonl")
     p.add_argument("--shapes", default="2048x2048x2048,512x4096x4096,4096x4096x4096")
+    p.add_argument("--tiles", default="",
+                   help="comma list of BMxBNxBKwWARPSsSTAGES, e.g. 64x128x64w4s8 "
+                        "(default: the built-in list)")
+    p.add_argument("--all-variants", action="store_true",
+                   help="every tile with and without persistence and warp specialisation")
     args = p.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -112,6 +117,12 @@ def main() -> None:
     tiles = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4),
              (128, 128, 64, 4, 4), (128, 128, 64, 8, 5), (256, 128, 64, 8, 3),
              (128, 256, 128, 8, 2), (64, 128, 64, 4, 8)]
+    if args.tiles:
+        tiles = []
+        for t in args.tiles.split(","):
+            dims, rest = t.split("w")
+            warps, stages = rest.split("s")
+            tiles.append(tuple(int(v) for v in dims.split("x")) + (int(warps), int(stages)))
     for shape in args.shapes.split(","):
         m, k, n = map(int, shape.split("x"))
         torch.manual_seed(0)
@@ -130,9 +141,10 @@ def main() -> None:
         for bm, bn, bk, warps, stages in tiles:
             default_tile = (bm, bn, bk) == (128, 256, 64) and stages == 3
             for tma_store in (False, True):
-                for persistent in ((False, True) if default_tile or bm * bn == 128 * 128
+                every = default_tile or args.all_variants
+                for persistent in ((False, True) if every or bm * bn == 128 * 128
                                    else (False,)):
-                    for ws in ((False, True) if default_tile else (False,)):
+                    for ws in ((False, True) if every else (False,)):
                         c = torch.empty_like(ref)
                         a_d = TensorDescriptor.from_tensor(a, [bm, bk])
                         b_d = TensorDescriptor.from_tensor(b, [bk, bn])

@@ -36,6 +36,16 @@ CONFIGS = {
     "64x128 s4 split2": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4,
                              SPLIT_K=2),
     "128x128 w8 s4": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    # cuBLAS's choice at 256 x 4096^2 on an H200 (nvjet_sm90_tst_128x64_64x8_1x2: 128 x 64
+    # tiles, BLOCK_K 64, 8 stages, 2 x 1 clusters)
+    "128x64 s8": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=8),
+    "128x64 w8 s8": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=8),
+    "128x64 s6": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=6),
+    "128x128 w8 s4 split2": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8,
+                                 num_stages=4, SPLIT_K=2),
+    "128x128 s5": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5),
+    "128x128x128 s3": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
+    "128x256 w8 s3": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
 }
 
 
@@ -61,6 +71,31 @@ def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _bare(x, w, cfg):
+    """The tile as benchmarks/probe_gemm_gap.py's bare Triton matmul (TMA loads, masked
+    pointer store, one program per tile): the same code without the handle's plan."""
+    import sys
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from probe_gemm_gap import bare_matmul
+    m, k = x.shape
+    n = w.shape[1]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    c = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    a_d = TensorDescriptor.from_tensor(x, [bm, bk])
+    b_d = TensorDescriptor.from_tensor(w, [bk, bn])
+    c_d = TensorDescriptor.from_tensor(c, [bm, bn])
+    progs = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+
+    def run():
+        bare_matmul[(progs,)](a_d, b_d, c_d, c, m, n, k, progs, BLOCK_M=bm, BLOCK_N=bn,
+                              BLOCK_K=bk, GROUP_M=8, TMA_STORE=False, WARP_SPEC=False,
+                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return c
+    return run
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="256,4096,4096")
@@ -68,6 +103,10 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=0, help="eager calls of each afterwards")
     ap.add_argument("--no-time", action="store_true")
     ap.add_argument("--output", default="")
+    ap.add_argument("--bare", action="store_true",
+                    help="also each tile as a bare Triton matmul (benchmarks/probe_gemm_gap.py)")
+    ap.add_argument("--jit", action="store_true",
+                    help="also each tile through Triton's launcher (ROCMOE_NATIVE_LAUNCH=0)")
     a = ap.parse_args()
     import rocmoe
     from rocmoe import ops
@@ -82,15 +121,21 @@ def main() -> int:
     cases = {"torch.matmul": lambda: torch.matmul(x, w)}
     handles = []
     for name in names:
-        os.environ["ROCMOE_GEMM_CONFIG"] = json.dumps(CONFIGS[name])
-        h = ops.GemmAllToAll(ctx, m, k, n, torch.bfloat16)
-        handles.append(h)
-        with torch.no_grad():
-            y = h(x, w, [m])[0][:m]
-        err = float((y.float() - ref.float()).norm() / ref.float().norm())
-        cases[name] = (lambda h=h: h(x, w, [m])[0])
-        print(f"{name}: rel_err {err:.1e}", flush=True)
+        for launch in ("native", "jit") if a.jit else ("native",):
+            os.environ["ROCMOE_GEMM_CONFIG"] = json.dumps(CONFIGS[name])
+            os.environ["ROCMOE_NATIVE_LAUNCH"] = "0" if launch == "jit" else "1"
+            h = ops.GemmAllToAll(ctx, m, k, n, torch.bfloat16)
+            handles.append(h)
+            with torch.no_grad():
+                y = h(x, w, [m])[0][:m]  # the first call makes the launch (native or not)
+            err = float((y.float() - ref.float()).norm() / ref.float().norm())
+            key = name if launch == "native" else f"{name} jit"
+            cases[key] = (lambda h=h: h(x, w, [m])[0])
+            print(f"{key}: rel_err {err:.1e}", flush=True)
+        if a.bare:
+            cases[f"{name} bare"] = _bare(x, w, CONFIGS[name])
     os.environ.pop("ROCMOE_GEMM_CONFIG", None)
+    os.environ.pop("ROCMOE_NATIVE_LAUNCH", None)
     with torch.no_grad():
         if not a.no_time:
             base = None
@@ -98,7 +143,8 @@ def main() -> int:
                 ms = graph_ms(fn)
                 base = base or ms
                 rec = dict(probe="skinny_gemm", shape=dict(m=m, k=k, n=n), case=name,
-                           config=CONFIGS.get(name), graph_ms=round(ms, 5),
+                           config=CONFIGS.get(name.replace(" bare", "").replace(" jit", "")),
+                           graph_ms=round(ms, 5),
                            ratio_vs_torch=round(base / ms, 4),
                            device=torch.cuda.get_device_name())
                 print(json.dumps(rec), flush=True)
