@@ -233,6 +233,15 @@ def _store_tile(out, first_row, m_tile, n_tile, acc, rows, N, BLOCK_M: tl.conste
 
 
 @triton.jit
+def _direct_count(counts_ptr, capacity, M):
+    # (rows the DIRECT path stores, whether the count is bad): the count of counts_ptr[0]
+    # unless it is negative or above the capacity or X's rows, then 0
+    count = tl.load(counts_ptr)
+    bad = (count < 0) | (count > capacity) | (count > M)
+    return tl.where(bad, 0, count), bad
+
+
+@triton.jit
 def _grouped_tile(t, m_tiles, n_tiles, GROUP_M: tl.constexpr):
     # (row tile, column tile) of task t of a segment with m_tiles x n_tiles tiles, in
     # grouped order: GROUP_M row tiles share W's columns in L2
@@ -275,14 +284,14 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     if DIRECT:
         # world size 1 with one W and K unsplit: the tiles are X's own, so the K loop's
-        # loads depend on nothing read from memory. The count is loaded alongside and
-        # used only by the store's mask (rows past it, or every row when it is bad, are
-        # computed and not stored): the plan below puts a chain of dependent loads (counts,
-        # order) and reductions before the first tile load of every program, which cost
-        # 1-2 us of a 25 us GEMM on an H200 (benchmarks/results/probe_gemm_gap_h200.jsonl)
-        count = tl.load(counts_ptr)
-        bad_count = (count < 0) | (count > capacity) | (count > M)
-        rows_taken = tl.where(bad_count, 0, count)
+        # loads depend on nothing read from memory: the plan below puts a chain of dependent
+        # loads (counts, order) and reductions before the first tile load of every program,
+        # which cost 1-2 us of a 25 us GEMM on an H200 (probe_gemm_gap_h200.jsonl). The
+        # count is read after the tile's K loop, for the store's mask only (rows past it, or
+        # every row when it is bad, are computed and not stored): read before the loop, its
+        # latency held up every program's first TMA load (ptxas waits for it where the mask
+        # is made), and the kernel ran 6-11 % behind the same tile without a count at
+        # 256-512 x 4096^2 (probe_skinny_gemm_h200.jsonl)
         # (rows past the capacity are never stored: a count above it is bad)
         m_tiles = tl.cdiv(tl.minimum(M, capacity), BLOCK_M)
         task = tl.program_id(0)
@@ -292,9 +301,11 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                                 0, 0, K, N, K, stride_xm, stride_xk, stride_wg, stride_wk,
                                 stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, COPY, FP32_IEEE,
                                 EVEN_N, EVEN_K, USE_TMA)
+            rows_taken, _ = _direct_count(counts_ptr, capacity, M)
             _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M, BLOCK_N)
             task += num_programs
         if tl.program_id(0) == 0:
+            rows_taken, bad_count = _direct_count(counts_ptr, capacity, M)
             tl.store(recv_ptr, rows_taken)
             if bad_count:
                 tl.store(status + 3 * world, STATUS_BAD_INPUT)
