@@ -282,21 +282,13 @@ __device__ __forceinline__ void rows_dot(const typename T::storage *row0, int va
 }
 
 // the handle's call count, advanced as the protocol kernel does (nothing at world size 1
-// waits on it; the abort kernel and the next call read it): read when the kernel starts,
-// written back when the thread that read it is done with its rows. Written straight after
-// the read, the store waited out a global load's latency before that thread's wave began
-// its rows, and as every wave has the same share, the kernel ended that much later.
-struct EpochAdvance {
-    volatile uint64_t *word;
-    uint64_t next;
-    __device__ __forceinline__ explicit EpochAdvance(uint64_t *epoch_word)
-        : word(blockIdx.x == 0 && threadIdx.x == 0 ? epoch_word : nullptr), next(0) {
-        if (word) next = *word + 1;
+// waits on it; the abort kernel and the next call read it)
+__device__ __forceinline__ void advance_epoch(uint64_t *epoch_word) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        volatile uint64_t *e = epoch_word;
+        *e = *e + 1;
     }
-    __device__ __forceinline__ void finish() const {
-        if (word) *word = next;
-    }
-};
+}
 
 // World size 1, registers: wave q of the grid computes its wave_groups, kRows rows at a time.
 template <class T, int kRows, int kUnroll, int kLoad>
@@ -304,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     gemv_direct_kernel(const typename T::storage *W, const typename T::storage *x,
                        typename T::storage *y, int64_t n, int64_t k, int vec,
                        uint64_t *epoch_word) {
-    const EpochAdvance epoch(epoch_word);
+    advance_epoch(epoch_word);
     const int lane = threadIdx.x % ROCMOE_WAVE_SIZE;
     const int32_t q = int32_t(blockIdx.x) * kWaves + int32_t(threadIdx.x / ROCMOE_WAVE_SIZE);
     const GroupRange mine = wave_groups((n + kRows - 1) / kRows, int32_t(gridDim.x) * kWaves, q);
@@ -321,7 +313,6 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
                 if (j < valid) y[r0 + j] = T::store(acc[j]);
         }
     }
-    epoch.finish();
 }
 
 #if defined(ROCMOE_PLATFORM_NVIDIA)
@@ -426,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     gemv_async_kernel(const typename T::storage *W, const typename T::storage *x,
                       typename T::storage *y, int64_t n, int64_t k, uint64_t *epoch_word) {
     extern __shared__ __align__(16) uint4 gemv_stages[];
-    const EpochAdvance epoch(epoch_word);
+    advance_epoch(epoch_word);
     const int lane = threadIdx.x % ROCMOE_WAVE_SIZE;
     const int32_t q = int32_t(blockIdx.x) * kWaves + int32_t(threadIdx.x / ROCMOE_WAVE_SIZE);
     const GroupRange mine = wave_groups((n + kRows - 1) / kRows, int32_t(gridDim.x) * kWaves, q);
@@ -446,7 +437,6 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     for (int j = 0; j < kRows; ++j) ops.even[j] = ops.odd[j] = 0.f;
     const int32_t steps = int32_t((ops.nvec + ROCMOE_WAVE_SIZE - 1) / ROCMOE_WAVE_SIZE);
     stream_steps<kStages>(ops, mine, steps);
-    epoch.finish();
 }
 #endif  // ROCMOE_PLATFORM_NVIDIA
 
