@@ -23,11 +23,11 @@ from . import _native, errors
 from ._native import check, ffi, lib
 from .collective import (KIND_BARRIER, KIND_BOOTSTRAP, KIND_USER, ControlChannel,
                          SingleProcessComm)
+from .env import (DEFAULT_FIRST_CALL_TIMEOUT_S, DEFAULT_TIMEOUT_S,  # noqa: F401 - re-exported
+                  first_call_timeout_from_env, launched_by_mpi, timeout_from_env)
 from .heap import SymmetricHeap
 
 DEFAULT_HEAP_SIZE = 1 << 30
-DEFAULT_TIMEOUT_S = 60.0
-DEFAULT_FIRST_CALL_TIMEOUT_S = 300.0
 
 _current: Optional["Context"] = None
 _current_lock = threading.Lock()
@@ -50,35 +50,9 @@ def heap_size_from_env() -> int:
     return _parse_size(text) if text else DEFAULT_HEAP_SIZE
 
 
-def timeout_from_env() -> float:
-    return _seconds_from_env("ROCMOE_TIMEOUT_S", DEFAULT_TIMEOUT_S, zero_ok=False)
-
-
-def first_call_timeout_from_env() -> float:
-    """ROCMOE_FIRST_CALL_TIMEOUT_S: the bound of a handle's first device waits (0: no more
-    than ROCMOE_TIMEOUT_S; see rocmoe.ops.gpu.first_call_timeout_s)."""
-    return _seconds_from_env("ROCMOE_FIRST_CALL_TIMEOUT_S", DEFAULT_FIRST_CALL_TIMEOUT_S,
-                             zero_ok=True)
-
-
-def _seconds_from_env(name: str, default: float, zero_ok: bool) -> float:
-    text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (value >= 0 if zero_ok else value > 0):
-        kind = "a non-negative" if zero_ok else "a positive"
-        raise errors.InvalidArgumentError(f"{name}={text!r} must be {kind} number")
-    return value
-
-
 def _default_comm():
     """mpi4py's COMM_WORLD; a single process without any MPI launcher needs no MPI at all."""
-    launched = any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
-                                              "SLURM_STEP_NUM_TASKS", "MPI_LOCALNRANKS"))
+    launched = launched_by_mpi()
     try:
         from mpi4py import MPI
     except ImportError:

@@ -378,16 +378,11 @@ _TUNE_SKINNY = (
 # (tried and dropped, 2026-12-02: 128 x 64 tiles, BLOCK_K 64 / 5 stages and 128 / 3, for
 # one wave of 128 tiles at 256 x 4096^2; the tuner kept 64 x 64 on 128-512 rows every time,
 # results/fused_gpu_h200_gemm_tiles.jsonl)
-# and split K: wide tiles (fewer loads of X and W per output element than 64 x 64) whose K
-# is shared by 2-4 tasks, so that skinny X still makes about one wave: 256 x 4096^2 is 64
-# tiles of 128 x 128 (half the SMs idle) but 128 tasks split in two
-_TUNE_SKINNY += (
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT_K=2),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT_K=4),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, SPLIT_K=2),
-    dict(SPLIT_K=2),
-    dict(SPLIT_K=4),
-)
+# (also dropped, 2026-12-04: split-K tiles, 128 x 128 and 64 x 128 split 2 or 4 and the
+# default split 2 or 4. Split K never won in 63 tunings on the H200, 2026-12-02 to 12-04:
+# 1.5-2.0 x the kept tile's time at 128-512 x 4096^2, within 1 % at 512 x 8192^2
+# (benchmarks/results/fused_gpu_h200_*.jsonl, "candidates"); the path stays, for a config
+# that asks for it through ROCMOE_GEMM_CONFIG, and its tests with it)
 
 
 class _GemmLaunch:

@@ -13,38 +13,20 @@ is then the identity. That is also how a single-GPU run works on a machine witho
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 
 from ..collective import abort_job_at_exit
+from ..env import launched_by_mpi, timeout_from_env
 from ..errors import CommTimeoutError, ContextError, InvalidArgumentError
-
-# environment variables that MPI launchers (mpiexec, srun) set in every rank
-_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_NUM_TASKS",
-                  "MPI_LOCALNRANKS")
-
-def launched_by_mpi() -> bool:
-    return any(name in os.environ for name in _LAUNCHER_VARS)
-
-
-def group_timeout_s() -> float:
-    text = os.environ.get("ROCMOE_TIMEOUT_S", "")
-    try:
-        value = float(text) if text else 60.0
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise InvalidArgumentError(f"ROCMOE_TIMEOUT_S={text!r} must be a positive number")
-    return value
 
 
 class ProcessGroup:
     """rank, world_size and bounded collectives over an mpi4py communicator (or none)."""
 
     def __init__(self, comm=None, timeout_s: float | None = None):
-        self.timeout_s = group_timeout_s() if timeout_s is None else float(timeout_s)
+        self.timeout_s = timeout_from_env() if timeout_s is None else float(timeout_s)
         if comm is None or comm.Get_size() == 1:
             self.comm = None
             self.rank, self.world_size = 0, 1

@@ -26,3 +26,28 @@ def test_unset_timeouts_take_their_defaults(monkeypatch):
     monkeypatch.delenv("ROCMOE_TIMEOUT_S", raising=False)
     monkeypatch.delenv("ROCMOE_FIRST_CALL_TIMEOUT_S", raising=False)
     assert (timeout_from_env(), first_call_timeout_from_env()) == (60.0, 300.0)
+
+
+@pytest.mark.parametrize("text, want", [("12.5", 12.5), ("", 60.0)])
+def test_the_training_group_takes_the_timeout_the_runtime_takes(monkeypatch, text, want):
+    from rocmoe.train.group import ProcessGroup
+    monkeypatch.setenv("ROCMOE_TIMEOUT_S", text)
+    assert ProcessGroup(None).timeout_s == want == timeout_from_env()
+
+
+@pytest.mark.parametrize("text", ["0", "soon"])
+def test_the_training_group_refuses_the_timeouts_the_runtime_refuses(monkeypatch, text):
+    from rocmoe.train.group import ProcessGroup
+    monkeypatch.setenv("ROCMOE_TIMEOUT_S", text)
+    with pytest.raises(errors.InvalidArgumentError, match="ROCMOE_TIMEOUT_S"):
+        ProcessGroup(None)
+
+
+def test_the_environment_is_read_without_loading_librocmoe():
+    # the training loop's process group reads the timeout from rocmoe.env, which must not
+    # load the native library (a single-GPU run or a CPU tool may not have it built)
+    import subprocess
+    import sys
+    code = ("import sys, rocmoe.env, rocmoe.train.group; "
+            "sys.exit(1 if 'rocmoe._native' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

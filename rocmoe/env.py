@@ -1,0 +1,52 @@
+"""What the process's environment says to rocmoe, read without loading the native library:
+the timeouts every bounded wait uses and whether an MPI launcher started this process.
+
+The runtime (rocmoe.runtime) and the training loop's process group (rocmoe.train.group),
+which must not load librocmoe, read them from here, so both parse ROCMOE_TIMEOUT_S alike
+and agree on what counts as "started by mpiexec or srun"."""
+
+from __future__ import annotations
+
+import os
+
+from .errors import InvalidArgumentError
+
+DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_FIRST_CALL_TIMEOUT_S = 300.0
+
+# environment variables that MPI launchers (mpiexec, srun) set in every rank
+LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_NUM_TASKS",
+                 "MPI_LOCALNRANKS")
+
+
+def launched_by_mpi() -> bool:
+    return any(name in os.environ for name in LAUNCHER_VARS)
+
+
+def seconds_from_env(name: str, default: float, zero_ok: bool) -> float:
+    """A number of seconds from environment variable `name` (`default` when unset or
+    empty); anything else than a positive number (or 0 where `zero_ok`) is an
+    InvalidArgumentError naming the variable."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 if zero_ok else value > 0):
+        kind = "a non-negative" if zero_ok else "a positive"
+        raise InvalidArgumentError(f"{name}={text!r} must be {kind} number")
+    return value
+
+
+def timeout_from_env() -> float:
+    """ROCMOE_TIMEOUT_S: the bound of every wait (host collectives, device signals)."""
+    return seconds_from_env("ROCMOE_TIMEOUT_S", DEFAULT_TIMEOUT_S, zero_ok=False)
+
+
+def first_call_timeout_from_env() -> float:
+    """ROCMOE_FIRST_CALL_TIMEOUT_S: the bound of a handle's first device waits (0: no more
+    than ROCMOE_TIMEOUT_S; see rocmoe.ops.gpu.first_call_timeout_s)."""
+    return seconds_from_env("ROCMOE_FIRST_CALL_TIMEOUT_S", DEFAULT_FIRST_CALL_TIMEOUT_S,
+                            zero_ok=True)
