@@ -305,8 +305,8 @@ class NativeLaunch:
             return integer
         ndim = first.desc[1]
         last = [None]  # the key of the map in the buffer now
-        # keys whose specialisation was checked: a caller that takes turns between a few
-        # tensors (a ring of outputs) skips the check when one comes back
+        # keys whose specialisation was checked: a tensor that comes back (X of a layer
+        # takes turns among a few addresses of the caching allocator) skips the check
         checked: dict = {}
 
         def descriptor(a):
@@ -394,12 +394,6 @@ class NativeLaunch:
         """The step of dynamic argument `pos`: step(a) writes it and says whether its
         specialisation is the compiled one."""
         return dict(self._steps)[pos]
-
-    def is_descriptor(self, pos: int) -> bool:
-        """Whether argument `pos` is a tensor descriptor (a TMA map and its shape and
-        strides) in this kernel's parameters."""
-        fields = self._by_pos.get(pos)
-        return fields is not None and fields[0].kind == "tma"
 
     def pointer_cell(self, pos: int):
         """(typed cell, compiled 16-byte alignment) of pointer argument `pos`."""

@@ -260,8 +260,8 @@ def _descriptor(ptr):
 
 
 def test_a_descriptor_step_checks_each_tensor_once_when_tensors_take_turns():
-    # a GEMM's outputs come from a ring of a few buffers: each buffer's map is written
-    # whenever it comes back, its specialisation checked only the first time
+    # X of a layer takes turns among a few addresses: each one's map is written whenever
+    # it comes back, its specialisation checked only the first time
     step, checked, written = _descriptor_step({4096, 8192})
     a, b = _descriptor(4096), _descriptor(8192)
     assert all(step(d) for d in (a, b, a, b, a, a))
