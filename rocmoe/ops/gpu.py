@@ -25,6 +25,7 @@ import torch
 
 from .. import errors
 from .._triton import interpreting as _interpreting
+from ..env import first_call_timeout_from_env
 from .._triton import sm_count, tensor_descriptor, tma_capable
 from .. import native_launch
 from ._common import MODES
@@ -128,7 +129,6 @@ def first_call_timeout_s(timeout_s: float) -> float:
     peer may still be in the JIT of another handle or of torch when it reaches them."""
     if _interpreting():
         return timeout_s
-    from ..runtime import first_call_timeout_from_env
     return max(timeout_s, first_call_timeout_from_env())
 
 
@@ -497,10 +497,7 @@ class _GemmLaunch:
             raw = self._raw_args(handle, team, x, w, strides_w, counts, out, recv)
             tried = tma_native
             if tma_native.launch((self.nprog,), raw):
-                if not self.launched:
-                    self._first_launch_done()
-                if not self.local:
-                    self._collect(team, out, recv, x.device)
+                self._launched(team, out, recv, x.device)
                 return
         if self.copy:
             w_raw, use_tma = x, False
@@ -526,10 +523,15 @@ class _GemmLaunch:
             if use_tma not in self.native and compiled is not None:
                 self.native[use_tma] = native_launch.try_native(compiled, raw, _GEMM_DYNAMIC,
                                                                 x.device)
+        self._launched(team, out, recv, x.device)
+
+    def _launched(self, team, out, recv, device) -> None:
+        """After the kernel of a call is enqueued: the first launch's budget goes, and at
+        world size > 1 the receiving side follows."""
         if not self.launched:
             self._first_launch_done()
         if not self.local:
-            self._collect(team, out, recv, x.device)
+            self._collect(team, out, recv, device)
 
     def _first_launch_done(self) -> None:
         """The plan's first launch is enqueued: later ones wait the context's timeout. A
