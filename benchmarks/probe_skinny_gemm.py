@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from rocmoe.bench.timing import captured, time_ms
+
 CONFIGS = {
     "64x128 s8": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=8),
     "64x64 s6": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=6),
@@ -50,25 +52,12 @@ CONFIGS = {
 
 
 def graph_ms(fn, calls: int = 20, replays: int = 7) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=side):
+    """GPU ms per call of `fn`: `calls` calls captured in one CUDA graph, median of
+    `replays` timed replays."""
+    def many():
         for _ in range(calls):
             fn()
-    times = []
-    for _ in range(replays):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / calls)
-    return sorted(times)[len(times) // 2]
+    return time_ms(captured(many), reps=replays) / calls
 
 
 def _bare(x, w, cfg):

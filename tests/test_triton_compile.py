@@ -230,12 +230,10 @@ def _tile_id(extra):
     return f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']}/split{c.get('SPLIT_K', 1)}"
 
 
-@pytest.mark.parametrize("extra", [c for c in gpu_ops._TUNE_CANDIDATES + gpu_ops._TUNE_SKINNY
-                                   if "BLOCK_M" in c or "SPLIT_K" in c], ids=_tile_id)
-def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
-    # the first call of a GemmAllToAll shape times these tiles on the GPU; each must build
-    # for Hopper with its TMA loads and matrix instructions (local mode, as the tuner runs:
-    # the direct path unless K is split)
+def _local_tma_source(extra):
+    """(source, options) of gemm_a2a_kernel in local mode with TMA loads and divisible
+    shapes, at the CUDA default tile updated by `extra`, as the tuner runs it: the direct
+    path unless K is split."""
     cfg = dict(kernels.default_config("cuda"), **extra)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
@@ -247,6 +245,16 @@ def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
                       SPLIT_K=cfg.get("SPLIT_K", 1), DIRECT=cfg.get("SPLIT_K", 1) == 1,
                       CLOCK=kernels.CLOCK_CUDA)
     src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
+    return src, options
+
+
+@pytest.mark.parametrize("extra", [c for c in gpu_ops._TUNE_CANDIDATES + gpu_ops._TUNE_SKINNY
+                                   if "BLOCK_M" in c or "SPLIT_K" in c], ids=_tile_id)
+def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
+    # the first call of a GemmAllToAll shape times these tiles on the GPU; each must build
+    # for Hopper with its TMA loads and matrix instructions (local mode, as the tuner runs:
+    # the direct path unless K is split)
+    src, options = _local_tma_source(extra)
     ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
 
@@ -257,16 +265,7 @@ def test_direct_path_reads_the_count_after_its_k_loop_on_sm90(tile):
     # world size 1: the count only masks the store, so it is read after the K loop. Read at
     # the top, ptxas made every program wait for that global load before its first TMA
     # load: 6-11 % of the time at 256-512 x 4096^2 on an H200 (probe_skinny_gemm_h200.jsonl)
-    cfg = dict(kernels.default_config("cuda"), **tile)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
-               x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
-    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-    cfg.pop("USE_TMA", None)
-    constexprs = dict(cfg, WORLD_P2=2, GROUPS_P2=1, MODE=kernels.MODE_LOCAL, COPY=False,
-                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=1,
-                      DIRECT=True, CLOCK=kernels.CLOCK_CUDA)
-    src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs)
+    src, options = _local_tma_source(tile)
     ir = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ttgir"]
     # (the structured IR keeps the program's order; PTX places blocks in another)
     k_loop = ir.index("scf.for")
