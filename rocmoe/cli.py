@@ -47,9 +47,6 @@ ENV_KNOBS = (
                                 "kernel"),
     ("ROCMOE_GEMV_ROWS_PER_WARP", "", "GEMV: rows a wave computes at once (1, 2 or 4; "
                                       "unset: 1 at world size 1, 2 in the protocol kernel)"),
-    ("ROCMOE_GEMV_MMA", "1", "GEMV at world size 1 on NVIDIA (sm_80+), bf16 / fp16: 1 the "
-                             "tensor-core kernel, 0 the register kernel (STAGES, ROWS_PER_WARP "
-                             "or UNROLL set pick theirs)"),
     ("ROCMOE_GEMV_STAGES", "0", "GEMV at world size 1 on NVIDIA: cp.async ring depth "
                                 "(0: loads into registers)"),
     ("ROCMOE_GEMV_UNROLL", "4", "GEMV register kernels: 16-byte loads in flight per row and "

@@ -15,9 +15,7 @@
 //                       vectors) kUnroll 16-byte loads per row in flight in registers
 // Both compute kRows rows at a time, so that each vector of x serves kRows rows: one wave per
 // row loaded x once per row, as many x loads as W loads (for bf16 a 16-byte load is only 8
-// elements). And for bf16 / fp16 W on NVIDIA (sm_80 and later, 16-byte vectors):
-//   gemv_mma_kernel     (the default there) tensor cores: eight rows of W are the columns
-//                       of mma.sync.m16n8k16's B, x its A; no unpacking (see the kernel)
+// elements).
 //
 // Otherwise: gemv_all_reduce_kernel, one persistent kernel for the three phases (one launch:
 // separate phase-2, wait, copy and ack launches cost ~25 us on a 0.14 ms GEMV on an H200,
@@ -46,9 +44,6 @@
 // sweeps them; the defaults are the H200 sweep's best, see kDefaultRows):
 //   ROCMOE_GEMV_ROWS_PER_WARP  kRows: rows a wave computes at once (default 1 at world
 //                              size 1, 2 in the protocol kernel)
-//   ROCMOE_GEMV_MMA            NVIDIA, world size 1, 16-bit W: 1 (default) the tensor-core
-//                              kernel, 0 the register kernel; STAGES, ROWS_PER_WARP or
-//                              UNROLL set also pick the kernel they configure
 //   ROCMOE_GEMV_STAGES         NVIDIA, world size 1: cp.async ring depth (0: registers);
 //                              (rows, stages) built: 1x4 1x6 2x3 2x4, others the default 2x4
 //   ROCMOE_GEMV_UNROLL         register kernels: 16-byte loads in flight per row and lane;
@@ -69,7 +64,6 @@
 #include "../internal.hpp"
 
 #include <cstdlib>
-#include <type_traits>
 
 namespace rocmoe {
 namespace fused {
@@ -89,7 +83,6 @@ constexpr int kDefaultRows = 1;
 constexpr int kDefaultUnroll = 4;
 constexpr int kDefaultStages = 0;
 constexpr int kDefaultLoad = 0;
-constexpr int kDefaultMma = 1;  // 16-bit W on NVIDIA: gemv_mma_kernel
 constexpr int kProtocolRows = 2;
 constexpr int kProtocolUnroll = 4;
 
@@ -445,128 +438,6 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     const int32_t steps = int32_t((ops.nvec + ROCMOE_WAVE_SIZE - 1) / ROCMOE_WAVE_SIZE);
     stream_steps<kStages>(ops, mine, steps);
 }
-
-// --- tensor cores (bf16 / fp16, sm_80 and later) -------------------------------------------
-//
-// Why: with 16-bit W the register kernel spends about 24 ALU instructions on each 16-byte
-// vector (8 unpacks of W, 8 of x, 8 FMAs), and on the H200 it streamed bf16 2-5 % slower
-// than fp32 at the same rows (16384^2: 4.23 against 4.45 TB/s), behind torch.mv's 4.39.
-// Two mma.sync.m16n8k16 (fp32 accumulators) take a 16-byte vector's products for a whole
-// wave with no unpacking.
-//
-// How: eight rows of W are B's eight columns (the lanes of group g = lane / 4 hold row g);
-// lane (g, c = lane % 4) reads one 16-byte vector of its row at k = 32 s + 8 c (step s) and
-// the vector of x at the same k, whose four element pairs p0..p3 go into A as they are:
-// A's row g holds p0 and p2 in k slots 2c and 2c + 8, its row g + 8 holds p1 and p3 (the
-// fragment layout of m16n8k16). The order of k inside an mma is free, so
-//   mma 1 with B = W's pairs 0 and 2 makes rows 0-7 of D1 the dot products over elements
-//         0, 1, 4, 5 of every lane's vector (rows 8-15 are cross terms, never read);
-//   mma 2 with B = W's pairs 1 and 3 makes rows 8-15 of D2 those over elements 2, 3, 6, 7.
-// Lane (g, c) then holds D[., 2c] and D[., 2c + 1] of both: rows 2c and 2c + 1 of the tile
-// are D1 + D2 there. x is used in the registers it was loaded into; only W's pairs move.
-// The four lanes of a group read 64 contiguous bytes of their row per step, and the eight
-// groups read the same x vector (one broadcast access).
-//
-// A workgroup takes tiles of kMmaRows rows, split statically and evenly over the grid (the
-// whole grid resident, as wave_groups); its waves split each tile's steps evenly and add
-// their partial sums in shared memory in wave order (deterministic), then the first
-// kMmaRows threads store y. The partial sums of consecutive tiles alternate between two
-// buffers, so one barrier a tile suffices: a wave writing tile t + 2's sums has passed tile
-// t + 1's barrier, which wave 0 reaches only after reading tile t's.
-constexpr int kMmaRows = 8;         // B's columns
-constexpr int kMmaLanesPerRow = 4;  // lanes of a row group
-constexpr int kMmaUnroll = 4;       // steps (16-byte loads of W per lane) in flight
-
-// d += A B with A = {a0, a1, a2, a3} and B = {b0, b1} (m16n8k16, fp32 accumulators)
-template <class T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint4 &a, uint32_t b0,
-                                          uint32_t b1) {
-#if __CUDA_ARCH__ >= 800
-    if constexpr (std::is_same<T, BF16>::value)
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
-    else
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-            "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
-#else
-    (void)d, (void)a, (void)b0, (void)b1;
-    __trap();  // launch_mma checks the compute capability first
-#endif
-}
-
-// one step of lane (g, c): its vector of W and x's, into the two accumulators
-template <class T>
-__device__ __forceinline__ void mma_step(float (&d1)[4], float (&d2)[4], const uint4 &w,
-                                         const uint4 &xv) {
-    mma_16816<T>(d1, xv, w.x, w.z);
-    mma_16816<T>(d2, xv, w.y, w.w);
-}
-
-// World size 1, 16-bit W and x as 16-byte vectors (K a multiple of 8, aligned).
-template <class T>
-__global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
-    gemv_mma_kernel(const typename T::storage *W, const typename T::storage *x,
-                    typename T::storage *y, int64_t n, int64_t k, uint64_t *epoch_word) {
-    __shared__ float partial[2][kWaves][kMmaRows];
-    advance_epoch(epoch_word);
-    const int lane = threadIdx.x % ROCMOE_WAVE_SIZE, wave = threadIdx.x / ROCMOE_WAVE_SIZE;
-    const int g = lane / kMmaLanesPerRow, c = lane % kMmaLanesPerRow;
-    const int64_t nvec = k / vec_elems<T>();
-    const int64_t steps = (nvec + kMmaLanesPerRow - 1) / kMmaLanesPerRow;
-    // this wave's steps of every tile; the last step of a row may be partial (K not a
-    // multiple of 32): its lanes past the row's end read nothing and add zeros
-    const int64_t s_begin = sched::split_begin(steps, kWaves, wave);
-    const int64_t s_end = sched::split_begin(steps, kWaves, wave + 1);
-    const int64_t full_end = s_end < nvec / kMmaLanesPerRow ? s_end : nvec / kMmaLanesPerRow;
-    const GroupRange tiles =
-        wave_groups((n + kMmaRows - 1) / kMmaRows, int32_t(gridDim.x), int32_t(blockIdx.x));
-    const uint4 *xv = reinterpret_cast<const uint4 *>(x) + c;
-    int buf = 0;
-    for (int64_t t = tiles.begin; t < tiles.end; ++t) {
-        // rows past n (the last tile) repeat row n - 1, so the loads need no branch
-        const int64_t row = t * kMmaRows + g < n ? t * kMmaRows + g : n - 1;
-        const uint4 *wv = reinterpret_cast<const uint4 *>(W + row * k) + c;
-        float d1[4] = {0.f, 0.f, 0.f, 0.f}, d2[4] = {0.f, 0.f, 0.f, 0.f};
-        int64_t s = s_begin;
-        for (; s + kMmaUnroll <= full_end; s += kMmaUnroll) {
-            uint4 a[kMmaUnroll], b[kMmaUnroll];
-#pragma unroll
-            for (int u = 0; u < kMmaUnroll; ++u)
-                a[u] = load_weights<kLoadCached>(wv + (s + u) * kMmaLanesPerRow);
-#pragma unroll
-            for (int u = 0; u < kMmaUnroll; ++u) b[u] = load_x(xv + (s + u) * kMmaLanesPerRow);
-#pragma unroll
-            for (int u = 0; u < kMmaUnroll; ++u) mma_step<T>(d1, d2, a[u], b[u]);
-        }
-        for (; s < s_end; ++s) {
-            const bool in_row = s * kMmaLanesPerRow + c < nvec;
-            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-            const uint4 a = in_row ? load_weights<kLoadCached>(wv + s * kMmaLanesPerRow) : zero;
-            const uint4 b = in_row ? load_x(xv + s * kMmaLanesPerRow) : zero;
-            mma_step<T>(d1, d2, a, b);
-        }
-        // lane (0, c) holds rows 2c and 2c + 1 of the tile: D1's row 0 and D2's row 8
-        if (g == 0) {
-            partial[buf][wave][2 * c] = d1[0] + d2[2];
-            partial[buf][wave][2 * c + 1] = d1[1] + d2[3];
-        }
-        __syncthreads();
-        if (threadIdx.x < kMmaRows) {
-            float sum = 0.f;
-#pragma unroll
-            for (int w = 0; w < kWaves; ++w) sum += partial[buf][w][threadIdx.x];
-            const int64_t r = t * kMmaRows + threadIdx.x;
-            if (r < n) y[r] = T::store(sum);
-        }
-        buf ^= 1;
-    }
-}
 #endif  // ROCMOE_PLATFORM_NVIDIA
 
 template <int kRows>
@@ -769,7 +640,6 @@ struct Tuning {
     int per_cu;         // ROCMOE_GEMV_PER_CU
     int direct;         // ROCMOE_GEMV_DIRECT
     int rows_per_task;  // ROCMOE_GEMV_ROWS (<= 0: automatic)
-    int mma;            // ROCMOE_GEMV_MMA
 };
 
 const Tuning &tuning() {
@@ -779,8 +649,7 @@ const Tuning &tuning() {
                              env_int("ROCMOE_GEMV_LOAD", kDefaultLoad),
                              env_int("ROCMOE_GEMV_PER_CU", kGemvMinBlocks),
                              env_int("ROCMOE_GEMV_DIRECT", 1),
-                             env_int("ROCMOE_GEMV_ROWS", 0),
-                             env_int("ROCMOE_GEMV_MMA", kDefaultMma)};
+                             env_int("ROCMOE_GEMV_ROWS", 0)};
     return t;
 }
 
@@ -834,36 +703,6 @@ int launch_direct(const Common &c, const GemvParams &p, int requested, void *out
 }
 
 #if defined(ROCMOE_PLATFORM_NVIDIA)
-// mma.sync with bf16 / fp16 operands needs sm_80 (the current device's, looked up once)
-bool mma_capable() {
-    static const bool capable = [] {
-        int device = 0, major = 0;
-        if (hipGetDevice(&device) != hipSuccess ||
-            hipDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) !=
-                hipSuccess) {
-            (void)hipGetLastError();
-            return false;
-        }
-        return major >= 8;
-    }();
-    return capable;
-}
-
-template <class T>
-int launch_mma(const Common &c, const GemvParams &p, int requested, void *out,
-               hipStream_t stream) {
-    using S = typename T::storage;
-    static const int fits = resident_per_cu(gemv_mma_kernel<T>, 0);
-    const int per_cu = tuning().per_cu > 0 && tuning().per_cu < fits ? tuning().per_cu : fits;
-    const uint64_t tiles = (uint64_t(p.n) + kMmaRows - 1) / kMmaRows;
-    const int workers = persistent_workgroups(
-        requested, uint32_t(tiles < 0x7fffffffu ? tiles : 0x7fffffffu), per_cu);
-    hipLaunchKernelGGL((gemv_mma_kernel<T>), dim3(workers), dim3(kThreads), 0, stream,
-                       static_cast<const S *>(p.w), static_cast<const S *>(p.x),
-                       static_cast<S *>(out), p.n, p.k, epoch_word_of(c));
-    return launched();
-}
-
 template <class T, int kRows, int kStages>
 int launch_async(const Common &c, const GemvParams &p, int requested, void *out,
                  hipStream_t stream) {
@@ -934,13 +773,6 @@ int launch(const Common &c, const GemvParams &p, int requested, void *out, hipSt
     const int rows = t.rows > 0 ? t.rows : protocol ? kProtocolRows : kDefaultRows;
     const int unroll = t.unroll > 0 ? t.unroll : protocol ? kProtocolUnroll : kDefaultUnroll;
 #if defined(ROCMOE_PLATFORM_NVIDIA)
-    // 16-bit W: the tensor-core kernel, unless it is turned off or a knob of another
-    // world-size-1 kernel names that one
-    if constexpr (!std::is_same<T, F32>::value) {
-        if (!protocol && t.mma != 0 && t.stages <= 0 && t.rows <= 0 && t.unroll <= 0 && p.vec &&
-            mma_capable())
-            return launch_mma<T>(c, p, requested, out, stream);
-    }
     if (!protocol && t.stages > 0 && p.vec) {
         switch (rows * 100 + t.stages) {
             case 104: return launch_async<T, 1, 4>(c, p, requested, out, stream);
