@@ -13,7 +13,8 @@ inside the timing, against the torch op on the same inputs in the same run
 interleaved with the baseline's so that clock drift hits both alike (medians):
 
 * ``idle``: every sample starts from an idle GPU (synchronize, event, one call, event):
-  the host's launch latency counts, as for a call after a host sync;
+  the host's launch latency counts, as for a call after a host sync; three samples a rep,
+  since they spread by about +-10 us on the H200's host (``idle_quartiles_ms`` shows it);
 * ``queued``: back-to-back calls behind an untimed one, as inside a model: the GPU never
   waits for the host unless the host falls behind;
 * ``graph``: replayed from a CUDA graph: no host work at all.
@@ -37,6 +38,7 @@ import argparse
 import sys
 import time
 import warnings
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -75,10 +77,25 @@ def _median(v):
     return v[len(v) // 2]
 
 
-def idle_ms(fns: dict, reps: int) -> dict:
-    """Median ms of one call from an idle GPU, per function, interleaved."""
+# idle-start samples per rep: one sample is a call from an idle GPU, whose time is mostly
+# the host's work before the launch, and that spread by +-10 us from call to call on the
+# H200's host (results/probe_idle_gap_h200_fourteenth_session.json: the same lean call
+# 45.6 and 56.4 us idle-start at 512 x 4096^2 in two back-to-back measurements; torch.matmul
+# 58.1 and 48.0). A median of 9 such samples moved ratios by 0.1 between runs.
+IDLE_SAMPLES_PER_REP = 3
+
+
+def _quartiles(v) -> tuple:
+    v = sorted(v)
+    return v[len(v) // 4], v[len(v) // 2], v[(3 * len(v)) // 4]
+
+
+def idle_ms(fns: dict, reps: int, spread: Optional[dict] = None) -> dict:
+    """Median ms of one call from an idle GPU, per function, interleaved, over
+    IDLE_SAMPLES_PER_REP * reps samples. `spread`: filled with each function's (first,
+    third) quartile, ms."""
     samples = {k: [] for k in fns}
-    for _ in range(reps):
+    for _ in range(IDLE_SAMPLES_PER_REP * reps):
         for key, fn in fns.items():
             torch.cuda.synchronize()
             start, stop = _events()
@@ -87,7 +104,10 @@ def idle_ms(fns: dict, reps: int) -> dict:
             stop.record()
             torch.cuda.synchronize()
             samples[key].append(start.elapsed_time(stop))
-    return {k: _median(v) for k, v in samples.items()}
+    quartiles = {k: _quartiles(v) for k, v in samples.items()}
+    if spread is not None:
+        spread.update({k: (q[0], q[2]) for k, q in quartiles.items()})
+    return {k: q[1] for k, q in quartiles.items()}
 
 
 def stream_ms(fns: dict, reps: int, calls: int = 5) -> dict:
@@ -151,10 +171,13 @@ def compare(ours, theirs, reps: int, graph: bool = True) -> dict:
     torch.cuda.synchronize()
     fns = {"rocmoe": ours, "baseline": theirs}
     rec = {}
-    for mode, ms in (("idle", idle_ms(fns, reps)), ("queued", stream_ms(fns, reps))):
+    spread = {}
+    for mode, ms in (("idle", idle_ms(fns, reps, spread)), ("queued", stream_ms(fns, reps))):
         rec[f"rocmoe_{mode}_ms"] = round(ms["rocmoe"], 5)
         rec[f"baseline_{mode}_ms"] = round(ms["baseline"], 5)
         rec[f"ratio_{mode}"] = round(ms["baseline"] / ms["rocmoe"], 4)
+    # the idle-start samples' quartiles (ms): how far apart calls from an idle GPU land
+    rec["idle_quartiles_ms"] = {k: [round(v, 5) for v in q] for k, q in spread.items()}
     if graph:
         try:
             replay = {"rocmoe": captured(ours), "baseline": captured(theirs)}
