@@ -110,8 +110,8 @@ def _env_info() -> dict:
     for name, default, what in ENV_KNOBS:
         out[name] = {"value": os.environ.get(name), "default": default, "meaning": what}
     try:
-        from .runtime import (first_call_timeout_from_env, heap_size_from_env,
-                              timeout_from_env)
+        # (rocmoe.env loads no native library: info works where librocmoe is not built)
+        from .env import first_call_timeout_from_env, heap_size_from_env, timeout_from_env
         out["ROCMOE_HEAP_SIZE"]["effective_bytes"] = heap_size_from_env()
         out["ROCMOE_TIMEOUT_S"]["effective"] = timeout_from_env()
         out["ROCMOE_FIRST_CALL_TIMEOUT_S"]["effective"] = first_call_timeout_from_env()

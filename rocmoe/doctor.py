@@ -156,7 +156,7 @@ def check_mpi_as_root(environ=os.environ, euid: Optional[int] = None) -> list[Fi
 
 
 def check_shm(heap_size: Optional[int] = None, ranks_goal: int = 4) -> list[Finding]:
-    from .runtime import heap_size_from_env  # lazily: pulls in torch
+    from .env import heap_size_from_env
     try:
         heap = heap_size if heap_size is not None else heap_size_from_env()
     except Exception as exc:

@@ -1,9 +1,11 @@
 """What the process's environment says to rocmoe, read without loading the native library:
-the timeouts every bounded wait uses and whether an MPI launcher started this process.
+the timeouts every bounded wait uses, the symmetric heap's size and whether an MPI launcher
+started this process.
 
-The runtime (rocmoe.runtime) and the training loop's process group (rocmoe.train.group),
-which must not load librocmoe, read them from here, so both parse ROCMOE_TIMEOUT_S alike
-and agree on what counts as "started by mpiexec or srun"."""
+The runtime (rocmoe.runtime), the training loop's process group (rocmoe.train.group) and
+``rocmoe info``, which must not need librocmoe, read them from here, so all parse
+ROCMOE_TIMEOUT_S and ROCMOE_HEAP_SIZE alike and agree on what counts as "started by mpiexec
+or srun"."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from .errors import InvalidArgumentError
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_FIRST_CALL_TIMEOUT_S = 300.0
+DEFAULT_HEAP_SIZE = 1 << 30
 
 # environment variables that MPI launchers (mpiexec, srun) set in every rank
 LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_NUM_TASKS",
@@ -50,3 +53,31 @@ def first_call_timeout_from_env() -> float:
     than ROCMOE_TIMEOUT_S; see rocmoe.ops.gpu.first_call_timeout_s)."""
     return seconds_from_env("ROCMOE_FIRST_CALL_TIMEOUT_S", DEFAULT_FIRST_CALL_TIMEOUT_S,
                             zero_ok=True)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "123", "512M", "1.5G", "64KiB", ... (an InvalidArgumentError otherwise)."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"cannot read heap size {text!r}: use bytes or a K/M/G suffix, e.g. 512M") from None
+
+
+def heap_size_from_env() -> int:
+    """ROCMOE_HEAP_SIZE: the symmetric heap's bytes per rank (default 1 GiB)."""
+    text = os.environ.get("ROCMOE_HEAP_SIZE")
+    return parse_size(text) if text else DEFAULT_HEAP_SIZE
+
+
+def parse_sizes(text: str, option: str = "--sizes", example: str = "1K,64K,1M") -> list[int]:
+    """Positive byte counts from a comma list of parse_size's forms (a command-line option
+    `option`; an InvalidArgumentError naming it otherwise)."""
+    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
+    if not sizes or any(s <= 0 for s in sizes):
+        raise InvalidArgumentError(f"{option} {text!r}: give positive sizes, e.g. {example}")
+    return sizes

@@ -23,31 +23,13 @@ from . import _native, errors
 from ._native import check, ffi, lib
 from .collective import (KIND_BARRIER, KIND_BOOTSTRAP, KIND_USER, ControlChannel,
                          SingleProcessComm)
-from .env import (DEFAULT_FIRST_CALL_TIMEOUT_S, DEFAULT_TIMEOUT_S,  # noqa: F401 - re-exported
-                  first_call_timeout_from_env, launched_by_mpi, timeout_from_env)
+from .env import (DEFAULT_FIRST_CALL_TIMEOUT_S, DEFAULT_HEAP_SIZE,  # noqa: F401 - re-exported
+                  DEFAULT_TIMEOUT_S, first_call_timeout_from_env, heap_size_from_env,
+                  launched_by_mpi, timeout_from_env)
 from .heap import SymmetricHeap
-
-DEFAULT_HEAP_SIZE = 1 << 30
 
 _current: Optional["Context"] = None
 _current_lock = threading.Lock()
-
-
-def _parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise errors.InvalidArgumentError(
-            f"cannot read heap size {text!r}: use bytes or a K/M/G suffix, e.g. 512M") from None
-
-
-def heap_size_from_env() -> int:
-    text = os.environ.get("ROCMOE_HEAP_SIZE")
-    return _parse_size(text) if text else DEFAULT_HEAP_SIZE
 
 
 def _default_comm():

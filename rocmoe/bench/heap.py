@@ -32,6 +32,7 @@ import sys
 import time
 from typing import Optional
 
+from ..env import parse_size, parse_sizes
 from . import emit, inside_mpi_job, progress, relaunch_under_mpiexec
 
 GOAL_RATIO = 0.8
@@ -41,15 +42,6 @@ QUICK_SIZES = [1 << 10, 1 << 16, 1 << 20]
 BASELINE_NAME = ("numpy.copyto(private_dst, private_src): single-threaded memcpy between two "
                  "process-private buffers on rank 0, same sizes, interleaved with the puts")
 PINGPONG_BASELINE = "mpi4py Comm.Send/Recv of one int64 between the same two ranks"
-
-
-def _parse_sizes(text: str) -> list[int]:
-    from ..errors import InvalidArgumentError
-    from ..runtime import _parse_size
-    sizes = [_parse_size(part) for part in text.split(",") if part.strip()]
-    if not sizes or any(s <= 0 for s in sizes):
-        raise InvalidArgumentError(f"--sizes {text!r}: give positive sizes, e.g. 1K,64K,1M")
-    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,8 +195,7 @@ def _bandwidth(ctx, sizes: list[int], args, out) -> list[dict]:
 
 
 def _trial_bytes(args) -> int:
-    from ..runtime import _parse_size
-    return _parse_size(args.trial_bytes)
+    return parse_size(args.trial_bytes)
 
 
 def _pingpong(ctx, args, out) -> Optional[dict]:
@@ -340,7 +331,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.round_trips = min(args.round_trips, 300)
         args.trial_bytes = "8M"
     if args.sizes:
-        sizes = _parse_sizes(args.sizes)
+        sizes = parse_sizes(args.sizes)
     else:
         sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
     if args.iters < 1 or args.trials < 1 or args.round_trips < 1:

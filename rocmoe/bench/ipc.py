@@ -30,20 +30,12 @@ import sys
 import time
 from typing import Optional
 
+from ..env import parse_sizes
 from . import emit, inside_mpi_job, relaunch_under_mpiexec
 
 DEFAULT_SIZES = "1M,16M,256M"
 BASELINE_NAME = ("torch.Tensor.copy_ between two private device buffers on the same GPU "
                  "(device-to-device memcpy of the same bytes), same process, same run")
-
-
-def _parse_sizes(text: str) -> list[int]:
-    from ..errors import InvalidArgumentError
-    from ..runtime import _parse_size
-    sizes = [_parse_size(part) for part in text.split(",") if part.strip()]
-    if not sizes or any(s <= 0 for s in sizes):
-        raise InvalidArgumentError(f"--sizes {text!r}: give positive sizes, e.g. 1M,16M")
-    return sizes
 
 
 def _pattern(torch, rank: int, nbytes: int, device):
@@ -64,7 +56,7 @@ def run(args) -> int:
     from .. import _native
     from .._native import check, ffi, lib
 
-    sizes = _parse_sizes(args.sizes)
+    sizes = parse_sizes(args.sizes, example="1M,16M")
     heap = max(sizes) + (1 << 20)
     ctx = rocmoe.init(backend="ipc", heap_size=heap, timeout_s=args.timeout)
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device

@@ -57,6 +57,7 @@ import sys
 import time
 from typing import Callable, Optional
 
+from ..env import parse_size
 from . import emit, inside_mpi_job, relaunch_under_mpiexec
 from .fused import DLRM_LARGE, DLRM_SMALL, GEMV_LARGE, GEMV_SMALL, MOE_LARGE, MOE_SMALL
 
@@ -82,16 +83,6 @@ GOALS = {"embedding": (0.25, 8), "gemv": (0.15, 4), "gemm": (0.15, None), "moe":
 # expert-parallel layer shapes: tokens per rank, hidden, ffn, experts (issue 4's bench shapes)
 MOE_EP_LARGE = [(8192, 1024, 4096, 64), (8192, 4096, 1408, 64)]
 MOE_EP_SMALL = [(256, 64, 128, 8)]
-
-_SUFFIX = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """'8G' / '512M' / '4096' -> bytes."""
-    t = str(text).strip().lower().rstrip("b")
-    if t and t[-1] in _SUFFIX:
-        return int(float(t[:-1]) * _SUFFIX[t[-1]])
-    return int(t)
 
 
 def parse_moe_shapes(text: str) -> list[tuple[int, int, int, int]]:

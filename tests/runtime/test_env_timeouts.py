@@ -1,5 +1,6 @@
-"""The timeouts read from the environment: a value that is not a number of seconds is a
-clear InvalidArgumentError naming the variable, never a ValueError or a silent default."""
+"""The timeouts and the heap size read from the environment: a value that is not a number of
+seconds (bytes) is a clear InvalidArgumentError naming the variable (the value), never a
+ValueError or a silent default."""
 
 import pytest
 
@@ -44,10 +45,34 @@ def test_the_training_group_refuses_the_timeouts_the_runtime_refuses(monkeypatch
 
 
 def test_the_environment_is_read_without_loading_librocmoe():
-    # the training loop's process group reads the timeout from rocmoe.env, which must not
-    # load the native library (a single-GPU run or a CPU tool may not have it built)
+    # the training loop's process group and `rocmoe info` read the timeouts and the heap
+    # size from rocmoe.env, which must not load the native library (a single-GPU run or a
+    # CPU tool may not have it built)
     import subprocess
     import sys
-    code = ("import sys, rocmoe.env, rocmoe.train.group; "
+    code = ("import sys, rocmoe.env as e, rocmoe.train.group; "
+            "e.heap_size_from_env(); e.timeout_from_env(); e.first_call_timeout_from_env(); "
             "sys.exit(1 if 'rocmoe._native' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+@pytest.mark.parametrize("text, want", [("512M", 512 << 20), ("1.5k", 1536), ("64KiB", 65536),
+                                        ("4096", 4096), ("2G", 2 << 30)])
+def test_the_heap_size_takes_bytes_or_a_binary_suffix(monkeypatch, text, want):
+    from rocmoe.env import heap_size_from_env
+    monkeypatch.setenv("ROCMOE_HEAP_SIZE", text)
+    assert heap_size_from_env() == want
+
+
+def test_a_heap_size_that_is_not_a_size_names_the_value(monkeypatch):
+    from rocmoe.env import heap_size_from_env
+    monkeypatch.setenv("ROCMOE_HEAP_SIZE", "lots")
+    with pytest.raises(errors.InvalidArgumentError, match="'lots'"):
+        heap_size_from_env()
+
+
+def test_a_size_list_option_rejects_zero_and_names_the_option():
+    from rocmoe.env import parse_sizes
+    assert parse_sizes("1K, 64K,1M") == [1 << 10, 64 << 10, 1 << 20]
+    with pytest.raises(errors.InvalidArgumentError, match="--sizes '1K,0'"):
+        parse_sizes("1K,0")
