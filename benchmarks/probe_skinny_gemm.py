@@ -48,6 +48,12 @@ CONFIGS = {
     "128x128 s5": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=5),
     "128x128x128 s3": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3),
     "128x256 w8 s3": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+    # square shapes (2048^3): cuBLAS's nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA there is
+    # 256 x 128 tiles, two warpgroups on M; and the default tile with half the k steps
+    "256x128 w8 s3": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    "256x128 w8 s4": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+    "128x256x128 w8 s2": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8,
+                              num_stages=2),
 }
 
 
