@@ -55,8 +55,9 @@ def first_call_timeout_from_env() -> float:
                             zero_ok=True)
 
 
-def parse_size(text: str) -> int:
-    """Bytes from "123", "512M", "1.5G", "64KiB", ... (an InvalidArgumentError otherwise)."""
+def parse_size(text: str, what: str = "size") -> int:
+    """Bytes from "123", "512M", "1.5G", "64KiB", ... (an InvalidArgumentError naming `what`
+    and the text otherwise)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     try:
@@ -65,19 +66,19 @@ def parse_size(text: str) -> int:
         return int(t)
     except ValueError:
         raise InvalidArgumentError(
-            f"cannot read heap size {text!r}: use bytes or a K/M/G suffix, e.g. 512M") from None
+            f"cannot read {what} {text!r}: use bytes or a K/M/G/T suffix, e.g. 512M") from None
 
 
 def heap_size_from_env() -> int:
     """ROCMOE_HEAP_SIZE: the symmetric heap's bytes per rank (default 1 GiB)."""
     text = os.environ.get("ROCMOE_HEAP_SIZE")
-    return parse_size(text) if text else DEFAULT_HEAP_SIZE
+    return parse_size(text, "ROCMOE_HEAP_SIZE") if text else DEFAULT_HEAP_SIZE
 
 
 def parse_sizes(text: str, option: str = "--sizes", example: str = "1K,64K,1M") -> list[int]:
     """Positive byte counts from a comma list of parse_size's forms (a command-line option
     `option`; an InvalidArgumentError naming it otherwise)."""
-    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
+    sizes = [parse_size(part, option) for part in text.split(",") if part.strip()]
     if not sizes or any(s <= 0 for s in sizes):
         raise InvalidArgumentError(f"{option} {text!r}: give positive sizes, e.g. {example}")
     return sizes

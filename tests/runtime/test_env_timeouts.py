@@ -64,10 +64,10 @@ def test_the_heap_size_takes_bytes_or_a_binary_suffix(monkeypatch, text, want):
     assert heap_size_from_env() == want
 
 
-def test_a_heap_size_that_is_not_a_size_names_the_value(monkeypatch):
+def test_a_heap_size_that_is_not_a_size_names_the_variable_and_value(monkeypatch):
     from rocmoe.env import heap_size_from_env
     monkeypatch.setenv("ROCMOE_HEAP_SIZE", "lots")
-    with pytest.raises(errors.InvalidArgumentError, match="'lots'"):
+    with pytest.raises(errors.InvalidArgumentError, match="ROCMOE_HEAP_SIZE 'lots'"):
         heap_size_from_env()
 
 
