@@ -218,18 +218,27 @@ def _tile_product(x_ptr, w_ptr, row_first, rows_left, n_tile, g, k_lo, k_hi, N, 
 
 @triton.jit
 def _store_tile(out, first_row, m_tile, n_tile, acc, rows, N, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+                BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr = False):
     # The tile's first element as one scalar pointer, then offsets and a mask inside the
     # tile, made here from scalars. Rows, columns and mask made before the K loop stayed
     # live through it, and ptxas spilled 570-700 bytes a thread at 128 x 128 and 128 x 256
     # tiles (Triton 3.6 and 3.9, sm_90a: 255 registers); this way none, 186-204 registers.
     # `rows`: the rows of the segment the tile is in (those past it are not stored).
+    # EVEN_N (N a multiple of BLOCK_N): no column mask, which every column is inside. With
+    # it the stores were 16-byte vectors all the same (N is specialised divisible by 16),
+    # but each carried a column predicate too: 928 against 864 SASS instructions a thread
+    # for the whole direct-path kernel at 128 x 256 (local sm_90a build, Triton 3.9).
+    # tests/test_triton_compile.py checks the stores stay 16-byte vectors.
     tile_out = out + (first_row + m_tile * BLOCK_M).to(tl.int64) * N + n_tile * BLOCK_N
     e_r = tl.arange(0, BLOCK_M)
     e_c = tl.arange(0, BLOCK_N)
+    row_ok = e_r[:, None] < rows - m_tile * BLOCK_M
+    if EVEN_N:
+        mask = row_ok
+    else:
+        mask = row_ok & (e_c[None, :] < N - n_tile * BLOCK_N)
     tl.store(tile_out + (e_r[:, None].to(tl.int64) * N + e_c[None, :]),
-             acc.to(out.dtype.element_ty),
-             mask=(e_r[:, None] < rows - m_tile * BLOCK_M) & (e_c[None, :] < N - n_tile * BLOCK_N))
+             acc.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -302,7 +311,8 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                                 stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, COPY, FP32_IEEE,
                                 EVEN_N, EVEN_K, USE_TMA)
             rows_taken, _ = _direct_count(counts_ptr, capacity, M)
-            _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M, BLOCK_N)
+            _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M, BLOCK_N,
+                        EVEN_N)
             task += num_programs
         if tl.program_id(0) == 0:
             rows_taken, bad_count = _direct_count(counts_ptr, capacity, M)
@@ -421,7 +431,8 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                 else:
                     out = out_ptr
                     first_row = row0
-                _store_tile(out, first_row, m_tile, n_tile, acc, rows, N, BLOCK_M, BLOCK_N)
+                _store_tile(out, first_row, m_tile, n_tile, acc, rows, N, BLOCK_M, BLOCK_N,
+                            EVEN_N)
             if MODE == 1:
                 if free:
                     # every thread's stores are issued before the one lane that bumps the counter
