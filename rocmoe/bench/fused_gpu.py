@@ -72,11 +72,6 @@ def _events():
     return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
 
-def _median(v):
-    v = sorted(v)
-    return v[len(v) // 2]
-
-
 # idle-start samples per rep: one sample is a call from an idle GPU, whose time is mostly
 # the host's work before the launch, and that spread by +-10 us from call to call on the
 # H200's host (results/probe_idle_gap_h200_fourteenth_session.json: the same lean call

@@ -27,7 +27,7 @@ def allgather_ints(ctx, values, what: str) -> np.ndarray:
             "expert parallelism needs a context with an mpi4py communicator (ctx.comm); "
             "create it with rocmoe.init()")
     from ..collective import KIND_USER, ControlChannel
-    from ..runtime import timeout_from_env
+    from ..env import timeout_from_env
     channel = ControlChannel(ctx.comm, timeout_from_env())
     return channel.exchange(KIND_USER, list(values), what)
 

@@ -25,9 +25,9 @@ import torch
 
 from .. import errors
 from .._triton import interpreting as _interpreting
-from ..env import first_call_timeout_from_env
 from .._triton import sm_count, tensor_descriptor, tma_capable
 from .. import native_launch
+from ..env import first_call_timeout_from_env
 from ._common import MODES
 from .outputs import OutputRing, capturing
 
