@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from operator import is_
 from typing import Optional, Sequence
 
 import torch
@@ -435,7 +436,8 @@ class _GemmLaunch:
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             MODE=0 if self.local else 1, COPY=self.copy, FP32_IEEE=x.dtype == torch.float32,
             EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False,
-            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock())
+            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock(),
+            COUNT_EARLY=bool(cfg.get("COUNT_EARLY", False)) and self.direct)
         self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
                     self.nprog)
         layout = handle.layout
@@ -1003,7 +1005,7 @@ def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
     args.tables = tables
     args.device_tables = ffi.NULL
     keep = None
-    if nt > lib.rocmoe_gpu_embedding_inline_tables():
+    if nt > inline_tables():
         # too many for the launch's arguments: a device copy of the records, through pinned
         # memory (no synchronisation; the caching allocator keeps it until the copy ran)
         raw = torch.frombuffer(ffi.buffer(tables, ffi.sizeof("rocmoe_gpu_table") * nt),
@@ -1087,6 +1089,133 @@ class PackedEmbeddingLaunch:
         del w, idx, off, ps  # freed into stream order: reused only after the kernel
 
 
+def inline_tables() -> int:
+    """How many per-table records travel inside an embedding launch's arguments (more go
+    through a device copy; 0 in a build without GPU kernels)."""
+    from .._native import lib
+    return lib.rocmoe_gpu_embedding_inline_tables()
+
+
+class TableEmbeddingLaunch:
+    """A handle's rocmoe_gpu_embedding_args for per-table calls outside autograd
+    (EmbeddingAllToAll.__call__), written once, with its own table records. A call checks and
+    writes each table's three per-call words (indices, offsets, index count) in one pass,
+    and each table's weight pointer only when the tables are not the ones it adopted last
+    (identity, then data_ptr: a `.data =` swap keeps the object but moves the storage). Host
+    time grows by well under a microsecond a table (the first version, which checked every
+    table in one pass and wrote the records in another, spent about 2 us a table: 67 us a
+    call at 26 tables on the H200's host).
+
+    `prepare` returns the call's global batch with the records written, or None when any
+    table needs what the general path does (int32 or strided indices, per-sample weights,
+    an unaligned or foreign table, a tensor on another device, more tables than travel
+    inline): that path then checks everything and names what is wrong. Nothing is launched
+    and no epoch is taken before `fire`."""
+
+    def __init__(self, handle):
+        from .._native import check, ffi, lib
+        nt = handle.num_tables
+        self.usable = 0 < nt <= inline_tables()
+        args = ffi.new("rocmoe_gpu_embedding_args *")
+        tables = ffi.new("rocmoe_gpu_table[]", max(nt, 1))
+        _table_records(ffi, tables, max(nt, 1))  # checks the record layout against _REC
+        _fill(ffi, args, team_for(handle.ctx), handle)
+        args.mode = MODES[handle.mode]
+        args.num_tables, args.total_tables = nt, handle.total_tables
+        args.table_base, args.dim = handle.table_base, handle.dim
+        args.tables, args.device_tables = tables, ffi.NULL
+        args.packed.weights = ffi.NULL  # the per-table records, not the packed layout
+        self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_embedding_args", {
+            "stream": ("fused", "stream"), "batch": ("batch",), "out": ("out",)})
+        # the records as flat int64 words: table t's field f is word t * len(_REC) + f
+        self.records = memoryview(ffi.buffer(tables)).cast("B").cast("q")
+        self.args, self.tables = args, tables
+        self.fn, self.check = lib.rocmoe_gpu_embedding_a2a, check
+        self.handle, self.first = handle, True  # the first call waits longer (_fill)
+        self.stream = native_launch.stream_getter(handle.ctx.device)
+        dev = handle.ctx.device
+        self.index = (dev.index if dev.index is not None else torch.cuda.current_device()) \
+            if dev.type == "cuda" else -2
+        self.num_tables, self.world, self.max_batch = nt, handle.world, handle.max_batch
+        self.most = handle.max_lookups
+        self.shapes = [torch.Size((r, handle.dim)) for r in handle.table_rows]
+        # the tables adopted last (held: compared by identity; None matches no tensor)
+        self.weights: tuple = (None,) * nt
+        self.weight_ptrs: list = []   # and their data pointers then
+
+    def _adopt(self, weights) -> bool:
+        """Take `weights` as the handle's tables when each is a contiguous, 16-byte aligned
+        tensor of its table's shape and the handle's dtype on its GPU (the kernel's vector
+        loads need the alignment); writes their pointers and rows into the records."""
+        dtype, index, rec, stride = self.handle.dtype, self.index, self.records, len(_REC)
+        for w, shape in zip(weights, self.shapes):
+            if not (isinstance(w, torch.Tensor) and w.get_device() == index
+                    and w.dtype is dtype and w.shape == shape and w.is_contiguous()
+                    and w.data_ptr() % 16 == 0):
+                return False
+        ptrs = [w.data_ptr() for w in weights]
+        for t, (ptr, shape) in enumerate(zip(ptrs, self.shapes)):
+            rec[t * stride + _REC["weights"]] = ptr
+            rec[t * stride + _REC["rows"]] = shape[0]
+        self.weights, self.weight_ptrs = tuple(weights), ptrs
+        return True
+
+    def prepare(self, weights, indices, offsets, batch) -> Optional[int]:
+        nt = self.num_tables
+        if not self.usable or len(weights) != nt or len(indices) != nt or len(offsets) != nt:
+            return None
+        if not all(map(is_, weights, self.weights)) and not self._adopt(weights):
+            return None
+        if batch is None:
+            first = offsets[0]
+            if type(first) is not _TENSOR:
+                return None
+            batch = first.numel()
+        elif type(batch) is not int:
+            return None
+        if batch < 0 or batch > self.max_batch or batch % self.world:
+            return None
+        rec, index, most, i64, tensor = self.records, self.index, self.most, _I64, _TENSOR
+        stride, f_idx, f_off, f_num = len(_REC), _REC["indices"], _REC["offsets"], \
+            _REC["num_indices"]
+        at = 0
+        for w, idx, off, ptr in zip(weights, indices, offsets, self.weight_ptrs):
+            if not (type(idx) is tensor and type(off) is tensor and idx.dtype is i64
+                    and off.dtype is i64 and idx.get_device() == index
+                    and off.get_device() == index and idx.dim() == 1 and off.dim() == 1
+                    and idx.is_contiguous() and off.is_contiguous()
+                    and off.numel() == batch):
+                return None
+            if w.data_ptr() != ptr:  # a table moved: adopt the tables again, then start over
+                return self.prepare(weights, indices, offsets, batch) \
+                    if self._adopt(weights) else None
+            n = idx.numel()
+            if n > most:
+                return None
+            rec[at + f_idx] = idx.data_ptr()
+            rec[at + f_off] = off.data_ptr()
+            rec[at + f_num] = n
+            at += stride
+        return batch
+
+    def fire(self, batch: int, out: torch.Tensor) -> None:
+        """Launch the call `prepare` wrote, into `out` [batch / world, total_tables, dim]."""
+        v, at = self.view, self.at
+        v[at["stream"]] = self.stream()
+        v[at["batch"]] = batch
+        v[at["out"]] = out.data_ptr()
+        rc = self.fn(self.args, 0)
+        if rc:
+            self.check(rc, "EmbeddingAllToAll (GPU)")
+        if self.first:
+            _launched(self.args, self.handle)
+            self.first = False
+
+
+_TENSOR = torch.Tensor
+_I64 = torch.int64
+
+
 # rocmoe_gpu_table's fields as int64 columns (checked against the C layout at first use)
 _REC = {"weights": 0, "indices": 1, "offsets": 2, "per_sample_weights": 3, "rows": 4,
         "num_indices": 5}
@@ -1151,5 +1280,5 @@ def gemv(handle, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor
 
 
 __all__ = ["Team", "team_for", "rows_exchange", "grouped_backward", "abort", "embedding",
-           "PackedEmbeddingLaunch", "GemvLaunch", "gemv", "gemm_config", "gemm_operands",
-           "tma_operands_fit", "slice_order", "task_prefix", "errors"]
+           "PackedEmbeddingLaunch", "TableEmbeddingLaunch", "GemvLaunch", "gemv", "gemm_config",
+           "gemm_operands", "tma_operands_fit", "slice_order", "task_prefix", "errors"]

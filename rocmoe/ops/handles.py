@@ -637,9 +637,14 @@ class EmbeddingAllToAll(FusedHandle):
         self._packed_shape = torch.Size((self.table_row_base[-1], self.dim))
         self._packed_lookups = self.num_tables * self.max_lookups
         self._device_index = _cuda_index(ctx)
+        self._table_launch = None  # made at the first per-table GPU call outside autograd
 
     def reverse_handle(self) -> AllToAllRows:
         return rows_handle(self.ctx, self._reverse_rows, self.dim, self.dtype)
+
+    def close(self) -> None:
+        self._table_launch = None  # it holds the tables of the last call
+        super().close()
 
     def __call__(self, weights: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
                  offsets: Sequence[torch.Tensor],
@@ -648,6 +653,24 @@ class EmbeddingAllToAll(FusedHandle):
         """Returns [B // world, total_tables, dim]: this rank's bags of every table in global
         order. B is the number of offsets of each table (every table looks up the same
         global batch; a rank without tables passes `batch=B`)."""
+        # the common GPU call (int64 indices and offsets, no per-sample weights, no autograd):
+        # checked and written in one pass by the handle's TableEmbeddingLaunch; anything it
+        # declines takes the general path below, which names what is wrong
+        if (self._device_index >= 0 and per_sample_weights is None and self.broken is None
+                and self._status.tobytes() == self._status_clear
+                and self.workspace is not None and not self.ctx.finalized
+                and not torch.is_grad_enabled()):
+            launch = self._table_launch
+            if launch is None:
+                from . import gpu
+                launch = self._table_launch = gpu.TableEmbeddingLaunch(self)
+            b = launch.prepare(weights, indices, offsets, batch)
+            if b is not None:
+                self.epoch += 1
+                out = _take_output(self, "embedding", (b // self.world, self.total_tables,
+                                                       self.dim))
+                launch.fire(b, out)
+                return out
         self.check()
         weights, indices, offsets = list(weights), list(indices), list(offsets)
         psw = None if per_sample_weights is None else list(per_sample_weights)

@@ -1,0 +1,148 @@
+"""EmbeddingAllToAll's per-table GPU fast path (rocmoe.ops.gpu.TableEmbeddingLaunch) checks
+and writes each table's words in one pass: every word must land in its table's record of
+rocmoe.h, and any table the kernel cannot take as it is must send the call to the general
+path (prepare returns None) before anything is launched. Checked on CPU with the launch
+replaced by a function that reads the struct back through cffi; the launch's device index is
+set to the CPU's (-1) so that CPU tensors stand for tensors on the handle's GPU."""
+
+import types
+
+import pytest
+import torch
+
+from rocmoe._native import ffi
+from rocmoe.ops import gpu
+
+ROWS, DIM, BATCH, MOST = (5, 7, 9), 8, 4, 6
+
+
+INLINE = 32  # hip/src/gpu/fused_embedding.hip's kInlineTables (0 in a build without GPU)
+
+
+def _fake_gpu(monkeypatch):
+    monkeypatch.setattr(gpu, "_fill", lambda ffi_, args, team, handle: None)
+    monkeypatch.setattr(gpu, "team_for", lambda ctx: None)
+    monkeypatch.setattr(gpu, "inline_tables", lambda: INLINE)
+    monkeypatch.setattr(gpu.native_launch, "stream_getter",
+                        lambda device: (lambda: 0x7000 + device.index))
+
+
+def _launch(monkeypatch, world=1):
+    _fake_gpu(monkeypatch)
+    handle = types.SimpleNamespace(
+        ctx=types.SimpleNamespace(device=torch.device("cuda", 2), timeout_s=30.0),
+        mode="mean", num_tables=len(ROWS), total_tables=5, table_base=1, dim=DIM,
+        dtype=torch.float32, world=world, max_batch=8, max_lookups=MOST, table_rows=ROWS)
+    launch = gpu.TableEmbeddingLaunch(handle)
+    launch.index = -1  # CPU tensors stand for the GPU's
+    seen = []
+
+    def fake(args, abort):
+        tables = [dict(weights=int(ffi.cast("intptr_t", t.weights)),
+                       indices=int(ffi.cast("intptr_t", t.indices)),
+                       offsets=int(ffi.cast("intptr_t", t.offsets)),
+                       psw=int(ffi.cast("intptr_t", t.per_sample_weights)),
+                       rows=t.rows, num_indices=t.num_indices)
+                  for t in (args.tables[i] for i in range(args.num_tables))]
+        seen.append(dict(stream=int(ffi.cast("intptr_t", args.fused.stream)), batch=args.batch,
+                         out=int(ffi.cast("intptr_t", args.out)), tables=tables,
+                         packed=int(ffi.cast("intptr_t", args.packed.weights)),
+                         device_tables=int(ffi.cast("intptr_t", args.device_tables)),
+                         mode=args.mode, abort=abort,
+                         sizes=(args.num_tables, args.total_tables, args.table_base, args.dim)))
+        return 0
+
+    launch.fn = fake
+    return launch, seen
+
+
+def _inputs(lookups=(3, 0, 6)):
+    weights = [torch.zeros(r, DIM) for r in ROWS]
+    indices = [torch.zeros(n, dtype=torch.int64) for n in lookups]
+    offsets = [torch.zeros(BATCH, dtype=torch.int64) for _ in ROWS]
+    return weights, indices, offsets
+
+
+def test_each_tables_words_land_in_its_record_of_the_c_struct(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, indices, offsets = _inputs()
+    out = torch.zeros(BATCH, 5, DIM)
+    assert launch.prepare(weights, indices, offsets, None) == BATCH
+    launch.fire(BATCH, out)
+    assert seen == [dict(
+        stream=0x7002, batch=BATCH, out=out.data_ptr(), packed=0, device_tables=0,
+        mode=gpu.MODES["mean"], abort=0, sizes=(3, 5, 1, DIM),
+        tables=[dict(weights=w.data_ptr(), indices=i.data_ptr(), offsets=o.data_ptr(), psw=0,
+                     rows=w.shape[0], num_indices=i.numel())
+                for w, i, o in zip(weights, indices, offsets)])]
+
+
+def test_a_second_call_rewrites_only_what_changed(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, indices, offsets = _inputs()
+    out = torch.zeros(BATCH, 5, DIM)
+    launch.prepare(weights, indices, offsets, BATCH)
+    launch.fire(BATCH, out)
+    _, indices2, offsets2 = _inputs(lookups=(1, 2, 4))
+    launch.prepare(list(weights), indices2, offsets2, BATCH)  # a new list of the same tables
+    launch.fire(BATCH, out)
+    assert [t["weights"] for t in seen[1]["tables"]] == [w.data_ptr() for w in weights]
+    assert [t["indices"] for t in seen[1]["tables"]] == [i.data_ptr() for i in indices2]
+    assert [t["num_indices"] for t in seen[1]["tables"]] == [1, 2, 4]
+
+
+def test_a_table_whose_storage_was_swapped_is_adopted_again(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, indices, offsets = _inputs()
+    out = torch.zeros(BATCH, 5, DIM)
+    launch.prepare(weights, indices, offsets, BATCH)
+    launch.fire(BATCH, out)
+    weights[1].data = torch.ones(ROWS[1], DIM)  # same object, new storage
+    assert launch.prepare(weights, indices, offsets, BATCH) == BATCH
+    launch.fire(BATCH, out)
+    assert seen[1]["tables"][1]["weights"] == weights[1].data_ptr()
+
+
+def _declined(monkeypatch, change):
+    launch, seen = _launch(monkeypatch, world=2)
+    weights, indices, offsets = _inputs()
+    batch = change(weights, indices, offsets)
+    return launch.prepare(weights, indices, offsets, batch) is None and not seen
+
+
+@pytest.mark.parametrize("change", [
+    lambda w, i, o: i.__setitem__(1, i[1].to(torch.int32)) or None,
+    lambda w, i, o: o.__setitem__(0, o[0].to(torch.int32)) or None,
+    lambda w, i, o: o.__setitem__(2, torch.zeros(2 * BATCH, dtype=torch.int64)[::2]) or None,
+    lambda w, i, o: i.__setitem__(0, torch.zeros(3, 1, dtype=torch.int64)) or None,
+    lambda w, i, o: i.__setitem__(2, torch.zeros(MOST + 1, dtype=torch.int64)) or None,
+    lambda w, i, o: o.__setitem__(1, torch.zeros(BATCH - 2, dtype=torch.int64)) or None,
+    lambda w, i, o: w.__setitem__(0, torch.zeros(ROWS[0] + 1, DIM)) or None,
+    lambda w, i, o: w.__setitem__(2, torch.zeros(ROWS[2], DIM, dtype=torch.float16)) or None,
+    lambda w, i, o: w.__setitem__(1, torch.zeros(ROWS[1] * DIM + 1)[1:].view(ROWS[1], DIM))
+    or None,
+    lambda w, i, o: w.__setitem__(0, torch.zeros(DIM, ROWS[0]).t()) or None,
+    lambda w, i, o: (w.pop(), None)[1],
+    lambda w, i, o: 3,          # not a multiple of the 2 ranks
+    lambda w, i, o: 10,         # above max_batch (8)
+    lambda w, i, o: 4.0,        # not an int
+], ids=["int32-indices", "int32-offsets", "strided-offsets", "2d-indices", "over-max-lookups",
+        "short-offsets", "wrong-rows", "wrong-dtype", "unaligned-table", "strided-table",
+        "missing-table", "batch-not-a-multiple", "batch-above-max", "float-batch"])
+def test_a_call_the_kernel_cannot_take_as_it_is_goes_to_the_general_path(monkeypatch, change):
+    assert _declined(monkeypatch, change)
+
+
+def test_more_tables_than_travel_inline_go_to_the_general_path(monkeypatch):
+    _fake_gpu(monkeypatch)
+    nt = INLINE + 1
+    handle = types.SimpleNamespace(
+        ctx=types.SimpleNamespace(device=torch.device("cuda", 0), timeout_s=30.0),
+        mode="sum", num_tables=nt, total_tables=nt, table_base=0, dim=DIM, dtype=torch.float32,
+        world=1, max_batch=8, max_lookups=MOST, table_rows=[4] * nt)
+    launch = gpu.TableEmbeddingLaunch(handle)
+    launch.index = -1
+    weights = [torch.zeros(4, DIM) for _ in range(nt)]
+    indices = [torch.zeros(1, dtype=torch.int64) for _ in range(nt)]
+    offsets = [torch.zeros(BATCH, dtype=torch.int64) for _ in range(nt)]
+    assert launch.prepare(weights, indices, offsets, BATCH) is None
