@@ -54,13 +54,6 @@ CONFIGS = {
     "256x128 w8 s4": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
     "128x256x128 w8 s2": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8,
                               num_stages=2),
-    # the direct path's count loaded before the K loop instead of after it
-    "128x256 w8 s3 early": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8,
-                                num_stages=3, COUNT_EARLY=True),
-    "64x128 s8 early": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=8,
-                            COUNT_EARLY=True),
-    "128x128 s4 early": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4,
-                             COUNT_EARLY=True),
 }
 
 

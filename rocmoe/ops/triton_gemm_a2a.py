@@ -272,7 +272,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     MODE: tl.constexpr, COPY: tl.constexpr, FP32_IEEE: tl.constexpr,
                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr = False,
                     SPLIT_K: tl.constexpr = 1, DIRECT: tl.constexpr = False,
-                    CLOCK: tl.constexpr = 0, COUNT_EARLY: tl.constexpr = False):
+                    CLOCK: tl.constexpr = 0):
     # counts [world, G] int64 (G = 1 for one W): rows of X, destination-major then group.
     # COPY: no W, the "product" is X itself (the row exchange; N = K). USE_TMA (Hopper):
     # x_ptr / w_ptr are tensor descriptors of X [M, K] and W [G*K, N] with [BLOCK_M, BLOCK_K]
@@ -302,24 +302,15 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
         # is made), and the kernel ran 6-11 % behind the same tile without a count at
         # 256-512 x 4096^2 (probe_skinny_gemm_h200.jsonl)
         # (rows past the capacity are never stored: a count above it is bad)
-        # COUNT_EARLY (a tuning experiment, off by default): the count's load issued before
-        # the K loop, its value first used by the store mask after it, so that its latency
-        # hides under the loop instead of standing after it
         m_tiles = tl.cdiv(tl.minimum(M, capacity), BLOCK_M)
         task = tl.program_id(0)
-        rows_early = M
-        if COUNT_EARLY:
-            rows_early, _ = _direct_count(counts_ptr, capacity, M)
         while task < m_tiles * n_tiles_n:
             m_tile, n_tile = _grouped_tile(task, m_tiles, n_tiles_n, GROUP_M)
             acc = _tile_product(x_ptr, w_ptr, m_tile * BLOCK_M, M - m_tile * BLOCK_M, n_tile,
                                 0, 0, K, N, K, stride_xm, stride_xk, stride_wg, stride_wk,
                                 stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, COPY, FP32_IEEE,
                                 EVEN_N, EVEN_K, USE_TMA)
-            if COUNT_EARLY:
-                rows_taken = rows_early
-            else:
-                rows_taken, _ = _direct_count(counts_ptr, capacity, M)
+            rows_taken, _ = _direct_count(counts_ptr, capacity, M)
             _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M, BLOCK_N,
                         EVEN_N)
             task += num_programs
@@ -624,8 +615,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             split_tiles="i32", WORLD_P2="constexpr", GROUPS_P2="constexpr", BLOCK_M="constexpr",
             BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", MODE="constexpr",
             COPY="constexpr", FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
-            USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr", CLOCK="constexpr",
-            COUNT_EARLY="constexpr"),
+            USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr", CLOCK="constexpr"),
         "collect_kernel": dict(
             out_ptr=p, peer_bases_ptr=i64, recv_ptr=i64, status_addr="i64", ws_offset="i64",
             ack_off="i64", count_off="i64", epoch_off="i64", counters_off="i64",
