@@ -42,6 +42,8 @@ ENV_KNOBS = (
     ("ROCMOE_GEMM_CONFIG", "", "JSON overrides of the GEMM+A2A tile config, e.g. "
                                '{"BLOCK_N": 128, "USE_TMA": false, "PROGRAMS_PER_SM": 1}'),
     ("ROCMOE_GPU_WORKGROUPS", "0", "workgroups of the HIP fused kernels (0: per the GPU)"),
+    ("ROCMOE_EMBEDDING_DIRECT", "1", "Embedding+A2A at world size 1: 1 a plain gather "
+                                     "kernel, 0 the protocol kernel"),
     # GEMV+AllReduce (hip/src/gpu/fused_gemv.hip; benchmarks/gemv_variants.py sweeps them)
     ("ROCMOE_GEMV_DIRECT", "1", "GEMV at world size 1: 1 a plain GEMV kernel, 0 the protocol "
                                 "kernel"),

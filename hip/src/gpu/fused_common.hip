@@ -82,6 +82,11 @@ int compute_units() {
     return cus;
 }
 
+int env_int(const char *name, int fallback) {
+    const char *v = getenv(name);
+    return (v != nullptr && *v != '\0') ? atoi(v) : fallback;
+}
+
 int persistent_workgroups(int requested, uint32_t total_tasks, int per_cu) {
     if (requested > 0) return int(requested < int(total_tasks) ? requested : int(total_tasks));
     const long want = long(compute_units()) * per_cu;

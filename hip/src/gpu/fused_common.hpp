@@ -212,6 +212,9 @@ int persistent_workgroups(int requested, uint32_t total_tasks, int per_cu);
 // CUs (SMs) of the current device (80 when it cannot be read), looked up once
 int compute_units();
 
+// An integer tuning knob from the environment (`fallback` when unset or empty)
+int env_int(const char *name, int fallback);
+
 // Validate the team / fused arguments and fill `c`; returns ROCMOE_OK or a fail() code.
 int make_common(const rocmoe_gpu_team &team, const rocmoe_gpu_fused &fused, int op_code,
                 const char *op, Common *c);

@@ -626,11 +626,6 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     for (int d = tid; d < world; d += kThreads) shmem::signal_set(c.team, c.ack(me), epoch, d);
 }
 
-int env_int(const char *name, int fallback) {
-    const char *v = getenv(name);
-    return (v != nullptr && *v != '\0') ? atoi(v) : fallback;
-}
-
 // The knobs (see the top of this file), read once per process.
 struct Tuning {
     int rows;           // ROCMOE_GEMV_ROWS_PER_WARP
