@@ -436,8 +436,7 @@ class _GemmLaunch:
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             MODE=0 if self.local else 1, COPY=self.copy, FP32_IEEE=x.dtype == torch.float32,
             EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False,
-            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock(),
-            COUNT_EARLY=bool(cfg.get("COUNT_EARLY", False)) and self.direct)
+            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock())
         self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
                     self.nprog)
         layout = handle.layout
