@@ -21,7 +21,9 @@
 // only after every source anyway, so signalling at the end costs no overlap. The last
 // workgroup then advances the epoch and waits for every source; a copy-out kernel moves the
 // block into the output and acknowledges the sources. At world size 1 there is nobody to
-// talk to: the kernel writes the output itself, with no heap, no signal and no copy.
+// talk to: embedding_direct_kernel writes the output itself, with no heap, no signal, no
+// copy and no epoch (ROCMOE_EMBEDDING_DIRECT=0: this kernel, which then does the same
+// through its task counter and last workgroup).
 //
 // Bandwidth: lanes of a wave split a row into 16-byte vectors (one group of lanes per
 // item, several items per wave when D is small), and four gathered rows are loaded before
