@@ -1035,7 +1035,27 @@ def _word_view(ffi, args, name: str, fields: dict) -> tuple:
         {k: v // 8 for k, v in words.items()}
 
 
-class PackedEmbeddingLaunch:
+class _StructLaunch:
+    """What the per-handle argument writers below share: a C args struct written once, the
+    C launch function that takes it, the current-stream getter, and the first call's longer
+    wait (_fill), cut to the context's timeout once that call is launched."""
+
+    def __init__(self, handle, args, fn):
+        from .._native import check
+        self.args, self.fn, self.check = args, fn, check
+        self.handle, self.first = handle, True
+        self.stream = native_launch.stream_getter(handle.ctx.device)
+
+    def _launch(self, what: str) -> None:
+        rc = self.fn(self.args, 0)
+        if rc:
+            self.check(rc, what)
+        if self.first:
+            _launched(self.args, self.handle)
+            self.first = False
+
+
+class PackedEmbeddingLaunch(_StructLaunch):
     """A handle's rocmoe_gpu_embedding_args for packed calls (EmbeddingAllToAll.batched),
     written once; a call writes its eight per-call words (stream, batch, output, weight,
     indices, offsets, per-sample weights, index count) through an int64 view of the struct
@@ -1043,7 +1063,7 @@ class PackedEmbeddingLaunch:
     8 us of argument writing around a 6 us launch)."""
 
     def __init__(self, handle):
-        from .._native import check, ffi, lib
+        from .._native import ffi, lib
         args = ffi.new("rocmoe_gpu_embedding_args *")
         _fill(ffi, args, team_for(handle.ctx), handle)
         args.mode = MODES[handle.mode]
@@ -1055,9 +1075,7 @@ class PackedEmbeddingLaunch:
         for field in ("weights", "indices", "offsets", "per_sample_weights", "num_indices"):
             fields[field] = ("packed", field)
         self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_embedding_args", fields)
-        self.args, self.fn, self.check = args, lib.rocmoe_gpu_embedding_a2a, check
-        self.handle, self.first = handle, True  # the first call waits longer (_fill)
-        self.stream = native_launch.stream_getter(handle.ctx.device)
+        super().__init__(handle, args, lib.rocmoe_gpu_embedding_a2a)
 
     def __call__(self, weight, indices, offsets, psw, batch: int, out: torch.Tensor) -> None:
         # 16-byte vector loads need 16-byte aligned rows; the kernel reads int64 and fp32
@@ -1079,12 +1097,7 @@ class PackedEmbeddingLaunch:
         v[at["offsets"]] = off.data_ptr()
         v[at["per_sample_weights"]] = 0 if ps is None else ps.data_ptr()
         v[at["num_indices"]] = idx.numel()
-        rc = self.fn(self.args, 0)
-        if rc:
-            self.check(rc, "EmbeddingAllToAll.batched (GPU)")
-        if self.first:
-            _launched(self.args, self.handle)
-            self.first = False
+        self._launch("EmbeddingAllToAll.batched (GPU)")
         del w, idx, off, ps  # freed into stream order: reused only after the kernel
 
 
@@ -1095,7 +1108,7 @@ def inline_tables() -> int:
     return lib.rocmoe_gpu_embedding_inline_tables()
 
 
-class TableEmbeddingLaunch:
+class TableEmbeddingLaunch(_StructLaunch):
     """A handle's rocmoe_gpu_embedding_args for per-table calls outside autograd
     (EmbeddingAllToAll.__call__), written once, with its own table records. A call checks and
     writes each table's three per-call words (indices, offsets, index count) in one pass,
@@ -1112,7 +1125,7 @@ class TableEmbeddingLaunch:
     and no epoch is taken before `fire`."""
 
     def __init__(self, handle):
-        from .._native import check, ffi, lib
+        from .._native import ffi, lib
         nt = handle.num_tables
         self.usable = 0 < nt <= inline_tables()
         args = ffi.new("rocmoe_gpu_embedding_args *")
@@ -1128,10 +1141,8 @@ class TableEmbeddingLaunch:
             "stream": ("fused", "stream"), "batch": ("batch",), "out": ("out",)})
         # the records as flat int64 words: table t's field f is word t * len(_REC) + f
         self.records = memoryview(ffi.buffer(tables)).cast("B").cast("q")
-        self.args, self.tables = args, tables
-        self.fn, self.check = lib.rocmoe_gpu_embedding_a2a, check
-        self.handle, self.first = handle, True  # the first call waits longer (_fill)
-        self.stream = native_launch.stream_getter(handle.ctx.device)
+        self.tables = tables
+        super().__init__(handle, args, lib.rocmoe_gpu_embedding_a2a)
         dev = handle.ctx.device
         self.index = (dev.index if dev.index is not None else torch.cuda.current_device()) \
             if dev.type == "cuda" else -2
@@ -1203,12 +1214,7 @@ class TableEmbeddingLaunch:
         v[at["stream"]] = self.stream()
         v[at["batch"]] = batch
         v[at["out"]] = out.data_ptr()
-        rc = self.fn(self.args, 0)
-        if rc:
-            self.check(rc, "EmbeddingAllToAll (GPU)")
-        if self.first:
-            _launched(self.args, self.handle)
-            self.first = False
+        self._launch("EmbeddingAllToAll (GPU)")
 
 
 _TENSOR = torch.Tensor
@@ -1233,7 +1239,7 @@ def _table_records(ffi, tables, n: int):
     return np.frombuffer(ffi.buffer(tables, size * n), dtype=np.int64).reshape(n, len(_REC))
 
 
-class GemvLaunch:
+class GemvLaunch(_StructLaunch):
     """A GemvAllReduce handle's rocmoe_gpu_gemv_args, written once; a call writes its five
     per-call words (stream, K, W, x, y) through an int64 view of the struct (see
     _word_view). The caller has checked W [N, K] and x [K] (K is the call's: the functional
@@ -1241,16 +1247,14 @@ class GemvLaunch:
     here (the kernel reads rows of W and x as plain arrays)."""
 
     def __init__(self, handle):
-        from .._native import check, ffi, lib
+        from .._native import ffi, lib
         args = ffi.new("rocmoe_gpu_gemv_args *")
         _fill(ffi, args, team_for(handle.ctx), handle)
         args.n = handle.N
         self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_gemv_args", {
             "stream": ("fused", "stream"), "k": ("k",), "w": ("w",), "x": ("x",),
             "out": ("out",)})
-        self.args, self.fn, self.check = args, lib.rocmoe_gpu_gemv_allreduce, check
-        self.handle, self.first = handle, True  # the first call waits longer (_fill)
-        self.stream = native_launch.stream_getter(handle.ctx.device)
+        super().__init__(handle, args, lib.rocmoe_gpu_gemv_allreduce)
 
     def __call__(self, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor) -> None:
         wc = w_local if w_local.is_contiguous() else w_local.contiguous()
@@ -1261,12 +1265,7 @@ class GemvLaunch:
         v[at["w"]] = wc.data_ptr()
         v[at["x"]] = xc.data_ptr()
         v[at["out"]] = out.data_ptr()
-        rc = self.fn(self.args, 0)
-        if rc:
-            self.check(rc, "GemvAllReduce (GPU)")
-        if self.first:
-            _launched(self.args, self.handle)
-            self.first = False
+        self._launch("GemvAllReduce (GPU)")
         del wc, xc  # a copy made here is freed into stream order: reused after the kernel
 
 

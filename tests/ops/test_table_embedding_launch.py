@@ -77,15 +77,20 @@ def test_each_tables_words_land_in_its_record_of_the_c_struct(monkeypatch):
                 for w, i, o in zip(weights, indices, offsets)])]
 
 
+def _call(launch, weights, indices, offsets):
+    """One call as EmbeddingAllToAll makes it: prepare, then fire when it was taken."""
+    batch = launch.prepare(weights, indices, offsets, BATCH)
+    if batch is not None:
+        launch.fire(batch, torch.zeros(BATCH, 5, DIM))
+    return batch
+
+
 def test_a_second_call_rewrites_only_what_changed(monkeypatch):
     launch, seen = _launch(monkeypatch)
     weights, indices, offsets = _inputs()
-    out = torch.zeros(BATCH, 5, DIM)
-    launch.prepare(weights, indices, offsets, BATCH)
-    launch.fire(BATCH, out)
+    _call(launch, weights, indices, offsets)
     _, indices2, offsets2 = _inputs(lookups=(1, 2, 4))
-    launch.prepare(list(weights), indices2, offsets2, BATCH)  # a new list of the same tables
-    launch.fire(BATCH, out)
+    _call(launch, list(weights), indices2, offsets2)  # a new list of the same tables
     assert [t["weights"] for t in seen[1]["tables"]] == [w.data_ptr() for w in weights]
     assert [t["indices"] for t in seen[1]["tables"]] == [i.data_ptr() for i in indices2]
     assert [t["num_indices"] for t in seen[1]["tables"]] == [1, 2, 4]
@@ -94,12 +99,9 @@ def test_a_second_call_rewrites_only_what_changed(monkeypatch):
 def test_a_table_whose_storage_was_swapped_is_adopted_again(monkeypatch):
     launch, seen = _launch(monkeypatch)
     weights, indices, offsets = _inputs()
-    out = torch.zeros(BATCH, 5, DIM)
-    launch.prepare(weights, indices, offsets, BATCH)
-    launch.fire(BATCH, out)
+    _call(launch, weights, indices, offsets)
     weights[1].data = torch.ones(ROWS[1], DIM)  # same object, new storage
-    assert launch.prepare(weights, indices, offsets, BATCH) == BATCH
-    launch.fire(BATCH, out)
+    assert _call(launch, weights, indices, offsets) == BATCH
     assert seen[1]["tables"][1]["weights"] == weights[1].data_ptr()
 
 
