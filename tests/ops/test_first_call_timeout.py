@@ -82,3 +82,21 @@ def test_a_bad_first_call_timeout_is_a_clear_error(first_call_300, monkeypatch):
         gpu.first_call_timeout_s(3.0)
     monkeypatch.setenv("ROCMOE_FIRST_CALL_TIMEOUT_S", "0")  # allowed: the plain timeout
     assert gpu.first_call_timeout_s(3.0) == 3.0
+
+
+def test_a_per_table_embedding_handles_fast_path_waits_the_first_call_timeout_once(
+        first_call_300, monkeypatch):
+    # the launch EmbeddingAllToAll's no-grad per-table calls take (TableEmbeddingLaunch)
+    monkeypatch.setattr(gpu, "inline_tables", lambda: 8)
+    handle = _handle("embedding_all_to_all", mode="sum", num_tables=1, total_tables=2,
+                     table_base=0, dim=4, dtype=torch.float32, world=2, max_batch=4,
+                     max_lookups=8, table_rows=[5])
+    launch = gpu.TableEmbeddingLaunch(handle)
+    launch.index = -1  # CPU tensors stand for the GPU's
+    table = torch.zeros(5, 4)
+
+    def call():
+        batch = launch.prepare([table], [torch.zeros(3, dtype=torch.int64)],
+                               [torch.arange(2)], None)
+        launch.fire(batch, torch.zeros(1, 2, 4))
+    assert _waits(launch, call) == [300.0, 3.0, 3.0]
