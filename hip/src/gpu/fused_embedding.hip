@@ -186,9 +186,17 @@ __device__ __forceinline__ bool bag_row(const EmbeddingParams &p, int t, int64_t
     return ok;
 }
 
+// Four workgroups an SM for the vector path (at most 64 registers a thread on sm_90): left
+// to itself nvcc gave it 80-98, so three were resident, against the direct kernel's four
+// to five at 46-63 registers, and that kernel gathers 17-42 % faster at world size 1
+// (results/fused_gpu_h200_fifteenth_session_embedding_{direct,protocol}.jsonl; more
+// workgroups asked for did not help: _protocol_wg*.jsonl). Bounded, the vector variants
+// build at 63-64 registers with no spill (local sm_90 build, cuobjdump; tests/
+// test_compile.py holds it); the element path (D not a multiple of a 16-byte vector) keeps
+// three, at 80: bounded to four it spilled. Not yet timed on a GPU.
 template <class T, bool kVec>
-__global__ void __launch_bounds__(kThreads) embedding_a2a_kernel(Common c, EmbeddingParams p,
-                                                                uint32_t workers) {
+__global__ void __launch_bounds__(kThreads, kVec ? 4 : 3)
+    embedding_a2a_kernel(Common c, EmbeddingParams p, uint32_t workers) {
     using S = typename T::storage;
     extern __shared__ uint32_t plan_smem[];  // tasks_per_dest[world], prefix[world + 1]
     __shared__ sched::Task s_task;
