@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import numpy as np
 import torch
@@ -213,7 +214,8 @@ def check_primitives(ctx, dtype, tol):
     results = []
     for name, action in steps:
         info = action()
-        both_steps()    # the copies land during this step and are installed before its update
+        wait_for_copies(sched, layer)
+        both_steps()    # the copies have landed: installed before this step's update
         pending = sched.pending(layer) is not None
         both_steps()
         equal = all(copies_bitwise_equal(layer, opt, e)[0] for e in range(E))
@@ -231,6 +233,20 @@ def check_primitives(ctx, dtype, tol):
     sched.close()
     return report("primitives", ok, rank, f"results={results} placement={final} "
                   f"dropped={sched.dropped_changes}")
+
+
+def wait_for_copies(sched, layer, timeout_s: float = 60.0) -> None:
+    """Wait (bounded) until this rank's part of the layer's change in flight has landed. An
+    optimizer step whose copies have not landed on every rank drops the change (no rank waits
+    for a copy, by design); the checks that make a change by hand need it made, and under CI
+    load a copy once took longer than the step after it (the expand into a full rank then
+    found a free slot: 2026-12-04)."""
+    state = sched._state(layer)
+    deadline = time.monotonic() + timeout_s
+    while state.pending is not None and not state.mover.landed():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"an expert copy did not land in {timeout_s:g} s")
+        time.sleep(0.005)
 
 
 def check_train(ctx, dtype, tol, steps=8):
@@ -347,7 +363,8 @@ def check_bad(ctx, dtype, tol):
         "version": 1, "placement": Placement.static(E, world, slots).to_list(),
         "num_experts": E}})
     # 2. expand into a full rank: rank 0 first gets its last free slot filled
-    sched.expand(layer, E - 1, 0)     # a copy, lands over the next steps
+    sched.expand(layer, E - 1, 0)     # a copy, lands in the background
+    wait_for_copies(sched, layer)
     layer(x).sum().backward()
     opt.step()      # the copy is installed here
     sched.step()
