@@ -1141,11 +1141,9 @@ class TableEmbeddingLaunch(_StructLaunch):
             "stream": ("fused", "stream"), "batch": ("batch",), "out": ("out",)})
         # the records as flat int64 words: table t's field f is word t * len(_REC) + f
         self.records = memoryview(ffi.buffer(tables)).cast("B").cast("q")
-        self.tables = tables
+        self.tables = tables  # args.tables points into it and does not own it
         super().__init__(handle, args, lib.rocmoe_gpu_embedding_a2a)
-        dev = handle.ctx.device
-        self.index = (dev.index if dev.index is not None else torch.cuda.current_device()) \
-            if dev.type == "cuda" else -2
+        self.index = handle._device_index  # what get_device() says of the handle's tensors
         self.num_tables, self.world, self.max_batch = nt, handle.world, handle.max_batch
         self.most = handle.max_lookups
         self.shapes = [torch.Size((r, handle.dim)) for r in handle.table_rows]

@@ -170,6 +170,12 @@ class FusedHandle:
             status[:] = 0
             raise exc
 
+    def _clean(self) -> bool:
+        """What check() passes, by cheap reads alone (the fast paths of the calls): not
+        broken, not closed, the context live and nothing recorded in the status words."""
+        return (self.broken is None and self._status.tobytes() == self._status_clear
+                and self.workspace is not None and not self.ctx.finalized)
+
     def _status_error(self, status: np.ndarray) -> Exception:
         w, name = self.world, type(self).__name__
         epoch = int(status[self.layout.status_epoch()])
@@ -656,9 +662,7 @@ class EmbeddingAllToAll(FusedHandle):
         # the common GPU call (int64 indices and offsets, no per-sample weights, no autograd):
         # checked and written in one pass by the handle's TableEmbeddingLaunch; anything it
         # declines takes the general path below, which names what is wrong
-        if (self._device_index >= 0 and per_sample_weights is None and self.broken is None
-                and self._status.tobytes() == self._status_clear
-                and self.workspace is not None and not self.ctx.finalized
+        if (self._device_index >= 0 and per_sample_weights is None and self._clean()
                 and not torch.is_grad_enabled()):
             launch = self._table_launch
             if launch is None:
@@ -712,9 +716,7 @@ class EmbeddingAllToAll(FusedHandle):
                 and indices.dim() == 1 and offsets.dim() == 1
                 and weight.get_device() == index and indices.get_device() == index
                 and offsets.get_device() == index
-                and indices.numel() <= self._packed_lookups and self.broken is None
-                and self._status.tobytes() == self._status_clear
-                and self.workspace is not None and not self.ctx.finalized
+                and indices.numel() <= self._packed_lookups and self._clean()
                 and not torch.is_grad_enabled()):
             bags = offsets.numel() - 1
             b = bags // nt
@@ -1109,8 +1111,7 @@ class GemvAllReduce(FusedHandle):
                 and w_local.dtype is dtype and x_local.dtype is dtype
                 and w_local.get_device() == index and x_local.get_device() == index
                 and w_local.shape == self._w_shape and x_local.shape == self._x_shape
-                and self.broken is None and self._status.tobytes() == self._status_clear
-                and self.workspace is not None and not self.ctx.finalized
+                and self._clean()
                 and not (torch.is_grad_enabled()
                          and (w_local.requires_grad or x_local.requires_grad))):
             return self._reduce(w_local, x_local, reuse=True)

@@ -90,7 +90,7 @@ def test_a_per_table_embedding_handles_fast_path_waits_the_first_call_timeout_on
     monkeypatch.setattr(gpu, "inline_tables", lambda: 8)
     handle = _handle("embedding_all_to_all", mode="sum", num_tables=1, total_tables=2,
                      table_base=0, dim=4, dtype=torch.float32, world=2, max_batch=4,
-                     max_lookups=8, table_rows=[5])
+                     max_lookups=8, table_rows=[5], _device_index=0)
     launch = gpu.TableEmbeddingLaunch(handle)
     launch.index = -1  # CPU tensors stand for the GPU's
     table = torch.zeros(5, 4)

@@ -32,7 +32,8 @@ def _launch(monkeypatch, world=1):
     handle = types.SimpleNamespace(
         ctx=types.SimpleNamespace(device=torch.device("cuda", 2), timeout_s=30.0),
         mode="mean", num_tables=len(ROWS), total_tables=5, table_base=1, dim=DIM,
-        dtype=torch.float32, world=world, max_batch=8, max_lookups=MOST, table_rows=ROWS)
+        dtype=torch.float32, world=world, max_batch=8, max_lookups=MOST, table_rows=ROWS,
+        _device_index=2)
     launch = gpu.TableEmbeddingLaunch(handle)
     launch.index = -1  # CPU tensors stand for the GPU's
     seen = []
@@ -141,7 +142,7 @@ def test_more_tables_than_travel_inline_go_to_the_general_path(monkeypatch):
     handle = types.SimpleNamespace(
         ctx=types.SimpleNamespace(device=torch.device("cuda", 0), timeout_s=30.0),
         mode="sum", num_tables=nt, total_tables=nt, table_base=0, dim=DIM, dtype=torch.float32,
-        world=1, max_batch=8, max_lookups=MOST, table_rows=[4] * nt)
+        world=1, max_batch=8, max_lookups=MOST, table_rows=[4] * nt, _device_index=0)
     launch = gpu.TableEmbeddingLaunch(handle)
     launch.index = -1
     weights = [torch.zeros(4, DIM) for _ in range(nt)]
