@@ -374,6 +374,15 @@ uint32_t tile_items(const EmbeddingParams &p, int world, int cus) {
     return tile;
 }
 
+// ROCMOE_OK, or the error of the kernel launch just made
+int launched() {
+    const hipError_t e = hipGetLastError();
+    if (e != hipSuccess)
+        return fail(ROCMOE_ERR_SYSTEM, "embedding_all_to_all: kernel launch failed: %s",
+                    hipGetErrorString(e));
+    return ROCMOE_OK;
+}
+
 // Workgroups of the direct kernel: one item a lane group, up to kDirectPerCu workgroups a
 // CU (the rest by grid stride; `requested` > 0: ROCMOE_GPU_WORKGROUPS)
 constexpr int kDirectPerCu = 8;
@@ -391,11 +400,7 @@ int launch_direct(const Common &c, const EmbeddingParams &p, int requested, hipS
     else
         hipLaunchKernelGGL((embedding_direct_kernel<T, false>), dim3(workers), dim3(kThreads), 0,
                            stream, p, c.status);
-    const hipError_t e = hipGetLastError();
-    if (e != hipSuccess)
-        return fail(ROCMOE_ERR_SYSTEM, "embedding_all_to_all: kernel launch failed: %s",
-                    hipGetErrorString(e));
-    return ROCMOE_OK;
+    return launched();
 }
 
 template <class T>
@@ -414,11 +419,7 @@ int launch(const Common &c, EmbeddingParams p, int requested, hipStream_t stream
     else
         hipLaunchKernelGGL((embedding_a2a_kernel<T, false>), dim3(workers), dim3(kThreads), smem,
                            stream, c, p, uint32_t(workers));
-    const hipError_t e = hipGetLastError();
-    if (e != hipSuccess)
-        return fail(ROCMOE_ERR_SYSTEM, "embedding_all_to_all: kernel launch failed: %s",
-                    hipGetErrorString(e));
-    return ROCMOE_OK;
+    return launched();
 }
 
 }  // namespace
