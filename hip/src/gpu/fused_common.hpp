@@ -212,6 +212,22 @@ int persistent_workgroups(int requested, uint32_t total_tasks, int per_cu);
 // CUs (SMs) of the current device (80 when it cannot be read), looked up once
 int compute_units();
 
+// Workgroups of kThreads of `kernel` that fit on a compute unit together (`fallback` when the
+// runtime cannot say). A grid-stride or statically split kernel is balanced only when its
+// whole grid is resident at once: a grid of more leaves a second, partial round of
+// workgroups running at a fraction of the occupancy.
+template <class K>
+int resident_per_cu(K kernel, size_t shared_bytes, int fallback) {
+    int blocks = 0;
+    if (hipOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, shared_bytes) !=
+            hipSuccess ||
+        blocks <= 0) {
+        (void)hipGetLastError();  // not this call's error to report
+        blocks = fallback;
+    }
+    return blocks;
+}
+
 // An integer tuning knob from the environment (`fallback` when unset or empty)
 int env_int(const char *name, int fallback);
 

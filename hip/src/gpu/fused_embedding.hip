@@ -188,12 +188,15 @@ __device__ __forceinline__ bool bag_row(const EmbeddingParams &p, int t, int64_t
 
 // Four workgroups an SM for the vector path (at most 64 registers a thread on sm_90): left
 // to itself nvcc gave it 80-98, so three were resident, against the direct kernel's four
-// to five at 46-63 registers, and that kernel gathers 17-42 % faster at world size 1
+// to five at 46-63 registers, and that kernel gathered 17-42 % faster at world size 1
 // (results/fused_gpu_h200_fifteenth_session_embedding_{direct,protocol}.jsonl; more
 // workgroups asked for did not help: _protocol_wg*.jsonl). Bounded, the vector variants
-// build at 63-64 registers with no spill (local sm_90 build, cuobjdump; tests/
-// test_compile.py holds it); the element path (D not a multiple of a 16-byte vector) keeps
-// three, at 80: bounded to four it spilled. Not yet timed on a GPU.
+// build at 63-64 registers with no spill (tests/test_compile.py holds it) and gather 7-25 %
+// faster than before on the H200 (ROCMOE_EMBEDDING_DIRECT=0 at world size 1, under CUDA
+// graphs: 26 x 100k x 128 fp32 343 -> 278 us, 8 x 1M x 64 268 -> 201, 4 x 10k x 256 bf16
+// 433 -> 354; results/fused_gpu_h200_sixteenth_session_embedding_protocol.jsonl), within
+// 0-23 % of the direct kernel and ahead of it on 8 x 1M x 64. The element path (D not a
+// multiple of a 16-byte vector) keeps three, at 80: bounded to four it spilled.
 template <class T, bool kVec>
 __global__ void __launch_bounds__(kThreads, kVec ? 4 : 3)
     embedding_a2a_kernel(Common c, EmbeddingParams p, uint32_t workers) {
@@ -383,23 +386,45 @@ int launched() {
     return ROCMOE_OK;
 }
 
-// Workgroups of the direct kernel: one item a lane group, up to kDirectPerCu workgroups a
-// CU (the rest by grid stride; `requested` > 0: ROCMOE_GPU_WORKGROUPS)
-constexpr int kDirectPerCu = 8;
+// Workgroups of the direct kernel: one item a lane group, at most as many as are resident on
+// every CU at once (the rest by grid stride; `requested` > 0: ROCMOE_GPU_WORKGROUPS). The
+// first version asked for eight a CU, of which four or five were resident at 46-63
+// registers: the rest ran as a second round at about half the occupancy.
+constexpr int kDirectFallbackPerCu = 4;
+
+template <class T, bool kVec>
+int launch_direct_as(const Common &c, const EmbeddingParams &p, int requested,
+                     hipStream_t stream) {
+    static const int fits = resident_per_cu(embedding_direct_kernel<T, kVec>, 0,
+                                            kDirectFallbackPerCu);
+    const uint32_t slots = uint32_t(kThreads / lanes_per_item<T>(p.dim));
+    const uint64_t need = (uint64_t(p.items_per_slice) + slots - 1) / slots;
+    const uint64_t most = requested > 0 ? uint64_t(requested) : uint64_t(compute_units()) * fits;
+    const int workers = int(need < most ? need : most);
+    hipLaunchKernelGGL((embedding_direct_kernel<T, kVec>), dim3(workers), dim3(kThreads), 0,
+                       stream, p, c.status);
+    return launched();
+}
 
 template <class T>
 int launch_direct(const Common &c, const EmbeddingParams &p, int requested, hipStream_t stream) {
     if (p.items_per_slice == 0) return ROCMOE_OK;  // an empty call writes nothing
-    const uint32_t slots = uint32_t(kThreads / lanes_per_item<T>(p.dim));
-    const uint64_t need = (uint64_t(p.items_per_slice) + slots - 1) / slots;
-    const uint64_t most = requested > 0 ? uint64_t(requested) : uint64_t(compute_units()) * kDirectPerCu;
-    const int workers = int(need < most ? need : most);
-    if (p.dim % vec_elems<T>() == 0)
-        hipLaunchKernelGGL((embedding_direct_kernel<T, true>), dim3(workers), dim3(kThreads), 0,
-                           stream, p, c.status);
-    else
-        hipLaunchKernelGGL((embedding_direct_kernel<T, false>), dim3(workers), dim3(kThreads), 0,
-                           stream, p, c.status);
+    return p.dim % vec_elems<T>() == 0 ? launch_direct_as<T, true>(c, p, requested, stream)
+                                       : launch_direct_as<T, false>(c, p, requested, stream);
+}
+
+// The protocol kernel's persistent grid: the workgroups resident at once on every CU (its
+// launch bound asks for four on the vector path, three on the element path), no more than
+// there are tasks.
+template <class T, bool kVec>
+int launch_protocol_as(const Common &c, const EmbeddingParams &p, uint32_t total, int requested,
+                       hipStream_t stream) {
+    const size_t smem = sizeof(uint32_t) * (2 * size_t(c.topo.world) + 1);
+    // (the plan's few words of shared memory never change what fits: looked up once)
+    static const int fits = resident_per_cu(embedding_a2a_kernel<T, kVec>, smem, kVec ? 4 : 3);
+    const int workers = persistent_workgroups(requested, total, fits);  // (a slice is >= 1 task)
+    hipLaunchKernelGGL((embedding_a2a_kernel<T, kVec>), dim3(workers), dim3(kThreads), smem,
+                       stream, c, p, uint32_t(workers));
     return launched();
 }
 
@@ -410,16 +435,9 @@ int launch(const Common &c, EmbeddingParams p, int requested, hipStream_t stream
     p.items_per_tile = tile_items<T>(p, c.topo.world, compute_units());
     const uint32_t per_dest = sched::tasks_for_rows(p.items_per_slice, p.items_per_tile);
     const uint32_t total = per_dest * uint32_t(c.topo.world);
-    const int workers = persistent_workgroups(requested, total, 4);  // (a slice is >= 1 task)
-    const size_t smem = sizeof(uint32_t) * (2 * size_t(c.topo.world) + 1);
-    const bool vec = p.dim % vec_elems<T>() == 0;
-    if (vec)
-        hipLaunchKernelGGL((embedding_a2a_kernel<T, true>), dim3(workers), dim3(kThreads), smem,
-                           stream, c, p, uint32_t(workers));
-    else
-        hipLaunchKernelGGL((embedding_a2a_kernel<T, false>), dim3(workers), dim3(kThreads), smem,
-                           stream, c, p, uint32_t(workers));
-    return launched();
+    return p.dim % vec_elems<T>() == 0
+               ? launch_protocol_as<T, true>(c, p, total, requested, stream)
+               : launch_protocol_as<T, false>(c, p, total, requested, stream);
 }
 
 }  // namespace

@@ -656,20 +656,6 @@ int launched() {
     return ROCMOE_OK;
 }
 
-// Workgroups of `kernel` that fit on a compute unit together. The static split of the
-// world-size-1 kernels is balanced only when the whole grid is resident at once.
-template <class K>
-int resident_per_cu(K kernel, size_t shared_bytes) {
-    int blocks = 0;
-    if (hipOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, shared_bytes) !=
-            hipSuccess ||
-        blocks <= 0) {
-        (void)hipGetLastError();  // not this call's error to report
-        blocks = kGemvMinBlocks;
-    }
-    return blocks;
-}
-
 // World-size-1 grid: what fits (at most ROCMOE_GEMV_PER_CU a compute unit), and no more
 // workgroups than there are row groups for their waves.
 int direct_workgroups(const GemvParams &p, int rows, int requested, int fits) {
@@ -688,7 +674,8 @@ template <class T, int kRows, int kUnroll, int kLoad>
 int launch_direct(const Common &c, const GemvParams &p, int requested, void *out,
                   hipStream_t stream) {
     using S = typename T::storage;
-    static const int fits = resident_per_cu(gemv_direct_kernel<T, kRows, kUnroll, kLoad>, 0);
+    static const int fits =
+        resident_per_cu(gemv_direct_kernel<T, kRows, kUnroll, kLoad>, 0, kGemvMinBlocks);
     const int workers = direct_workgroups(p, kRows, requested, fits);
     hipLaunchKernelGGL((gemv_direct_kernel<T, kRows, kUnroll, kLoad>), dim3(workers),
                        dim3(kThreads), 0, stream, static_cast<const S *>(p.w),
@@ -704,7 +691,8 @@ int launch_async(const Common &c, const GemvParams &p, int requested, void *out,
     using S = typename T::storage;
     constexpr int shared = async_shared_bytes<kRows, kStages>();
     static_assert(shared <= kSharedLimit, "the ring must fit without a shared-memory opt-in");
-    static const int fits = resident_per_cu(gemv_async_kernel<T, kRows, kStages>, shared);
+    static const int fits =
+        resident_per_cu(gemv_async_kernel<T, kRows, kStages>, shared, kGemvMinBlocks);
     const int workers = direct_workgroups(p, kRows, requested, fits);
     hipLaunchKernelGGL((gemv_async_kernel<T, kRows, kStages>), dim3(workers), dim3(kThreads),
                        shared, stream, static_cast<const S *>(p.w), static_cast<const S *>(p.x),
