@@ -41,7 +41,9 @@ SUMMARY = [("Duration", "us", 1e-3), ("dram__bytes_read.sum", "DRAM rd MB", 1e-6
            ("Grid Size", "grid", 1), ("Block Size", "block", 1), ("Cluster Size", "cluster", 1)]
 
 
-def summarize(path: str) -> None:
+def summarize(path: str, fields=SUMMARY) -> None:
+    """One row per profiled kernel of an ncu CSV (--page details), named from the "launch N:
+    label" lines printed above it; `fields`: (metric, column title, scale) triples."""
     lines = open(path).read().splitlines()
     head = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
     labels = [line.split(": ", 1)[1] for line in lines[:head] if line.startswith("launch ")]
@@ -50,11 +52,11 @@ def summarize(path: str) -> None:
     for row in csv.DictReader(lines[head:]):
         kernels.setdefault(row["ID"], {"name": row["Kernel Name"]})[row["Metric Name"]] = \
             row["Metric Value"]
-    print(f"{'kernel':36}" + "".join(f"{title:>12}" for _, title, _ in SUMMARY))
+    print(f"{'kernel':36}" + "".join(f"{title:>12}" for _, title, _ in fields))
     for i, metrics in enumerate(kernels.values()):
         label = labels[i] if i < len(labels) else "?"
         cells = []
-        for metric, _, scale in SUMMARY:
+        for metric, _, scale in fields:
             value = metrics.get(metric, "-").replace(",", "")
             try:
                 cells.append(f"{float(value) * scale:12.1f}" if scale != 1 or "." in value
