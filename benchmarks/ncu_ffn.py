@@ -99,18 +99,25 @@ def main() -> None:
             "bmm_dw1 (x^T dh)": lambda: torch.bmm(xb.transpose(1, 2), hb),
         }
         order = [(name, calls[name]) for name in OURS] + list(bmm.items())
-        for _, fn in order:  # compile and warm up
-            fn()
-            fn()
-        torch.cuda.synchronize()
-        print(f"shape {shape} top_k {args.top_k} rows {topo.num_rows} "
-              f"(balanced bmm: {rows} per expert)")
-        torch.cuda.profiler.start()
-        for i, (name, fn) in enumerate(order):
-            fn()
-            print(f"launch {i}: {name}")
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+        profile_in_order(order, f"shape {shape} top_k {args.top_k} rows {topo.num_rows} "
+                                f"(balanced bmm: {rows} per expert)")
+
+
+def profile_in_order(order, header: str) -> None:
+    """Warm every (label, fn) of `order` up (two calls each), print `header` (summarize's
+    title line), then run each once between cudaProfilerStart/Stop, printing "launch N:
+    label" in launch order: the profiler's rows, in that order, are named from these lines."""
+    for _, fn in order:  # compile and warm up
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    print(header)
+    torch.cuda.profiler.start()
+    for i, (name, fn) in enumerate(order):
+        fn()
+        print(f"launch {i}: {name}")
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ncu_ffn import summarize  # noqa: E402  (the same CSV reader and table)
+from ncu_ffn import profile_in_order, summarize  # noqa: E402  (the same run and reader)
 
 # (N, K, dtype): the two bf16 shapes below torch.mv, and the fp32 control on the same bytes
 SHAPES = [(16384, 16384, "bf16"), (28672, 8192, "bf16"), (28672, 8192, "fp32")]
@@ -68,19 +68,9 @@ def main() -> None:
         handles.append(h)
         order.append((f"rocmoe {n}x{k} {dname}", lambda h=h, w=w, x=x: h(w, x)))
         order.append((f"torch.mv {n}x{k} {dname}", lambda w=w, x=x: torch.mv(w, x)))
+    knobs = {k: v for k, v in os.environ.items() if k.startswith("ROCMOE_GEMV_")}
     with torch.no_grad():
-        for _, fn in order:  # build, adopt and warm up
-            fn()
-            fn()
-        torch.cuda.synchronize()
-        print(f"shapes {args.shapes}; knobs "
-              f"{ {k: v for k, v in os.environ.items() if k.startswith('ROCMOE_GEMV_')} }")
-        torch.cuda.profiler.start()
-        for i, (name, fn) in enumerate(order):
-            fn()
-            print(f"launch {i}: {name}")
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+        profile_in_order(order, f"shapes {args.shapes}; knobs {knobs}")
     for h in handles:
         h.close()
     ctx.finalize()
