@@ -1055,6 +1055,18 @@ class _StructLaunch:
             self.first = False
 
 
+def _embedding_args(ffi, handle):
+    """A new rocmoe_gpu_embedding_args with what a handle fixes for all its calls: the team,
+    workspace and waits (_fill), the mode, the tables' count and place, the width. The
+    per-call writers below add their table layout (packed or per-table records)."""
+    args = ffi.new("rocmoe_gpu_embedding_args *")
+    _fill(ffi, args, team_for(handle.ctx), handle)
+    args.mode = MODES[handle.mode]
+    args.num_tables, args.total_tables = handle.num_tables, handle.total_tables
+    args.table_base, args.dim = handle.table_base, handle.dim
+    return args
+
+
 class PackedEmbeddingLaunch(_StructLaunch):
     """A handle's rocmoe_gpu_embedding_args for packed calls (EmbeddingAllToAll.batched),
     written once; a call writes its eight per-call words (stream, batch, output, weight,
@@ -1064,11 +1076,7 @@ class PackedEmbeddingLaunch(_StructLaunch):
 
     def __init__(self, handle):
         from .._native import ffi, lib
-        args = ffi.new("rocmoe_gpu_embedding_args *")
-        _fill(ffi, args, team_for(handle.ctx), handle)
-        args.mode = MODES[handle.mode]
-        args.num_tables, args.total_tables = handle.num_tables, handle.total_tables
-        args.table_base, args.dim = handle.table_base, handle.dim
+        args = _embedding_args(ffi, handle)
         args.tables = args.device_tables = ffi.NULL
         args.packed.row_base = ffi.cast("const int64_t *", handle._row_base_t.data_ptr())
         fields = {"stream": ("fused", "stream"), "batch": ("batch",), "out": ("out",)}
@@ -1128,13 +1136,9 @@ class TableEmbeddingLaunch(_StructLaunch):
         from .._native import ffi, lib
         nt = handle.num_tables
         self.usable = 0 < nt <= inline_tables()
-        args = ffi.new("rocmoe_gpu_embedding_args *")
+        args = _embedding_args(ffi, handle)
         tables = ffi.new("rocmoe_gpu_table[]", max(nt, 1))
         _table_records(ffi, tables, max(nt, 1))  # checks the record layout against _REC
-        _fill(ffi, args, team_for(handle.ctx), handle)
-        args.mode = MODES[handle.mode]
-        args.num_tables, args.total_tables = nt, handle.total_tables
-        args.table_base, args.dim = handle.table_base, handle.dim
         args.tables, args.device_tables = tables, ffi.NULL
         args.packed.weights = ffi.NULL  # the per-table records, not the packed layout
         self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_embedding_args", {
