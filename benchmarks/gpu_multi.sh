@@ -9,13 +9,21 @@
 # ./rocmoe) and nvshmem (build/nvshmem, staged as a copy of the package in /tmp/nvpkg). Then
 # four time-boxed runs; each appends its JSON lines to $OUT/multi_gpu.jsonl as they come, so
 # a stage that fails or runs out of time loses only itself. DEADLINE_S (default 400) bounds
-# the whole script. The cffi + pycparser wheels come from .whl/ (carried; not on the machine).
+# the whole script; BACKENDS (default "ipc nvshmem") picks the backends, FUSED_BOX_S and
+# MOE_BOX_S (default 90 and 80) the seconds each fused-op and MoE stage may take, DTYPES
+# (default float32) the fused ops' dtypes, MOE_OPS (default moe) the MoE comparisons. The cffi + pycparser wheels come from .whl/ (carried; not on the machine).
 set -u -o pipefail
 OUT=${OUT:-device_out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 RANKS=${RANKS:-2}
 DEADLINE_S=${DEADLINE_S:-400}
+BACKENDS=${BACKENDS:-ipc nvshmem}
+FUSED_BOX_S=${FUSED_BOX_S:-90}
+MOE_BOX_S=${MOE_BOX_S:-80}
+DTYPES=${DTYPES:-float32}
+MOE_OPS=${MOE_OPS:-moe}
+want_backend() { [[ " $BACKENDS " == *" $1 "* ]]; }
 REPO=$(pwd)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 # Never NVLink multicast on shared machines: it can take the host's GPUs out of service.
@@ -49,9 +57,13 @@ if [[ -z ${SKIP_BUILD:-} ]]; then
       -DPython_EXECUTABLE="$(command -v python3)" && timeout 240 cmake --build build/cuda -j 16 ) \
     > "$OUT/build_ipc.log" 2>&1 &
   pid_ipc=$!
-  ( cmake -S . -B build/nvshmem -G Ninja -DROCMOE_GPU=cuda -DROCMOE_SHMEM=nvshmem \
-      -DROCMOE_INPLACE=OFF -DPython_EXECUTABLE="$(command -v python3)" &&
-    timeout 240 cmake --build build/nvshmem -j 16 ) > "$OUT/build_nvshmem.log" 2>&1 &
+  if want_backend nvshmem; then
+    ( cmake -S . -B build/nvshmem -G Ninja -DROCMOE_GPU=cuda -DROCMOE_SHMEM=nvshmem \
+        -DROCMOE_INPLACE=OFF -DPython_EXECUTABLE="$(command -v python3)" &&
+      timeout 240 cmake --build build/nvshmem -j 16 ) > "$OUT/build_nvshmem.log" 2>&1 &
+  else
+    ( exit 9 ) &  # not wanted: a finished stand-in for the build
+  fi
   pid_nv=$!
   wait $pid_ipc; ipc_ok=$?
 else  # SKIP_BUILD=1: use the modules already in ./rocmoe (a CPU dry run of this script)
@@ -91,24 +103,31 @@ run() {
 }
 
 COMMON=(--reps 5 --iters 10 --warmup 2)
-if [[ $ipc_ok == 0 ]]; then
-  run ipc_fused 90 "$REPO" --backend ipc --heap 8G --ops embedding,gemv,gemm "${COMMON[@]}"
-  run ipc_moe 90 "$REPO" --backend ipc --heap 4G --ops moe "${COMMON[@]}"
+if ! want_backend ipc; then
+  stamp "ipc: not in BACKENDS"
+elif [[ $ipc_ok == 0 ]]; then
+  run ipc_fused "$FUSED_BOX_S" "$REPO" --backend ipc --heap 8G --ops embedding,gemv,gemm \
+    --dtype "${DTYPES// /,}" "${COMMON[@]}"
+  run ipc_moe "$MOE_BOX_S" "$REPO" --backend ipc --heap 4G --ops "$MOE_OPS" "${COMMON[@]}"
 else
   echo '{"bench": "multi_gpu", "stage": "ipc", "error": "ipc build failed (build_ipc.log)"}' >> "$JSONL"
 fi
 
 wait $pid_nv; nv_ok=$?
 stamp "nvshmem build rc=$nv_ok"
-if [[ $nv_ok == 0 ]]; then
+if ! want_backend nvshmem; then
+  stamp "nvshmem: not in BACKENDS"
+elif [[ $nv_ok == 0 ]]; then
   # a copy of the package with the nvshmem build's modules, run from its own directory
   rm -rf /tmp/nvpkg && mkdir -p /tmp/nvpkg && cp -r rocmoe /tmp/nvpkg/ &&
     cp build/nvshmem/librocmoe.so build/nvshmem/_rocmoe_cffi*.so /tmp/nvpkg/rocmoe/
   export LD_LIBRARY_PATH=${NVSHMEM_HOME_GUESS:+$NVSHMEM_HOME_GUESS/lib:}${LD_LIBRARY_PATH:-}
   # the symmetric heap comes from nvshmem_malloc: NVSHMEM's reservation must hold it
   export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-10G}
-  run nvshmem_fused 75 /tmp/nvpkg --backend nvshmem --heap 8G --ops embedding,gemv,gemm "${COMMON[@]}"
-  run nvshmem_moe 70 /tmp/nvpkg --backend nvshmem --heap 4G --ops moe "${COMMON[@]}"
+  run nvshmem_fused "$FUSED_BOX_S" /tmp/nvpkg --backend nvshmem --heap 8G \
+    --ops embedding,gemv,gemm --dtype "${DTYPES// /,}" "${COMMON[@]}"
+  run nvshmem_moe "$MOE_BOX_S" /tmp/nvpkg --backend nvshmem --heap 4G --ops "$MOE_OPS" \
+    "${COMMON[@]}"
 else
   tail -30 "$OUT/build_nvshmem.log"
   echo '{"bench": "multi_gpu", "stage": "nvshmem", "error": "nvshmem build failed or unfinished (build_nvshmem.log)"}' >> "$JSONL"

@@ -17,6 +17,7 @@ from rocmoe.bench import multi_gpu as mg
 
 def test_parse_args_defaults_measure_every_op_at_the_large_shapes():
     args = mg.parse_args([])
+    assert args.graph  # the graph-replay timing runs wherever there is a GPU
     assert args.ops == ["embedding", "gemv", "gemm", "moe", "moe_combine", "moe_handles"]
     assert args.dtypes == ["float32"]
     assert args.moe_shapes == mg.MOE_EP_LARGE
@@ -72,6 +73,17 @@ def test_make_record_names_the_baseline_and_computes_the_ratios():
     assert rec["loop_speedup"] == 1.6 and rec["loop_latency_reduction"] == 0.375
     assert rec["goal_reduction"] == 0.15 and rec["meets_goal"] is True
     assert rec["rel_err_vs_baseline"] == 1e-7
+
+
+def test_make_record_gives_graph_replay_ratios_or_the_capture_error():
+    rec = mg.make_record("gemv", "ipc", 2, "bfloat16", {"n": 8192, "k": 8192},
+                         {"ms": 1.0, "graph_ms": 0.04}, {"ms": 1.0, "graph_ms": 0.05})
+    assert rec["fused_graph_ms"] == 0.04 and rec["baseline_graph_ms"] == 0.05
+    assert rec["graph_speedup"] == 1.25 and rec["graph_latency_reduction"] == 0.2
+    failed = mg.make_record("gemv", "ipc", 2, "bfloat16", {}, {"ms": 1.0, "graph_ms": 0.04},
+                            {"ms": 1.0, "graph_ms": "RuntimeError: capture"})
+    assert "graph_speedup" not in failed
+    assert failed["graph_error"] == {"fused": 0.04, "baseline": "RuntimeError: capture"}
 
 
 def test_make_record_judges_a_goal_only_at_its_world_size():

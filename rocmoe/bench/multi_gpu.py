@@ -39,8 +39,10 @@ handle's next call, inside the timing.
 
 Latency of one call = the slowest rank's wall time from a barrier to its device being idle
 again; ``*_loop_ms`` = the same over ``--iters`` back-to-back calls, divided by ``--iters``
-(launches overlap there). Medians over ``--reps``; fused and baseline alternate, so drift hits
-both alike. Every line: {"bench": "multi_gpu", "op", "backend", "ranks", "dtype", "shape",
+(launches overlap there: queued behind each other); ``*_graph_ms`` = ``--iters`` calls captured
+in one CUDA graph, the replay timed the same way, divided by ``--iters`` (GPU only; no host
+launch work; a failed capture is reported in ``graph_error``). Medians over ``--reps``;
+fused and baseline alternate, so drift hits both alike. Every line: {"bench": "multi_gpu", "op", "backend", "ranks", "dtype", "shape",
 "fused_ms", "baseline", "baseline_ms", "speedup" (baseline / fused), "latency_reduction"
 (1 - fused / baseline), "goal_reduction", "goal_ranks", "rel_err_vs_baseline", ...}.
 """
@@ -117,6 +119,8 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=7, help="timed repetitions (median)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--heap", type=parse_size, default=None, help="symmetric heap per rank")
+    p.add_argument("--no-graph", dest="graph", action="store_false",
+                   help="skip the CUDA-graph replay timing of the fused ops (GPU only)")
     p.add_argument("--time-budget-s", type=float, default=0.0,
                    help="stop starting new cases after this many seconds (0: no limit)")
     p.add_argument("--ranks", type=int, default=0,
@@ -178,6 +182,13 @@ def make_record(op: str, backend: str, world: int, dtype: str, shape: dict,
             rec.update(fused_loop_ms=round(fl, 4), baseline_loop_ms=round(bl, 4),
                        loop_speedup=round(bl / fl, 3) if fl > 0 else None,
                        loop_latency_reduction=round(1.0 - fl / bl, 3) if bl > 0 else None)
+        fg, bg = fused.get("graph_ms"), base.get("graph_ms")
+        if isinstance(fg, float) and isinstance(bg, float):
+            rec.update(fused_graph_ms=round(fg, 4), baseline_graph_ms=round(bg, 4),
+                       graph_speedup=round(bg / fg, 3) if fg > 0 else None,
+                       graph_latency_reduction=round(1.0 - fg / bg, 3) if bg > 0 else None)
+        elif fg is not None or bg is not None:  # a capture failed: say which and why
+            rec.update(graph_error={"fused": fg, "baseline": bg})
     if goal is not None:
         rec.update(goal_reduction=goal, goal_ranks=goal_world)
         applies = goal_world is None or goal_world == world
@@ -190,7 +201,8 @@ def make_record(op: str, backend: str, world: int, dtype: str, shape: dict,
 def summary_table(records: list[dict]) -> str:
     """Plain-text table of the records (the device log's last lines)."""
     lines = [f"{'op':22s} {'backend':8s} {'n':>2s} {'dtype':9s} {'shape':44s} {'fused':>9s} "
-             f"{'base':>9s} {'speedup':>7s} {'reduct':>7s} {'loopF':>9s} {'loopB':>9s}  note"]
+             f"{'base':>9s} {'speedup':>7s} {'reduct':>7s} {'loopF':>9s} {'loopB':>9s} "
+             f"{'graphF':>9s} {'graphB':>9s}  note"]
     for r in records:
         if r.get("bench") != "multi_gpu" or "op" not in r:
             continue
@@ -203,7 +215,8 @@ def summary_table(records: list[dict]) -> str:
         lines.append(f"{r['op']:22s} {r['backend']:8s} {r['ranks']:2d} {r['dtype']:9s} "
                      f"{shape[:44]:44s} {num('fused_ms'):>9s} {num('baseline_ms'):>9s} "
                      f"{num('speedup', '{:.3f}'):>7s} {num('latency_reduction', '{:.3f}'):>7s} "
-                     f"{num('fused_loop_ms'):>9s} {num('baseline_loop_ms'):>9s}  {note[:80]}")
+                     f"{num('fused_loop_ms'):>9s} {num('baseline_loop_ms'):>9s} "
+                     f"{num('fused_graph_ms'):>9s} {num('baseline_graph_ms'):>9s}  {note[:80]}")
     return "\n".join(lines)
 
 
@@ -314,6 +327,50 @@ class Clock:
                 out[k]["loop_ms"] = statistics.median(flat[pos:pos + reps]) * 1e3
                 pos += reps
         return out
+
+    def compare_graphs(self, fns: dict, reps: int, iters: int) -> dict:
+        """{name: fn} -> {name: graph_ms}: ``iters`` calls of each captured in one CUDA graph
+        (after a warm-up on the capturing stream), then the replay timed like ``_once``: from a
+        barrier until the slowest rank's device is idle, divided by ``iters``; medians over
+        ``reps``, the names alternating. A name whose capture fails gets its error string
+        instead (NCCL or the handle refusing capture is a result, not a crash). GPU only."""
+        import torch
+        graphs, failed = {}, {}
+        for k, fn in fns.items():
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fn()
+                torch.cuda.current_stream().wait_stream(side)
+                self.sync()
+                self.comm.Barrier()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=side):
+                    for _ in range(iters):
+                        fn()
+                graphs[k] = graph
+            except Exception as exc:  # every rank fails alike: same code, same shapes
+                failed[k] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        # ranks agree on which graphs exist before any replay waits on a peer
+        ok = self.comm.allreduce(len(failed) == 0, op=_mpi_land())
+        if not ok:
+            return {k: failed.get(k, "capture failed on another rank") for k in fns}
+        samples = {k: [] for k in graphs}
+        for k, graph in graphs.items():  # one untimed replay each: first replays upload
+            graph.replay()
+        for _ in range(reps):
+            for k, graph in graphs.items():
+                samples[k].append(self._once(graph.replay, 1) / iters)
+        names = list(graphs)
+        flat = self._max([v for k in names for v in samples[k]])
+        return {k: statistics.median(flat[i * reps:(i + 1) * reps]) * 1e3
+                for i, k in enumerate(names)}
+
+
+def _mpi_land():
+    from mpi4py import MPI
+    return MPI.LAND
 
 
 def rel_err(a, b) -> float:
@@ -613,6 +670,11 @@ def run(args) -> int:
             with torch.no_grad():
                 times = clock.compare({"fused": fused, "baseline": baseline}, args.warmup,
                                       args.reps, args.iters)
+                if args.graph and env.gpu:
+                    graphs = clock.compare_graphs({"fused": fused, "baseline": baseline},
+                                                  args.reps, args.iters)
+                    for k, v in graphs.items():
+                        times[k]["graph_ms"] = v
             return make_record(op, ctx.backend, env.world, dtype_name, shape, times["fused"],
                                times["baseline"], rel_err_vs_baseline=err, iters=args.iters,
                                reps=args.reps, **extra)
