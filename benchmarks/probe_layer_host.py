@@ -17,7 +17,7 @@ import time
 import torch
 
 from rocmoe.bench.fused_gpu import host_us as fused_host_us
-from rocmoe.bench.moe_layer import router_inputs
+from rocmoe.bench.draws import router_inputs
 from rocmoe.moe import DroplessMoE
 from rocmoe.moe import blocksparse as bs
 from rocmoe.moe.layer import expert_ffn, route_and_permute, unpermute_combine

@@ -51,7 +51,7 @@ from typing import Callable, Optional
 import torch
 
 from . import emit as emit_line
-from .draws import expert_probabilities
+from .draws import router_inputs
 from .memory import peak_bytes
 from .timing import captured, host_ms_per_call, interleaved_ms
 
@@ -83,26 +83,6 @@ def shape_name(shape) -> str:
         if model == (hidden, ffn, experts, top_k):
             return name
     return "issue-4 six"
-
-
-def router_inputs(gate: torch.Tensor, tokens: int, top_k: int, kind: str,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [T, H] for which a router with gate rows `gate` [E, H] picks k experts drawn
-    uniformly or Zipf(1.0) (p_e ~ 1/(e+1)) per token; returns them and the drawn ids."""
-    experts, hidden = gate.shape
-    device = gate.device
-    probs = expert_probabilities(kind, experts, device)
-    ids = torch.multinomial(probs.expand(tokens, experts).contiguous(), top_k,
-                            replacement=False, generator=generator)
-    g = gate.detach().float()
-    # logit of expert e for x = sum_j c_j g_e' / |g_e'|^2 is c_j for the drawn e' = e (plus
-    # cross terms of order 1/sqrt(H)): descending c_j keep the draw's order
-    coef = torch.zeros(tokens, experts, device=device)
-    coef.scatter_(1, ids, 4.0 + torch.arange(top_k, 0, -1, device=device,
-                                             dtype=torch.float32).expand(tokens, top_k))
-    x = coef @ (g / g.square().sum(1, keepdim=True))
-    x = x + 0.02 * torch.randn(tokens, hidden, device=device, generator=generator)
-    return x.to(gate.dtype), ids
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

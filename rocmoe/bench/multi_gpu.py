@@ -21,10 +21,10 @@ symmetric heap) and combining through ``gemm_all_to_all`` (the layer's ``combine
 against the same layer, same weights, same routing, moving them both ways with
 ``torch.distributed.all_to_all_single`` (``DistTransport`` below, plugged in through
 ``ctx.moe_transport``) around the block-sparse FFN (``combine="all_to_all"``). Routing
-follows Zipf(1.0) over the experts (p_e ~ 1 / (e + 1)): the router's logits get a fixed
-per-token bias log(p_e) + Gumbel noise, which makes its top-k a draw of k distinct experts
-with those probabilities (the Gumbel-top-k trick), and the router's own weights are scaled
-down so the bias decides. ``moe_handles``: the step on the fused-op handles (every count on
+follows Zipf(1.0) over the experts (p_e ~ 1 / (e + 1)): the tokens are made so that the
+layer's own router (the fused Triton one on a GPU) picks k distinct experts drawn with those
+probabilities (``draws.router_inputs``; ``routing_match`` says for how many tokens it did),
+so rank 0, which owns the first experts, gets most of the work. ``moe_handles``: the step on the fused-op handles (every count on
 the device) against the
 same step, same fused combine, on ``HeapTransport`` (split sizes read on the host).
 ``moe_combine``: the same rocmoe step against the same layer on the
@@ -61,6 +61,7 @@ from typing import Callable, Optional
 
 from ..env import parse_size
 from . import emit, inside_mpi_job, relaunch_under_mpiexec
+from .draws import router_inputs
 from .fused import DLRM_LARGE, DLRM_SMALL, GEMV_LARGE, GEMV_SMALL, MOE_LARGE, MOE_SMALL
 
 OPS = ("embedding", "gemv", "gemm", "moe", "moe_combine", "moe_handles")
@@ -507,31 +508,6 @@ def zipf_probabilities(experts: int, exponent: float = 1.0):
     return p / p.sum()
 
 
-def zipf_router_bias(tokens: int, experts: int, exponent: float, generator, device):
-    """[tokens, experts] fp32: log p_e + Gumbel noise. top-k of it is a draw of k distinct
-    experts without replacement with probabilities p (Gumbel-top-k), so a router whose
-    logits this bias dominates routes Zipf-distributed."""
-    import torch
-    logp = zipf_probabilities(experts, exponent).log().to(torch.float32)
-    u = torch.rand(tokens, experts, generator=generator, device=generator.device)
-    gumbel = -torch.log(-torch.log(u.clamp_(1e-20, 1.0 - 1e-7)))
-    return (logp.to(u.device) + gumbel).to(device)
-
-
-def bias_router(router, bias, scale: float = 1e-3):
-    """Make `router` route by `bias` (its own logits shrunk by `scale`, still in the graph so
-    the router keeps getting gradients)."""
-    import torch
-    with torch.no_grad():
-        router.weight.mul_(scale)
-    own = router.logits
-
-    def logits(x):
-        return own(x) + bias
-    router.logits = logits  # an instance attribute shadows the method for route()
-    return router
-
-
 def case_moe(env: Env, shape, dtype, baseline: str = "dist"):
     """(rocmoe step, baseline step, check dict): the same layer, same weights and routing.
     rocmoe: heap transport, combine="auto" (gemm_all_to_all). Baseline "dist": tokens moved
@@ -549,9 +525,14 @@ def case_moe(env: Env, shape, dtype, baseline: str = "dist"):
                                               generator=torch.Generator().manual_seed(7))
                                   .to(dev, dtype) / hidden ** 0.5)
     g = env.generator(4)
-    bias = zipf_router_bias(tokens, experts, env.args.zipf, g, dev)
-    bias_router(layer.router, bias)
-    x = torch.randn(tokens, hidden, device=dev, generator=g).to(dtype)
+    # tokens the router (the fused one on a GPU, torch ops on CPU) routes Zipf: the routing
+    # comes from the inputs, so both steps route alike through the layer's own router
+    x, drawn = router_inputs(layer.router.weight, tokens, env.args.top_k,
+                             zipf_probabilities(experts, env.args.zipf), g)
+    with torch.no_grad():
+        picked, _ = layer.router.route(x)
+    routing_match = float((picked.long().sort(1).values == drawn.sort(1).values)
+                          .all(1).float().mean())
     ctx.moe_transport = None
     heap = transport_for(ctx)
     nccl = DistTransport(env.rank, env.world)
@@ -593,6 +574,7 @@ def case_moe(env: Env, shape, dtype, baseline: str = "dist"):
                  zipf_mass_per_rank=[
                      round(float(v), 4) for v in zipf_probabilities(experts, env.args.zipf)
                      .view(env.world, -1).sum(dim=1)],
+                 routing_match=round(routing_match, 4),
                  top_k=env.args.top_k, zipf_exponent=env.args.zipf, heap_transport=type(heap).__name__,
                  combine=heap_combine,
                  baseline_combine=heap_combine if baseline == "heap_transport" else "all_to_all")

@@ -134,7 +134,7 @@ def test_layer_benchmark_dry_run_times_memory_and_variants_against_the_grouped_m
 
 
 def test_router_inputs_make_the_router_pick_the_drawn_experts():
-    from rocmoe.bench.moe_layer import router_inputs
+    from rocmoe.bench.draws import router_inputs
     from rocmoe.moe import Router
     torch.manual_seed(0)
     router = Router(64, 16, 2)
