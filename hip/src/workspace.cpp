@@ -56,7 +56,7 @@ extern "C" int rocmoe_workspace_layout_init(int op, int world, int dtype, int64_
             break;
         }
         case ROCMOE_OP_GEMV_ALLREDUCE: {
-            // a: N; buffer = fp32 partials [world][ceil(N/world)], then y [N]
+            // a: N; buffer = fp32 partials [world][N], then y [N] (rocmoe/schedule.h)
             if (a < 1) return fail(ROCMOE_ERR_INVALID, "gemv workspace: N %" PRId64, a);
             l.capacity = a;
             l.width = 1;

@@ -3,7 +3,8 @@ via mpiexec).
 
 usage: fused_gpu_script.py OPS [--calls N] [--dtype D[,D...]]
   OPS    comma list of gemm | gemm_grouped | rows | embedding | gemv | gemm_timeout |
-         bad_counts | abort | gemv_mismatch | graph | native | lean | first_call_drift
+         bad_counts | abort | gemv_abort | gemv_mismatch | graph | native | lean |
+         first_call_drift
 On a GPU the handles run their CUDA/HIP kernels (ipc backend); on a CPU-only machine the
 host backend's heap stands in and the Triton kernels (gemm, gemm_grouped, rows, the
 protocol cases) run under TRITON_INTERPRET=1. Every rank checks its result against a float64
@@ -255,21 +256,57 @@ def check_embedding_bad_index(ctx, dtype, calls):
     assert empty.shape == (0, 2 * world, 8), empty.shape
 
 
+def _gemv_inputs(n, ks, seed):
+    """Every rank's (W_r, x_r) of one call, regenerated alike on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, k, generator=g), torch.randn(k, generator=g)) for k in ks]
+
+
+def _gemv_reference(wsx, dtype):
+    return sum(a.to(dtype).double() @ v.to(dtype).double() for a, v in wsx)
+
+
 def check_gemv(ctx, dtype, calls):
+    # N below one summing slice of the one-shot kernel (1024 rows) and across three with a
+    # ragged end; K in 16-byte vectors, and (2500) a K that is not on one rank
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
-    n = 37 + 64 * 3
-    ks = [16 + 8 * s for s in range(world)]
+    for n, ks in ((37 + 64 * 3, [16 + 8 * s for s in range(world)]),
+                  (2500, [40 + 3 * s for s in range(world)])):
+        h = ops.GemvAllReduce(ctx, n, ks[rank], dtype)
+        for call in range(calls):
+            wsx = _gemv_inputs(n, ks, 3000 + call)
+            w, x = wsx[rank]
+            with torch.no_grad():
+                out = h(w.to(dev, dtype), x.to(dev, dtype))
+            h.synchronize()
+            e = rel_err(out, _gemv_reference(wsx, dtype))
+            assert e < TOL[dtype], f"rank {rank} N {n} call {call}: relative error {e}"
+
+
+def check_gemv_abort(ctx, dtype, calls):
+    # rank world-1 passes x of the wrong length: it raises at once, the others raise
+    # InvalidArgumentError naming it at synchronize(), and the next call is right everywhere
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    n, ks = 1500, [24] * world
     h = ops.GemvAllReduce(ctx, n, ks[rank], dtype)
-    for call in range(calls):
-        g = torch.Generator().manual_seed(3000 + call)
-        wsx = [(torch.randn(n, k, generator=g), torch.randn(k, generator=g)) for k in ks]
-        w, x = wsx[rank]
+    wsx = _gemv_inputs(n, ks, 4000)
+    w, x = (t.to(dev, dtype) for t in wsx[rank])
+    bad = x[:8] if rank == world - 1 else x
+    try:
         with torch.no_grad():
-            out = h(w.to(dev, dtype), x.to(dev, dtype))
+            h(w, bad)
         h.synchronize()
-        ref = sum(a.to(dtype).double() @ v.to(dtype).double() for a, v in wsx)
-        e = rel_err(out, ref)
-        assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
+    except errors.InvalidArgumentError as exc:
+        assert rank == world - 1 or f"rank {world - 1} rejected" in str(exc), str(exc)
+        print(f"RANK {rank} REJECTED {exc}", flush=True)
+    else:
+        raise AssertionError("the bad input was accepted")
+    for call in range(calls):
+        with torch.no_grad():
+            out = h(w, x)
+        h.synchronize()
+        e = rel_err(out, _gemv_reference(wsx, dtype))
+        assert e < TOL[dtype], f"rank {rank} call {call} after the abort: relative error {e}"
 
 
 def check_gemm_timeout(ctx, dtype, calls):
@@ -671,7 +708,8 @@ def main():
     checks = {"gemm": check_gemm, "gemm_grouped": check_gemm_grouped, "rows": check_rows,
               "embedding": check_embedding, "gemv": check_gemv,
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
-              "abort": check_abort, "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,
+              "abort": check_abort, "gemv_abort": check_gemv_abort,
+              "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,
               "nosync": check_nosync, "native": check_native, "lean": check_lean,
               "split": check_split, "embedding_bad_index": check_embedding_bad_index,
               "first_call_drift": check_first_call_drift}

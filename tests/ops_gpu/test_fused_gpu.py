@@ -83,10 +83,10 @@ def test_forward_and_backward_of_every_handle_make_no_host_sync(ranks):
 
 def test_bad_device_counts_and_a_rejected_input_raise_on_every_rank_on_gpu():
     _require_gpu_build()
-    proc = run_mpi(SCRIPT, 2, "bad_counts,abort,gemv_mismatch,embedding_bad_index", "--dtype",
-                   "bf16", timeout=300, env=mpi_env(ROCMOE_TIMEOUT_S="30"))
+    proc = run_mpi(SCRIPT, 2, "bad_counts,abort,gemv_abort,gemv_mismatch,embedding_bad_index",
+                   "--dtype", "bf16", timeout=300, env=mpi_env(ROCMOE_TIMEOUT_S="30"))
     assert proc.returncode == 0, proc.stdout
-    assert proc.stdout.count("REJECTED") == 8, proc.stdout
+    assert proc.stdout.count("REJECTED") == 10, proc.stdout
 
 
 def test_missing_peer_times_out_on_gpu():

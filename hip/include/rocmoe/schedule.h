@@ -299,8 +299,10 @@ ROCMOE_HD inline int64_t split_begin(int64_t n, int32_t parts, int32_t i) {
  *
  *   embedding_all_to_all  recv: [batch/world, total_tables, dim] of dtype (the output)
  *                         slots: [world] "source s has delivered its tables' columns"
- *   gemv_all_reduce       recv: partials [world][chunk_max] fp32 at 0 (from each source, for
- *                         this rank's chunk), then result [n] of dtype at gemv_result_offset
+ *   gemv_all_reduce       recv: partials [world][n] fp32 at 0 (source s's partial of every
+ *                         row; the two-phase kernel and the host backend use the first
+ *                         chunk_max of each: this rank's chunk), then result [n] of dtype at
+ *                         gemv_result_offset
  *                         slots: [0, world) partial from source s is in;
  *                                [world, 2 world) owner s's reduced chunk is in
  *   gemm_all_to_all       recv: [recv_rows, n] of dtype, sources in rank order
@@ -315,7 +317,8 @@ ROCMOE_HD inline int64_t gemv_chunk_max(int64_t n, int32_t world) {
 }
 
 ROCMOE_HD inline uint64_t gemv_result_offset(int64_t n, int32_t world) {
-    return align_up(static_cast<uint64_t>(world) * gemv_chunk_max(n, world) * 4u, kWorkspaceAlign);
+    // room for the one-shot kernel's full partials from every source (fused_gemv.hip)
+    return align_up(static_cast<uint64_t>(world) * static_cast<uint64_t>(n) * 4u, kWorkspaceAlign);
 }
 
 }  // namespace sched

@@ -17,7 +17,11 @@
 // row loaded x once per row, as many x loads as W loads (for bf16 a 16-byte load is only 8
 // elements).
 //
-// Otherwise: gemv_all_reduce_kernel, one persistent kernel for the three phases (one launch:
+// World size > 1: gemv_one_shot_kernel (below, with its comment), one hop across GPUs: every
+// rank stores its fp32 partial of every row into every rank's buffer and sums what arrived.
+// With ROCMOE_GEMV_ONE_SHOT=0 (every rank alike) or above 64 ranks, and at world size 1 with
+// ROCMOE_GEMV_DIRECT=0:
+// gemv_all_reduce_kernel, one persistent kernel for the three phases (one launch:
 // separate phase-2, wait, copy and ack launches cost ~25 us on a 0.14 ms GEMV on an H200,
 // most of the gap to torch's matvec).
 //   Phase 1 (reduce-scatter by stores), on the schedule:
@@ -53,6 +57,7 @@
 //   ROCMOE_GEMV_PER_CU         workgroups per compute unit (at most what fits)
 //   ROCMOE_GEMV_DIRECT         0: world size 1 runs the protocol kernel too
 //   ROCMOE_GEMV_ROWS           rows per phase-1 task of the protocol kernel (0: automatic)
+//   ROCMOE_GEMV_ONE_SHOT       0: world size > 1 runs the two-phase protocol kernel
 // Four workgroups of kThreads fit on a compute unit (64 registers on sm_90, 48 KiB of shared
 // memory at most): the H200 sweep ran the old GEMV at 0.58 of copy bandwidth with three
 // resident, 0.74-0.78 with four.
@@ -626,6 +631,140 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     for (int d = tid; d < world; d += kThreads) shmem::signal_set(c.team, c.ack(me), epoch, d);
 }
 
+// Loads of what peers stored into this rank's receive buffer during this call: past L1,
+// which may still hold the lines of the call before last (same buffer parity).
+__device__ __forceinline__ float load_arrived(const float *p) {
+#if defined(ROCMOE_PLATFORM_NVIDIA)
+    return __ldcg(p);
+#else
+    return __builtin_nontemporal_load(p);
+#endif
+}
+
+// World size > 1 (ROCMOE_GEMV_ONE_SHOT=1, the default there): a one-shot all-reduce by
+// stores, one persistent kernel. Task numbers, claimed in order:
+//   [0, workers)           range i: the rows of waves [i kWaves, (i + 1) kWaves) of the
+//                          world-size-1 split (wave_groups over workers x kWaves waves); each
+//                          row's fp32 partial W_r x_r goes into every rank's receive buffer
+//                          at partials[r][row]. The task that completes the last range
+//                          delivers (count N, then the signal) to every rank.
+//   [workers, + slices)    kSumRows rows of y: once (per workgroup) every source's delivery
+//                          has arrived (bounded wait), sum its partials in rank order, so
+//                          every rank gets bit-identical y, into `out`.
+// A workgroup that waits for deliveries has claimed a task past every range, so every range
+// is held by a running workgroup that waits for nothing: no deadlock whatever the residency.
+// The last workgroup out advances the epoch word and acknowledges every peer. One hop across
+// GPUs where gemv_all_reduce_kernel has two (reduce-scatter, then all-gather, each a system
+// fence and a signal on the critical path), for world x N x 4 bytes of stores instead of
+// 2 N x 4: the vectors of a GEMV are small.
+constexpr int kOneShotMaxWorld = 64;
+constexpr int kSumRows = 1024;
+
+template <class T, int kRows, int kUnroll>
+__global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
+    gemv_one_shot_kernel(Common c, GemvParams p, void *out, uint32_t workers) {
+    using S = typename T::storage;
+    __shared__ float *s_part[kOneShotMaxWorld];  // where this rank's partials go, per rank
+    __shared__ uint64_t s_epoch;
+    __shared__ uint32_t s_id;
+    __shared__ int s_last;
+    const int world = c.topo.world;
+    const int me = c.topo.rank;
+    const int tid = threadIdx.x;
+    const int lane = tid % ROCMOE_WAVE_SIZE;
+    if (tid == 0) {
+        const uint64_t epoch = c.next_epoch();
+        char *recv = c.recv(epoch);
+        AckCache cache{0};
+        for (int d = 0; d < world; ++d) {
+            float *part = nullptr;
+            // d's buffer of this parity is free once d has read call epoch - 2
+            if (wait_dest_free(c, cache, d, epoch)) {
+                part = static_cast<float *>(shmem::peer_ptr(c.team, recv, d));
+                if (part == nullptr)  // 4-byte scattered stores need load/store reach
+                    c.record(ws::status_data(world, d), ROCMOE_STATUS_TIMEOUT, epoch);
+                else
+                    part += int64_t(me) * p.n;
+            }
+            s_part[d] = part;
+        }
+        s_epoch = epoch;
+    }
+    __syncthreads();
+    const uint64_t epoch = s_epoch;
+    const sched::Counters counters = c.sched_counters(0);
+    const S *W = static_cast<const S *>(p.w);
+    const S *x = static_cast<const S *>(p.x);
+    const float *partials = reinterpret_cast<const float *>(c.recv(epoch));
+    S *y = static_cast<S *>(out);
+    const int64_t groups = (p.n + kRows - 1) / kRows;
+    const int32_t waves = int32_t(workers) * kWaves;
+    const uint32_t slices = uint32_t((p.n + kSumRows - 1) / kSumRows);
+    bool arrived = false;  // thread 0's view: every source's delivery is in
+    for (;;) {
+        if (tid == 0) {
+            const uint32_t id = sched::claim(counters);
+            if (id >= workers && id - workers < slices && !arrived) {
+                // a source that sent nothing usable leaves y wrong, reported by its status
+                for (int src = 0; src < world; ++src)
+                    receive(c, src, epoch, c.layout.capacity, p.n);
+                arrived = true;
+            }
+            s_id = id;
+        }
+        __syncthreads();
+        const uint32_t id = s_id;
+        __syncthreads();
+        if (id < workers) {
+            const int32_t q = int32_t(id) * kWaves + int32_t(tid / ROCMOE_WAVE_SIZE);
+            const GroupRange mine = wave_groups(groups, waves, q);
+            for (int64_t g = mine.begin; g < mine.end; ++g) {
+                const int64_t r0 = g * kRows;
+                const int valid = int(p.n - r0 < kRows ? p.n - r0 : kRows);
+                float acc[kRows];
+                rows_dot<T, kRows, kUnroll, kProtocolLoad>(W + r0 * p.k, valid, x, p.k,
+                                                           p.vec != 0, lane, acc);
+                wave_sums(acc);
+                if (lane == 0) {
+                    for (int d = 0; d < world; ++d) {
+                        float *part = s_part[d];
+                        if (part == nullptr) continue;
+#pragma unroll
+                        for (int j = 0; j < kRows; ++j)
+                            if (j < valid) part[r0 + j] = acc[j];
+                    }
+                }
+            }
+            // every thread's stores visible system-wide before the range counts as done
+            __threadfence_system();
+            __syncthreads();
+            if (tid == 0 && sched::complete(counters, sched::Task{0, 0, id, workers})) {
+                for (int d = 0; d < world; ++d)
+                    if (s_part[d] != nullptr) deliver(c, d, epoch, p.n);
+            }
+        } else if (id - workers < slices) {
+            const int64_t first = int64_t(id - workers) * kSumRows;
+            const int64_t last = first + kSumRows < p.n ? first + kSumRows : p.n;
+            for (int64_t i = first + tid; i < last; i += kThreads) {
+                float sum = 0.f;
+                for (int src = 0; src < world; ++src)
+                    sum += load_arrived(partials + int64_t(src) * p.n + i);
+                y[i] = T::store(sum);
+            }
+        } else {
+            break;
+        }
+    }
+    if (tid == 0) s_last = sched::exit_worker(counters, workers) ? 1 : 0;
+    __syncthreads();
+    if (!s_last) return;
+    // the last workgroup out: every other one has finished its stores and reads
+    __threadfence();
+    if (tid == 0) *c.epoch_word() = epoch;
+    // every read of this rank's receive buffer is done: peers may reuse it
+    for (int d = tid; d < world; d += kThreads) shmem::signal_set(c.team, c.ack(me), epoch, d);
+}
+
 // The knobs (see the top of this file), read once per process.
 struct Tuning {
     int rows;           // ROCMOE_GEMV_ROWS_PER_WARP
@@ -635,6 +774,7 @@ struct Tuning {
     int per_cu;         // ROCMOE_GEMV_PER_CU
     int direct;         // ROCMOE_GEMV_DIRECT
     int rows_per_task;  // ROCMOE_GEMV_ROWS (<= 0: automatic)
+    int one_shot;       // ROCMOE_GEMV_ONE_SHOT
 };
 
 const Tuning &tuning() {
@@ -644,7 +784,8 @@ const Tuning &tuning() {
                              env_int("ROCMOE_GEMV_LOAD", kDefaultLoad),
                              env_int("ROCMOE_GEMV_PER_CU", kGemvMinBlocks),
                              env_int("ROCMOE_GEMV_DIRECT", 1),
-                             env_int("ROCMOE_GEMV_ROWS", 0)};
+                             env_int("ROCMOE_GEMV_ROWS", 0),
+                             env_int("ROCMOE_GEMV_ONE_SHOT", 1)};
     return t;
 }
 
@@ -731,10 +872,30 @@ int launch_protocol(const Common &c, GemvParams p, int requested, void *out, hip
     return launched();
 }
 
-// register kernels: the world-size-1 one (with W's load flavour) or the protocol kernel
+// World size > 1 with the one-shot kernel: the world-size-1 grid (what is resident, no more
+// workgroups than the row groups' waves need): the ranges are the direct kernel's split
+template <class T, int kRows, int kUnroll>
+int launch_one_shot(const Common &c, const GemvParams &p, int requested, void *out,
+                    hipStream_t stream) {
+    static const int fits =
+        resident_per_cu(gemv_one_shot_kernel<T, kRows, kUnroll>, 0, kGemvMinBlocks);
+    const int workers = direct_workgroups(p, kRows, requested, fits);
+    hipLaunchKernelGGL((gemv_one_shot_kernel<T, kRows, kUnroll>), dim3(workers), dim3(kThreads),
+                       0, stream, c, p, out, uint32_t(workers));
+    return launched();
+}
+
+// whether this call runs gemv_one_shot_kernel (else, at world size > 1, gemv_all_reduce_kernel)
+bool one_shot(const Common &c) {
+    return c.topo.world > 1 && c.topo.world <= kOneShotMaxWorld && tuning().one_shot != 0;
+}
+
+// register kernels: the world-size-1 one (with W's load flavour), the one-shot kernel or the
+// protocol kernel
 template <class T, int kRows, int kUnroll>
 int launch_registers(const Common &c, const GemvParams &p, int requested, void *out,
                      hipStream_t stream) {
+    if (one_shot(c)) return launch_one_shot<T, kRows, kUnroll>(c, p, requested, out, stream);
     if (c.topo.world > 1 || tuning().direct == 0)
         return launch_protocol<T, kRows, kUnroll>(c, p, requested, out, stream);
 #if defined(ROCMOE_PLATFORM_NVIDIA)
@@ -751,12 +912,13 @@ int launch_registers(const Common &c, const GemvParams &p, int requested, void *
 template <class T>
 int launch(const Common &c, const GemvParams &p, int requested, void *out, hipStream_t stream) {
     const Tuning &t = tuning();
-    const bool protocol = c.topo.world > 1 || t.direct == 0;
+    // the one-shot kernel splits rows as the world-size-1 kernel does: its defaults
+    const bool protocol = !one_shot(c) && (c.topo.world > 1 || t.direct == 0);
     // rows a wave and loads in flight: the knobs where set, else the path's own defaults
     const int rows = t.rows > 0 ? t.rows : protocol ? kProtocolRows : kDefaultRows;
     const int unroll = t.unroll > 0 ? t.unroll : protocol ? kProtocolUnroll : kDefaultUnroll;
 #if defined(ROCMOE_PLATFORM_NVIDIA)
-    if (!protocol && t.stages > 0 && p.vec) {
+    if (!protocol && !one_shot(c) && t.stages > 0 && p.vec) {
         switch (rows * 100 + t.stages) {
             case 104: return launch_async<T, 1, 4>(c, p, requested, out, stream);
             case 106: return launch_async<T, 1, 6>(c, p, requested, out, stream);
