@@ -139,3 +139,32 @@ def test_host_time_session_stops_when_the_build_fails(machine):
 def test_host_time_session_passes_when_every_stage_passes(machine):
     proc, _ = machine("benchmarks/gpu_host_time.sh")
     assert proc.returncode == 0, proc.stdout
+
+
+def test_gemv_protocol_sweep_stops_when_the_build_fails(machine):
+    proc, calls = machine("benchmarks/gpu_gemv_protocol.sh", cmake=1)
+    assert proc.returncode == 4, proc.stdout
+    assert "mpirun" not in calls
+
+
+def test_gemv_protocol_sweep_runs_each_variant_at_the_ranks_and_each_solo_one_at_one(machine):
+    proc, calls = machine("benchmarks/gpu_gemv_protocol.sh", env_vars={
+        "RANKS": "3", "VARIANTS": "default ROCMOE_GEMV_ONE_SHOT=0",
+        "SOLO_VARIANTS": "ROCMOE_GEMV_DIRECT=0"})
+    assert proc.returncode == 0, proc.stdout
+    runs = [line for line in calls.splitlines() if line.startswith("mpirun")]
+    assert [r.split(" -n ")[1].split()[0] for r in runs] == ["3", "3", "1"], runs
+    assert all("rocmoe.bench.multi_gpu" in r and "--ops gemv" in r for r in runs), runs
+    assert "=== ranks=3 ROCMOE_GEMV_ONE_SHOT=0" in proc.stdout
+
+
+def test_multi_gpu_session_builds_and_runs_only_the_backends_asked_for(machine):
+    proc, calls = machine("benchmarks/gpu_multi.sh", env_vars={
+        "BACKENDS": "ipc", "DEADLINE_S": "200", "DTYPES": "bfloat16 float32",
+        "MOE_OPS": "moe,moe_handles"})
+    assert proc.returncode == 0, proc.stdout
+    assert "build/cuda" in calls and "build/nvshmem" not in calls
+    runs = [line for line in calls.splitlines() if line.startswith("mpirun -n")]
+    assert len(runs) == 2, runs
+    assert "--dtype bfloat16,float32" in runs[0] and "--ops moe,moe_handles" in runs[1], runs
+    assert "nvshmem: not in BACKENDS" in proc.stdout
