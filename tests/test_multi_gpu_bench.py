@@ -86,6 +86,24 @@ def test_make_record_gives_graph_replay_ratios_or_the_capture_error():
     assert failed["graph_error"] == {"fused": 0.04, "baseline": "RuntimeError: capture"}
 
 
+def test_env_closes_every_handle_of_a_case():
+    closed = []
+
+    class Handle:
+        def __init__(self, name):
+            self.name = name
+
+        def close(self):
+            closed.append(self.name)
+
+    env = mg.Env.__new__(mg.Env)  # no context needed for the bookkeeping
+    env.handles = []
+    a, b = env.handle(Handle("a")), env.handle(Handle("b"))
+    assert (a.name, b.name) == ("a", "b")
+    env.close_handles()
+    assert sorted(closed) == ["a", "b"] and env.handles == []
+
+
 def test_make_record_judges_a_goal_only_at_its_world_size():
     fast = ({"ms": 1.0}, {"ms": 2.0})
     slow = ({"ms": 1.0}, {"ms": 1.1})

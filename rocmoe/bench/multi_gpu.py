@@ -394,6 +394,17 @@ class Env:
         self.fused_path = "rocmoe.ops handles (" + ("GPU kernels" if self.gpu
                                                     else "host backend kernels") + ")"
         self.torch = torch
+        self.handles = []  # this case's fused-op handles, closed (collectively) after it
+
+    def handle(self, h):
+        """Keep `h` to close after the case: a handle holds its heap workspace until closed,
+        so a sweep that only dropped them ran out of heap (8 GB) on its largest shapes."""
+        self.handles.append(h)
+        return h
+
+    def close_handles(self):
+        while self.handles:
+            self.handles.pop().close()
 
     def generator(self, salt: int):
         g = self.torch.Generator(device=self.device)
@@ -433,8 +444,8 @@ def case_embedding(env: Env, shape: dict, dtype):
         return torch.cat(parts, dim=1)
 
     from .. import ops
-    handle = ops.EmbeddingAllToAll(env.ctx, [rows] * t_local, dim, batch, batch * pooling,
-                                   "sum", dtype)
+    handle = env.handle(ops.EmbeddingAllToAll(env.ctx, [rows] * t_local, dim, batch,
+                                              batch * pooling, "sum", dtype))
 
     def fused():
         return handle(weights, indices, offsets, batch=batch)
@@ -459,7 +470,7 @@ def case_gemv(env: Env, shape: dict, dtype):
         return y
 
     from .. import ops
-    handle = ops.GemvAllReduce(env.ctx, n, k_r, dtype)
+    handle = env.handle(ops.GemvAllReduce(env.ctx, n, k_r, dtype))
 
     def fused():
         return handle(w, x)
@@ -488,7 +499,7 @@ def case_gemm(env: Env, shape: dict, dtype):
 
     extra = {}
     from .. import ops
-    handle = ops.GemmAllToAll(env.ctx, max(counts), h, h, dtype)
+    handle = env.handle(ops.GemmAllToAll(env.ctx, max(counts), h, h, dtype))
     total = sum(recv_splits)
 
     def fused():
@@ -638,6 +649,8 @@ def run(args) -> int:
         except Exception as exc:  # one failing case is reported; the next still runs
             rec = make_record(op, ctx.backend, env.world, dtype_name, shape, None, None,
                               error=f"{type(exc).__name__}: {str(exc)[:400]}")
+        finally:
+            env.close_handles()
         put(rec)
 
     for op, shape, dtype_name in fused_cases(args, env.world):
