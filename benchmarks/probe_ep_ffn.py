@@ -1,0 +1,136 @@
+"""Where the expert-parallel step's local FFN time goes, on one GPU.
+
+Why this exists: on 2 x H200 the whole expert-parallel DroplessMoE step on the fused-op handles
+ran at 0.77 and 0.44 of the same layer moving tokens with all_to_all_single around its
+block-sparse FFN (results/multi_gpu_h200x2_seventeenth_session_moe_zipf.jsonl). The handle
+step computes its experts with the project's grouped GEMM kernel (gpu.grouped_local, the
+GemmAllToAll kernel in local mode, and gpu.grouped_weight_grad), the baseline with the
+block-sparse kernels. This times the three ways to compute the same rows, forward +
+backward, on the rows one rank of that run received: the grouped kernels as the handle step
+calls them (grid bounded by the step's worst-case row count), the block-sparse FFN
+(`local_experts`, one expert a row, weight 1), and torch._grouped_mm on the same rows.
+
+    python3 benchmarks/probe_ep_ffn.py [--shapes T,H,F,E;...] [--world 2] [--reps 10]
+    python3 benchmarks/probe_ep_ffn.py --device cpu --shapes 64,32,48,8 --reps 2   # dry run
+
+T tokens a rank, E experts in all (E / world on a rank), top-2, Zipf(1.0) routing: rank 0's
+experts get their expected share of the world x T x 2 pairs. One JSON line per shape and
+path: fwd and fwd+bwd ms (CUDA events, median), and the ratio to the block-sparse FFN."""
+
+import argparse
+import json
+import os
+import sys
+import types
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from rocmoe.bench.timing import interleaved_ms  # noqa: E402
+from rocmoe.moe.activations import ACTIVATIONS  # noqa: E402
+
+SHAPES = [(8192, 1024, 4096, 64), (8192, 4096, 1408, 64)]
+
+
+def rank0_counts(tokens, experts, world, top_k=2):
+    """Rows each of rank 0's experts gets: the expected Zipf(1.0) share of all pairs."""
+    p = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+    p = p / p.sum()
+    local = experts // world
+    pairs = world * tokens * top_k
+    counts = torch.floor(p[:local] * pairs).to(torch.int64)
+    return counts
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a dry run of the script on the host backend (tiny shapes)")
+    a = ap.parse_args(argv)
+    import rocmoe
+    from rocmoe.moe.handle_transport import grouped_products
+    from rocmoe.moe.layer import local_experts
+    dev = torch.device(a.device)
+    ctx = rocmoe.init(backend="ipc" if a.device == "cuda" else "host", heap_size=1 << 30)
+    transport = types.SimpleNamespace(ctx=ctx)  # what grouped_products reads of a transport
+    act = ACTIVATIONS["gelu"]
+    for spec in a.shapes.split(";"):
+        t, h, f, e = (int(v) for v in spec.split(","))
+        counts = rank0_counts(t, e, a.world)
+        local = counts.numel()
+        rows = int(counts.sum())
+        capacity = a.world * t * 2  # the most rows a rank can receive in the step
+        g = torch.Generator(device=dev).manual_seed(0)
+        x = (torch.randn(rows, h, device=dev, generator=g) * 0.5).to(torch.bfloat16)
+        w1 = (torch.randn(local, h, f, device=dev, generator=g) / h ** 0.5).to(torch.bfloat16)
+        w2 = (torch.randn(local, f, h, device=dev, generator=g) / f ** 0.5).to(torch.bfloat16)
+        gy = torch.randn(rows, h, device=dev, generator=g).to(torch.bfloat16)
+        ids = torch.repeat_interleave(torch.arange(local, device=dev, dtype=torch.int32),
+                                      counts.to(dev)).view(-1, 1)
+        ones = torch.ones(rows, 1, device=dev, dtype=torch.bfloat16)
+        dev_counts = counts.to(dev).view(1, local)
+        offs = torch.cumsum(counts.to(dev), 0).to(torch.int32)
+        xr = x.clone().requires_grad_(True)
+        p1, p2 = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+
+        def grouped_kernels():
+            hmid = act(grouped_products(xr, p1, dev_counts, transport, capacity))
+            return grouped_products(hmid, p2, dev_counts, transport, capacity)
+
+        def block_sparse():
+            return local_experts(xr, ids, ones, p1, p2, None, 128, "gelu")
+
+        def grouped_mm():
+            return torch._grouped_mm(act(torch._grouped_mm(xr, p1, offs=offs)), p2, offs=offs)
+
+        paths = {"grouped_kernels (handle step)": grouped_kernels,
+                 "block_sparse (baseline step)": block_sparse,
+                 "torch._grouped_mm": grouped_mm}
+        ref = block_sparse().detach().float()
+        fwd, both, errs = {}, {}, {}
+        for name, fn in paths.items():
+            try:
+                y = fn()
+                errs[name] = float((y.detach().float() - ref).norm() / ref.norm())
+                for p in (xr, p1, p2):
+                    p.grad = None
+                y.backward(gy)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+
+                def step(fn=fn):
+                    for p in (xr, p1, p2):
+                        p.grad = None
+                    fn().backward(gy)
+
+                def forward(fn=fn):
+                    with torch.no_grad():
+                        fn()
+                fwd[name] = (lambda: None, forward)
+                both[name] = (lambda: None, step)
+            except Exception as exc:  # noqa: BLE001 - a path that does not run is a result
+                errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        f_ms = interleaved_ms(fwd, rounds=a.reps, calls=2)
+        b_ms = interleaved_ms(both, rounds=a.reps, calls=2)
+        base = "block_sparse (baseline step)"
+        flops = 2 * rows * h * f * 2
+        for name in paths:
+            rec = dict(probe="ep_ffn", shape=dict(tokens_per_rank=t, hidden=h, ffn=f, experts=e,
+                                                  world=a.world), rows=rows, local_experts=local,
+                       largest_expert_rows=int(counts.max()), capacity=capacity, path=name,
+                       rel_err_vs_block_sparse=errs.get(name))
+            if name in b_ms:
+                rec.update(fwd_ms=round(f_ms[name], 4), fwd_bwd_ms=round(b_ms[name], 4),
+                           fwd_tflops=round(flops / f_ms[name] / 1e9, 1),
+                           fwd_ratio_vs_block_sparse=round(f_ms[base] / f_ms[name], 3),
+                           fwd_bwd_ratio_vs_block_sparse=round(b_ms[base] / b_ms[name], 3))
+            print(json.dumps(rec), flush=True)
+    ctx.finalize()
+
+
+if __name__ == "__main__":
+    main()
