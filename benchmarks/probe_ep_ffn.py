@@ -43,11 +43,71 @@ def rank0_counts(tokens, experts, world, top_k=2):
     return counts
 
 
+def products(a, x, w1, w2, counts, capacity, transport, act, t, h, f, e):
+    """Each of the two products alone, forward: the grouped kernel (gpu.grouped_local) under
+    tile configs (ROCMOE_GEMM_CONFIG), torch._grouped_mm on group-major rows, and
+    torch._grouped_mm behind the permutation the handle step would need (its rows arrive
+    source-major: here two sources, each expert's rows split between them)."""
+    from rocmoe.ops import gpu
+    team = gpu.team_for(transport.ctx)
+    status = torch.zeros(64, dtype=torch.int32, device=x.device)
+    dev_counts = counts.to(x.device).view(1, -1)
+    offs = torch.cumsum(counts.to(x.device), 0).to(torch.int32)
+    hmid = act(torch._grouped_mm(x, w1, offs=offs))
+    # two sources: source s holds the first / second half of each expert's rows
+    two = torch.stack([counts // 2, counts - counts // 2]).to(x.device)   # [2, G]
+    sm_starts = torch.cumsum(two.reshape(-1), 0) - two.reshape(-1)        # source-major
+    gm_starts = (torch.cumsum(two.t().reshape(-1), 0) - two.t().reshape(-1)).view(-1, 2).t()
+    seg = torch.repeat_interleave(torch.arange(two.numel(), device=x.device), two.reshape(-1))
+    within = torch.arange(seg.numel(), device=x.device) - sm_starts[seg]
+    to_gm = gm_starts.reshape(-1)[seg] + within     # source-major row i -> group-major row
+    x_sm = torch.empty_like(x)
+    x_sm[torch.argsort(to_gm)] = x  # x_sm is x laid out source-major
+
+    def permuted(xin, w):
+        xg = torch.empty_like(xin).index_copy_(0, to_gm, xin)
+        y = torch._grouped_mm(xg, w, offs=offs)
+        return y.index_select(0, to_gm)
+
+    cases = {}
+    for label, override in (("default 128x256x64 s3", None),
+                            ("128x128x64 s3", '{"BLOCK_N": 128}'),
+                            ("128x128x64 s4", '{"BLOCK_N": 128, "num_stages": 4}'),
+                            ("128x256x64 s3 GROUP_M 1", '{"GROUP_M": 1}')):
+        def gl(xin, w, override=override):
+            if override is None:
+                os.environ.pop("ROCMOE_GEMM_CONFIG", None)
+            else:
+                os.environ["ROCMOE_GEMM_CONFIG"] = override
+            return gpu.grouped_local(team, xin, w, dev_counts, w.shape[0], capacity,
+                                     status.data_ptr())
+        cases[f"grouped_local {label} W1"] = lambda gl=gl: gl(x, w1)
+        cases[f"grouped_local {label} W2"] = lambda gl=gl: gl(hmid, w2)
+    cases["_grouped_mm W1"] = lambda: torch._grouped_mm(x, w1, offs=offs)
+    cases["_grouped_mm W2"] = lambda: torch._grouped_mm(hmid, w2, offs=offs)
+    cases["permute + _grouped_mm + unpermute W1"] = lambda: permuted(x_sm, w1)
+    cases["permute + _grouped_mm + unpermute W2"] = lambda: permuted(hmid, w2)
+    with torch.no_grad():
+        for fn in cases.values():
+            fn()
+        torch.cuda.synchronize()
+        ms = interleaved_ms({k: (lambda: None, fn) for k, fn in cases.items()}, rounds=a.reps,
+                            calls=2)
+    os.environ.pop("ROCMOE_GEMM_CONFIG", None)
+    flops = 2 * int(counts.sum()) * h * f
+    for k, v in ms.items():
+        print(json.dumps(dict(probe="ep_ffn_product", shape=dict(tokens_per_rank=t, hidden=h,
+                                                                 ffn=f, experts=e), case=k,
+                              ms=round(v, 4), tflops=round(flops / v / 1e9, 1))), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=";".join(",".join(map(str, s)) for s in SHAPES))
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--products", action="store_true",
+                    help="also time each product alone under a few tile configs")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a dry run of the script on the host backend (tiny shapes)")
     a = ap.parse_args(argv)
@@ -114,6 +174,8 @@ def main(argv=None):
                 both[name] = (lambda: None, step)
             except Exception as exc:  # noqa: BLE001 - a path that does not run is a result
                 errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        if a.products and dev.type == "cuda":
+            products(a, x, w1, w2, counts, capacity, transport, act, t, h, f, e)
         f_ms = interleaved_ms(fwd, rounds=a.reps, calls=2)
         b_ms = interleaved_ms(both, rounds=a.reps, calls=2)
         base = "block_sparse (baseline step)"
