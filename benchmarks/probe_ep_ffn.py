@@ -113,6 +113,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     import rocmoe
     from rocmoe.moe.handle_transport import grouped_products
+    from rocmoe.moe import grouped_ffn as gf
     from rocmoe.moe.layer import local_experts
     dev = torch.device(a.device)
     ctx = rocmoe.init(backend="ipc" if a.device == "cuda" else "host", heap_size=1 << 30)
@@ -147,7 +148,17 @@ def main(argv=None):
         def grouped_mm():
             return torch._grouped_mm(act(torch._grouped_mm(xr, p1, offs=offs)), p2, offs=offs)
 
+        # the grouped_mm combine's FFN: arrivals source-major from two sources (each expert's
+        # rows split between them), regrouped, torch._grouped_mm, back to arrival order
+        two = torch.stack([counts // 2, counts - counts // 2]).to(dev)
+        to_gm = gf.group_major_positions(two, rows)
+        xs = x.index_select(0, to_gm).clone().requires_grad_(True)
+
+        def grouped_mm_combine():
+            return gf.source_major_ffn(xs, two, p1, p2, None, act)
+
         paths = {"grouped_kernels (handle step)": grouped_kernels,
+                 "source_major_ffn (grouped_mm combine)": grouped_mm_combine,
                  "block_sparse (baseline step)": block_sparse,
                  "torch._grouped_mm": grouped_mm}
         ref = block_sparse().detach().float()
@@ -155,7 +166,8 @@ def main(argv=None):
         for name, fn in paths.items():
             try:
                 y = fn()
-                errs[name] = float((y.detach().float() - ref).norm() / ref.norm())
+                want = ref.index_select(0, to_gm) if fn is grouped_mm_combine else ref
+                errs[name] = float((y.detach().float() - want).norm() / want.norm())
                 for p in (xr, p1, p2):
                     p.grad = None
                 y.backward(gy)
@@ -163,7 +175,7 @@ def main(argv=None):
                     torch.cuda.synchronize()
 
                 def step(fn=fn):
-                    for p in (xr, p1, p2):
+                    for p in (xr, xs, p1, p2):
                         p.grad = None
                     fn().backward(gy)
 

@@ -17,7 +17,9 @@ the host and synchronises with nothing:
    counts (rocmoe.ops' grouped products: the Triton kernel on GPUs);
 5. combine: one grouped GemmAllToAll with W2 [G, F, H] and the device counts [world, G]
    computes every group's last product and puts the rows straight back into their source
-   ranks' heaps (``combine="all_to_all"``: the block-sparse FFN, then the row exchange).
+   ranks' heaps (``combine="grouped_mm"``, what "auto" picks where torch._grouped_mm runs:
+   the whole local FFN through it, grouped_ffn.py, then the row exchange;
+   ``combine="all_to_all"``: the block-sparse FFN, then the row exchange).
 
 Every exchange's backward is the reverse exchange on the shared row handle of its width,
 with the same device counts. Buffers are sized at the upper bound (world x the agreed most
@@ -31,6 +33,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from .activations import ACTIVATIONS
+from .grouped_ffn import source_major_ffn
 
 
 _HANDLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -233,6 +236,12 @@ def handle_forward(layer, x, expert_ids, weights, transport: HandleTransport, co
         if layer.w3 is not None:
             h = h * grouped_products(received, layer.w3, recv, transport, capacity)
         back = transport.combine(h, layer.w2, recv)
+    elif combine == "grouped_mm":
+        # 4. the local FFN on grouped products of the arrivals (device counts); 5. back by
+        # the row exchange
+        y_recv = source_major_ffn(received, recv, layer.w1, layer.w2, layer.w3,
+                                  ACTIVATIONS[layer.activation])
+        back = transport.return_rows(y_recv, recv.sum(dim=1))
     else:
         # 4. the block-sparse FFN over every arrived row (rows past the arrivals are zeroed
         # and routed to group 0: computed, never sent); 5. back by the row exchange

@@ -13,35 +13,12 @@ The benchmark (``rocmoe bench moe --layer``) and the memory tests measure agains
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from .activations import ACTIVATIONS
+# where torch._grouped_mm runs: decided once, shared with the expert-parallel FFN
+from .grouped_ffn import grouped_mm_runs, uses_grouped_mm  # noqa: F401
 from .router import expert_histogram
-
-
-@functools.lru_cache(maxsize=None)
-def grouped_mm_runs(device_type: str, device_index, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward for this device and dtype
-    (tried once on a tiny problem: support differs by torch version, GPU and dtype)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    device = torch.device(device_type, device_index) if device_index is not None \
-        else torch.device(device_type)
-    try:
-        x = torch.zeros(16, 16, device=device, dtype=dtype, requires_grad=True)
-        w = torch.zeros(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
-        y = torch._grouped_mm(x, w, offs=offs)
-        y.backward(torch.ones_like(y))
-        return True
-    except Exception:  # noqa: BLE001 - unsupported here: the mm loop is what a user has
-        return False
-
-
-def uses_grouped_mm(x: torch.Tensor) -> bool:
-    return grouped_mm_runs(x.device.type, x.device.index, x.dtype)
 
 
 def _expert_products(xs, counts, w1, w2, w3, act, grouped: bool):

@@ -90,6 +90,21 @@ def test_all_to_all_combine_can_be_chosen_on_a_context():
     assert out.count("transport=HandleTransport combine=all_to_all") == 2, out
 
 
+def test_grouped_mm_combine_on_a_context_equals_the_one_rank_layer():
+    # the local FFN on the arrivals regrouped by expert (device counts, the handle path),
+    # then the row exchange; GLU and k = 3 so that the W3 product and several slots count
+    _require_runtime()
+    out = _run(2, "--ctx", "runtime", "--dtype", "float32", "--combine", "grouped_mm",
+               "--glu", "--top-k", "3")
+    assert out.count("transport=HandleTransport combine=grouped_mm") == 2, out
+
+
+def test_grouped_mm_combine_over_mpi_with_idle_experts_equals_the_one_rank_layer():
+    # the host-count path (MPITransport), with experts that get no rows on some ranks
+    out = _run(2, "--combine", "grouped_mm", "--experts", "16", "--tokens", "2", "--top-k", "1")
+    assert out.count("transport=MPITransport combine=grouped_mm") == 2, out
+
+
 def test_expert_parallel_at_four_ranks_over_symmetric_heap_with_glu_and_top3():
     # one 4-rank run covers the GLU path, k=3 and 32-row blocks (CI has 2 cores)
     _require_runtime()
