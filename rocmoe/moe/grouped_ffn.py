@@ -8,14 +8,13 @@ two (three) grouped products, and gathers the results back to the arrival order,
 device counts: nothing is read on the host where ``torch._grouped_mm`` runs (CUTLASS on
 sm90, bf16 / fp16). Elsewhere it loops ``torch.mm`` over the groups on host counts.
 
-Why this path exists (DroplessMoE's ``combine="grouped_mm"``, what ``"auto"`` picks on such
-GPUs): on an H200, on the rows rank 0 of a 2-GPU Zipf run received (28015 rows, 32 local
-experts), the FFN forward + backward took 2.88 / 3.47 ms through torch._grouped_mm on
-group-major rows against 4.54 / 13.61 ms through the grouped Triton kernel that the fused
-combine (``gemm_all_to_all``) runs, and 3.53 / 4.58 ms through the block-sparse kernels
-(hidden 1024 / ffn 4096 and hidden 4096 / ffn 1408; benchmarks/probe_ep_ffn.py,
-results/probe_ep_ffn_h200_seventeenth_session.jsonl). The permutation here adds two gathers
-of [rows, hidden] each way.
+What it measured (DroplessMoE's ``combine="grouped_mm"``, taken only when asked for): on an
+H200, on the rows rank 0 of a 2-GPU Zipf run received (28015 rows from two sources, 32 local
+experts, bf16), forward + backward took 3.82 / 6.27 ms here against 3.50 / 4.62 ms through
+the block-sparse FFN and 4.43 / 13.61 ms through the fused combine's grouped Triton kernel
+before its tile fix (hidden 1024 / ffn 4096 and hidden 4096 / ffn 1408). torch._grouped_mm
+alone on group-major rows took 2.68 / 3.34: the regrouping gathers cost the rest
+(benchmarks/probe_ep_ffn.py, results/probe_ep_ffn_h200_seventeenth_session*.jsonl).
 
 Rows past the arrivals (the handles' upper-bound buffers) keep their place; their results
 are undefined and never read: the exchange back sends each source its counted rows only.

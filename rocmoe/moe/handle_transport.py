@@ -17,8 +17,8 @@ the host and synchronises with nothing:
    counts (rocmoe.ops' grouped products: the Triton kernel on GPUs);
 5. combine: one grouped GemmAllToAll with W2 [G, F, H] and the device counts [world, G]
    computes every group's last product and puts the rows straight back into their source
-   ranks' heaps (``combine="grouped_mm"``, what "auto" picks where torch._grouped_mm runs:
-   the whole local FFN through it, grouped_ffn.py, then the row exchange;
+   ranks' heaps (``combine="grouped_mm"``: the whole local FFN through torch._grouped_mm,
+   grouped_ffn.py, then the row exchange;
    ``combine="all_to_all"``: the block-sparse FFN, then the row exchange).
 
 Every exchange's backward is the reverse exchange on the shared row handle of its width,

@@ -72,9 +72,8 @@ class DroplessMoE(nn.Module):
     (``rocmoe.ops.gemm_all_to_all``: needs a rocmoe Context and float32/bfloat16/float16
     weights); ``"grouped_mm"`` runs the local FFN through ``torch._grouped_mm`` on the
     arrivals regrouped by expert (grouped_ffn.py), then an all-to-all; ``"all_to_all"`` runs
-    the block-sparse FFN, then an all-to-all; ``"auto"`` (the default) takes "grouped_mm"
-    on a GPU where torch._grouped_mm runs for the weights' dtype (measured faster there than
-    the fused combine's grouped kernel), else the fused one where it can.
+    the block-sparse FFN, then an all-to-all; ``"auto"`` (the default) takes the fused one
+    where it can.
 
     ``placement``: ``"static"`` (the above) or ``"vexpert"`` (FlexMoE): each rank has
     ``slots_per_rank`` expert slots (default E / world and half as many again) and hot experts

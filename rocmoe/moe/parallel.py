@@ -39,7 +39,7 @@ import torch
 
 from ..errors import CollectiveMismatchError, ConfigurationError, InvalidArgumentError
 from .activations import ACTIVATIONS
-from .grouped_ffn import grouped_mm_runs, source_major_ffn
+from .grouped_ffn import source_major_ffn
 
 
 class ExpertTransport(abc.ABC):
@@ -265,11 +265,10 @@ def check_combine(combine: str, ctx) -> None:
 
 def combine_kind(layer) -> str:
     """Which combine the layer runs. Decided from the layer's configuration, parameter
-    dtype and device only, so that every rank (same layer, same parameters) takes the same
-    path. "auto": on a GPU where torch._grouped_mm runs for the weights' dtype, the local
-    FFN through it and rows back by the exchange ("grouped_mm": measured faster than the
-    fused combine's grouped kernel, grouped_ffn.py says by how much); else the fused combine
-    on a rocmoe Context; else the block-sparse FFN and the exchange."""
+    dtype only, so that every rank (same layer, same parameters) takes the same path.
+    "auto": the fused combine on a rocmoe Context with 16/32-bit weights, else the
+    block-sparse FFN and the exchange; "grouped_mm" is taken only when asked for (on one
+    H200 its FFN ran between the block-sparse FFN and the fused combine's: grouped_ffn.py)."""
     fits = layer.w2.dtype in FUSED_COMBINE_DTYPES
     if layer.combine == "gemm_all_to_all":
         if not fits:
@@ -278,9 +277,6 @@ def combine_kind(layer) -> str:
                 f"layer's are {layer.w2.dtype}; use combine='all_to_all' (or 'auto')")
         return "gemm_all_to_all"
     if layer.combine == "grouped_mm":
-        return "grouped_mm"
-    if layer.combine == "auto" and layer.w2.is_cuda and \
-            grouped_mm_runs(layer.w2.device.type, layer.w2.device.index, layer.w2.dtype):
         return "grouped_mm"
     if layer.combine == "auto" and fits and is_runtime_context(layer.ctx):
         return "gemm_all_to_all"

@@ -819,6 +819,21 @@ def _arange_i32(n: int, device) -> torch.Tensor:
     return t
 
 
+def even_block_n(n: int, block_n: int, least: int = 64) -> int:
+    """The widest tile of `block_n`, `block_n` / 2, ... (down to `least`) that divides N, or
+    `block_n` when none does. The untuned grouped products run the default 128 x 256 tile:
+    at N = 1408 (5.5 tiles, the masked path on every tile) it ran 37 TFLOP/s on an H200
+    against 393 with 128-wide tiles (the FFN's first product at hidden 4096, ffn 1408;
+    benchmarks/probe_ep_ffn.py --products, results/probe_ep_ffn_h200_seventeenth_session_
+    products.jsonl)."""
+    b, least = block_n, min(least, block_n)
+    while b >= least:
+        if n % b == 0:
+            return b
+        b //= 2
+    return block_n
+
+
 def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
                   groups: int, max_rows: int, status_address: int, out: Optional[torch.Tensor] = None
                   ) -> torch.Tensor:
@@ -832,6 +847,8 @@ def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Te
     if out is None:
         out = torch.zeros(x.shape[0], n_out, dtype=x.dtype, device=dev)
     cfg = dict(gemm_config(dev, x.dtype), USE_TMA=False)
+    if not os.environ.get("ROCMOE_GEMM_CONFIG"):  # untuned here: at least no ragged N tile
+        cfg["BLOCK_N"] = even_block_n(n_out, cfg["BLOCK_N"])
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tasks = world * (math.ceil(max(max_rows, 1) / bm) + g) * math.ceil(n_out / bn)
     nprog = _num_programs(dev, tasks, 1)

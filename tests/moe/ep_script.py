@@ -120,9 +120,13 @@ def main(argv=None) -> int:
 
     start = sum(t.shape[0] for t in xs[:rank])
     stop = start + xs[rank].shape[0]
-    router_grad = ep.router.weight.grad.cpu().clone()
+    # numpy has no bfloat16: a 16-bit router's gradient is summed in float32
+    grad = ep.router.weight.grad
+    grad_dtype = grad.dtype
+    router_grad = (grad if grad.dtype in (torch.float32, torch.float64) else grad.float()) \
+        .cpu().clone()
     comm.Allreduce(MPI.IN_PLACE, router_grad.numpy(), op=MPI.SUM)  # data-parallel router
-    router_grad = router_grad.to(dev)
+    router_grad = router_grad.to(dev, grad_dtype)
     checks = {
         "y": (y, y_ref[start:stop]),
         "dx": (x.grad, x_ref.grad[start:stop]),
