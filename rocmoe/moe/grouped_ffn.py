@@ -12,9 +12,10 @@ What it measured (DroplessMoE's ``combine="grouped_mm"``, taken only when asked 
 H200, on the rows rank 0 of a 2-GPU Zipf run received (28015 rows from two sources, 32 local
 experts, bf16), forward + backward took 3.82 / 6.27 ms here against 3.50 / 4.62 ms through
 the block-sparse FFN and 4.43 / 13.61 ms through the fused combine's grouped Triton kernel
-before its tile fix (hidden 1024 / ffn 4096 and hidden 4096 / ffn 1408). torch._grouped_mm
-alone on group-major rows took 2.68 / 3.34: the regrouping gathers cost the rest
-(benchmarks/probe_ep_ffn.py, results/probe_ep_ffn_h200_seventeenth_session*.jsonl).
+(hidden 1024 / ffn 4096 and hidden 4096 / ffn 1408); after that kernel's tile fix
+(gpu.even_block_n) the second shape ran 6.52 here, 4.73 block-sparse, 6.07 fused.
+torch._grouped_mm alone on group-major rows took 2.68 / 3.34: the regrouping gathers cost
+the rest (benchmarks/probe_ep_ffn.py, results/probe_ep_ffn_h200_seventeenth_session*.jsonl).
 
 Rows past the arrivals (the handles' upper-bound buffers) keep their place; their results
 are undefined and never read: the exchange back sends each source its counted rows only.
