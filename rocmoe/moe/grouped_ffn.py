@@ -54,7 +54,9 @@ def uses_grouped_mm(x: torch.Tensor) -> bool:
 def group_major_positions(counts: torch.Tensor, rows: int) -> torch.Tensor:
     """[rows] int64: where each source-major row goes in group-major order, for counts
     [sources, groups] (device or host). Rows past sum(counts) stay where they are, so the
-    result is a permutation of range(rows)."""
+    result is a permutation of range(rows). The device-count form of
+    rocmoe.ops.products.group_major (numpy, host counts), whose permutation is this one's
+    inverse over the arrived rows."""
     counts = counts.to(torch.int64)
     sources, groups = counts.shape
     flat = counts.reshape(-1)                           # segments (s, g), source-major
@@ -68,7 +70,8 @@ def group_major_positions(counts: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.where(arrived, gm_starts[seg] + at - starts[seg], at)
 
 
-def grouped_products(x: torch.Tensor, w: torch.Tensor, group_rows: torch.Tensor) -> torch.Tensor:
+def group_major_products(x: torch.Tensor, w: torch.Tensor, group_rows: torch.Tensor
+                         ) -> torch.Tensor:
     """Group-major rows x [R, K] (group g's group_rows[g] rows in turn, then rows of no
     group) through w [G, K, N]; rows of no group: zeros on the mm loop, undefined through
     ``torch._grouped_mm``."""
@@ -91,11 +94,11 @@ def source_major_ffn(received: torch.Tensor, counts: torch.Tensor, w1: torch.Ten
         0, to_group, torch.arange(to_group.numel(), device=to_group.device))
     x = received.index_select(0, from_group)
     group_rows = counts.to(torch.int64).sum(dim=0)
-    h = act(grouped_products(x, w1, group_rows))
+    h = act(group_major_products(x, w1, group_rows))
     if w3 is not None:
-        h = h * grouped_products(x, w3, group_rows)
-    return grouped_products(h, w2, group_rows).index_select(0, to_group)
+        h = h * group_major_products(x, w3, group_rows)
+    return group_major_products(h, w2, group_rows).index_select(0, to_group)
 
 
-__all__ = ["grouped_mm_runs", "uses_grouped_mm", "group_major_positions", "grouped_products",
-           "source_major_ffn"]
+__all__ = ["grouped_mm_runs", "uses_grouped_mm", "group_major_positions",
+           "group_major_products", "source_major_ffn"]

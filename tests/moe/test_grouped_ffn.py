@@ -24,6 +24,10 @@ def test_group_major_positions_sort_the_arrivals_by_group_then_source():
     assert [(seg[i][1], seg[i][0]) for i in by_position] == sorted((g, s) for s, g in seg)
     assert by_position == sorted(range(10), key=lambda i: (seg[i][1], seg[i][0], i))
     assert pos[10:].tolist() == [10, 11, 12]
+    # the host form's permutation (group-major position -> source-major row) is its inverse
+    from rocmoe.ops.products import group_major
+    perm, sizes = group_major(counts.tolist())
+    assert [pos[int(i)].item() for i in perm] == list(range(10)) and sizes == [3, 4, 3]
 
 
 def test_group_major_positions_with_no_arrivals_is_the_identity():
@@ -61,10 +65,10 @@ def test_source_major_ffn_equals_each_row_through_its_groups_ffn(glu):
         assert torch.allclose(a, b, atol=1e-12, rtol=1e-12)
 
 
-def test_grouped_products_loop_leaves_rows_of_no_group_zero():
+def test_group_major_products_loop_leaves_rows_of_no_group_zero():
     x = torch.ones(5, 4, dtype=torch.float64)
     w = torch.ones(2, 4, 3, dtype=torch.float64)
-    y = gf.grouped_products(x, w, torch.tensor([1, 2]))
+    y = gf.group_major_products(x, w, torch.tensor([1, 2]))
     if not gf.uses_grouped_mm(x):
         assert y[3:].abs().sum() == 0
     assert torch.equal(y[:3], torch.full((3, 3), 4.0, dtype=torch.float64))
