@@ -11,7 +11,8 @@
 # a stage that fails or runs out of time loses only itself. DEADLINE_S (default 400) bounds
 # the whole script; BACKENDS (default "ipc nvshmem") picks the backends, FUSED_BOX_S and
 # MOE_BOX_S (default 90 and 80) the seconds each fused-op and MoE stage may take, DTYPES
-# (default float32) the fused ops' dtypes, MOE_OPS (default moe) the MoE comparisons. The cffi + pycparser wheels come from .whl/ (carried; not on the machine).
+# (default float32) the fused ops' dtypes, MOE_OPS (default moe) the MoE comparisons. The
+# cffi + pycparser wheels come from .whl/ (carried; not on the machine).
 set -u -o pipefail
 OUT=${OUT:-device_out}
 mkdir -p "$OUT"

@@ -43,26 +43,19 @@ def rank0_counts(tokens, experts, world, top_k=2):
     return counts
 
 
-def products(a, x, w1, w2, counts, capacity, transport, act, t, h, f, e):
+def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
     """Each of the two products alone, forward: the grouped kernel (gpu.grouped_local) under
     tile configs (ROCMOE_GEMM_CONFIG), torch._grouped_mm on group-major rows, and
     torch._grouped_mm behind the permutation the handle step would need (its rows arrive
-    source-major: here two sources, each expert's rows split between them)."""
+    source-major from two sources, each expert's rows split between them: `to_gm`, their
+    group-major positions, as main() makes them)."""
     from rocmoe.ops import gpu
     team = gpu.team_for(transport.ctx)
     status = torch.zeros(64, dtype=torch.int32, device=x.device)
     dev_counts = counts.to(x.device).view(1, -1)
     offs = torch.cumsum(counts.to(x.device), 0).to(torch.int32)
     hmid = act(torch._grouped_mm(x, w1, offs=offs))
-    # two sources: source s holds the first / second half of each expert's rows
-    two = torch.stack([counts // 2, counts - counts // 2]).to(x.device)   # [2, G]
-    sm_starts = torch.cumsum(two.reshape(-1), 0) - two.reshape(-1)        # source-major
-    gm_starts = (torch.cumsum(two.t().reshape(-1), 0) - two.t().reshape(-1)).view(-1, 2).t()
-    seg = torch.repeat_interleave(torch.arange(two.numel(), device=x.device), two.reshape(-1))
-    within = torch.arange(seg.numel(), device=x.device) - sm_starts[seg]
-    to_gm = gm_starts.reshape(-1)[seg] + within     # source-major row i -> group-major row
-    x_sm = torch.empty_like(x)
-    x_sm[torch.argsort(to_gm)] = x  # x_sm is x laid out source-major
+    x_sm = x.index_select(0, to_gm)  # x laid out source-major
 
     def permuted(xin, w):
         xg = torch.empty_like(xin).index_copy_(0, to_gm, xin)
@@ -187,7 +180,7 @@ def main(argv=None):
             except Exception as exc:  # noqa: BLE001 - a path that does not run is a result
                 errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if a.products and dev.type == "cuda":
-            products(a, x, w1, w2, counts, capacity, transport, act, t, h, f, e)
+            products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e)
         f_ms = interleaved_ms(fwd, rounds=a.reps, calls=2)
         b_ms = interleaved_ms(both, rounds=a.reps, calls=2)
         base = "block_sparse (baseline step)"

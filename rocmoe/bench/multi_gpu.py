@@ -24,8 +24,8 @@ against the same layer, same weights, same routing, moving them both ways with
 follows Zipf(1.0) over the experts (p_e ~ 1 / (e + 1)): the tokens are made so that the
 layer's own router (the fused Triton one on a GPU) picks k distinct experts drawn with those
 probabilities (``draws.router_inputs``; ``routing_match`` says for how many tokens it did),
-so rank 0, which owns the first experts, gets most of the work. ``moe_handles``: the step on the fused-op handles (every count on
-the device) against the
+so rank 0, which owns the first experts, gets most of the work. ``moe_handles``: the step
+on the fused-op handles (every count on the device) against the
 same step, same fused combine, on ``HeapTransport`` (split sizes read on the host).
 ``moe_combine``: the same rocmoe step against the same layer on the
 same heap transport with ``combine="all_to_all"``: the fused path (per-expert GEMMs, the last
@@ -42,7 +42,8 @@ again; ``*_loop_ms`` = the same over ``--iters`` back-to-back calls, divided by 
 (launches overlap there: queued behind each other); ``*_graph_ms`` = ``--iters`` calls captured
 in one CUDA graph, the replay timed the same way, divided by ``--iters`` (GPU only; no host
 launch work; a failed capture is reported in ``graph_error``). Medians over ``--reps``;
-fused and baseline alternate, so drift hits both alike. Every line: {"bench": "multi_gpu", "op", "backend", "ranks", "dtype", "shape",
+fused and baseline alternate, so drift hits both alike. Every line: {"bench": "multi_gpu",
+"op", "backend", "ranks", "dtype", "shape",
 "fused_ms", "baseline", "baseline_ms", "speedup" (baseline / fused), "latency_reduction"
 (1 - fused / baseline), "goal_reduction", "goal_ranks", "rel_err_vs_baseline", ...}.
 """

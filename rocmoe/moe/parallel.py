@@ -264,7 +264,7 @@ def check_combine(combine: str, ctx) -> None:
 
 
 def combine_kind(layer) -> str:
-    """Which combine the layer runs. Decided from the layer's configuration, parameter
+    """Which combine the layer runs. Decided from the layer's configuration and parameter
     dtype only, so that every rank (same layer, same parameters) takes the same path.
     "auto": the fused combine on a rocmoe Context with 16/32-bit weights, else the
     block-sparse FFN and the exchange; "grouped_mm" is taken only when asked for (on one

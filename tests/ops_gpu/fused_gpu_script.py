@@ -231,15 +231,8 @@ def check_embedding_bad_index(ctx, dtype, calls):
     bad = idx.clone()
     if rank == world - 1:
         bad[-1] = 20  # past table 1's 20 rows, yet inside the packed weight's 50
-    try:
-        with torch.no_grad():
-            h.batched(weight, bad, offsets)
-        h.synchronize()
-    except errors.InvalidArgumentError as exc:
-        assert rank == world - 1 or f"rank {world - 1}" in str(exc), str(exc)
-        print(f"RANK {rank} REJECTED {exc}", flush=True)
-    else:
-        raise AssertionError("an index outside its table was accepted")
+    expect_invalid_everywhere(h, lambda: h.batched(weight, bad, offsets), f"rank {world - 1}",
+                              "an index outside its table was accepted")
     with torch.no_grad():
         got = h.batched(weight, idx, offsets)
     h.synchronize()
@@ -292,15 +285,8 @@ def check_gemv_abort(ctx, dtype, calls):
     wsx = _gemv_inputs(n, ks, 4000)
     w, x = (t.to(dev, dtype) for t in wsx[rank])
     bad = x[:8] if rank == world - 1 else x
-    try:
-        with torch.no_grad():
-            h(w, bad)
-        h.synchronize()
-    except errors.InvalidArgumentError as exc:
-        assert rank == world - 1 or f"rank {world - 1} rejected" in str(exc), str(exc)
-        print(f"RANK {rank} REJECTED {exc}", flush=True)
-    else:
-        raise AssertionError("the bad input was accepted")
+    expect_invalid_everywhere(h, lambda: h(w, bad), f"rank {world - 1} rejected",
+                              "the bad input was accepted")
     for call in range(calls):
         with torch.no_grad():
             out = h(w, x)
@@ -439,20 +425,29 @@ def expect_bad_device_counts(h, x, w, what):
         raise AssertionError(f"bad counts were accepted{what}")
 
 
+def expect_invalid_everywhere(h, call, naming, accepted):
+    """`call()` is a call of `h` in which rank world-1 passes bad input: InvalidArgumentError
+    on every rank by h.synchronize(), the other ranks' naming rank world-1 (`naming`, the
+    words they must contain); `accepted`: the failure's message when nothing raised."""
+    rank, world = h.rank, h.world
+    try:
+        with torch.no_grad():
+            call()
+        h.synchronize()
+    except errors.InvalidArgumentError as exc:
+        assert rank == world - 1 or naming in str(exc), str(exc)
+        print(f"RANK {rank} REJECTED {exc}", flush=True)
+    else:
+        raise AssertionError(accepted)
+
+
 def expect_rejected_input(h, x, w, what):
     """Rank world-1 passes X of the wrong width: it raises at once, the others raise
     InvalidArgumentError naming it at synchronize()."""
-    rank, world = h.rank, h.world
-    bad = x[:, :8] if rank == world - 1 else x
-    try:
-        with torch.no_grad():
-            h(bad, w, [2] * world)
-        h.synchronize()
-    except errors.InvalidArgumentError as exc:
-        assert rank == world - 1 or f"rank {world - 1} rejected" in str(exc), str(exc)
-        print(f"RANK {rank} REJECTED {exc}", flush=True)
-    else:
-        raise AssertionError(f"the bad input was accepted{what}")
+    world = h.world
+    bad = x[:, :8] if h.rank == world - 1 else x
+    expect_invalid_everywhere(h, lambda: h(bad, w, [2] * world), f"rank {world - 1} rejected",
+                              f"the bad input was accepted{what}")
 
 
 def check_bad_counts(ctx, dtype, calls):

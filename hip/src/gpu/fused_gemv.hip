@@ -913,12 +913,13 @@ template <class T>
 int launch(const Common &c, const GemvParams &p, int requested, void *out, hipStream_t stream) {
     const Tuning &t = tuning();
     // the one-shot kernel splits rows as the world-size-1 kernel does: its defaults
-    const bool protocol = !one_shot(c) && (c.topo.world > 1 || t.direct == 0);
+    const bool shot = one_shot(c);
+    const bool protocol = !shot && (c.topo.world > 1 || t.direct == 0);
     // rows a wave and loads in flight: the knobs where set, else the path's own defaults
     const int rows = t.rows > 0 ? t.rows : protocol ? kProtocolRows : kDefaultRows;
     const int unroll = t.unroll > 0 ? t.unroll : protocol ? kProtocolUnroll : kDefaultUnroll;
 #if defined(ROCMOE_PLATFORM_NVIDIA)
-    if (!protocol && !one_shot(c) && t.stages > 0 && p.vec) {
+    if (!protocol && !shot && t.stages > 0 && p.vec) {
         switch (rows * 100 + t.stages) {
             case 104: return launch_async<T, 1, 4>(c, p, requested, out, stream);
             case 106: return launch_async<T, 1, 6>(c, p, requested, out, stream);
