@@ -11,6 +11,7 @@ calls them (grid bounded by the step's worst-case row count), the block-sparse F
 (`local_experts`, one expert a row, weight 1), and torch._grouped_mm on the same rows.
 
     python3 benchmarks/probe_ep_ffn.py [--shapes T,H,F,E;...] [--world 2] [--reps 10]
+                                       [--products] [--weight-grad]
     python3 benchmarks/probe_ep_ffn.py --device cpu --shapes 64,32,48,8 --reps 2   # dry run
 
 T tokens a rank, E experts in all (E / world on a rank), top-2, Zipf(1.0) routing: rank 0's
@@ -63,19 +64,28 @@ def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
         return y.index_select(0, to_gm)
 
     cases = {}
-    for label, override in (("default 128x256x64 s3", None),
-                            ("128x128x64 s3", '{"BLOCK_N": 128}'),
-                            ("128x128x64 s4", '{"BLOCK_N": 128, "num_stages": 4}'),
-                            ("128x256x64 s3 GROUP_M 1", '{"GROUP_M": 1}')):
-        def gl(xin, w, override=override):
-            if override is None:
-                os.environ.pop("ROCMOE_GEMM_CONFIG", None)
-            else:
-                os.environ["ROCMOE_GEMM_CONFIG"] = override
+    # (label, ROCMOE_GEMM_CONFIG, ROCMOE_GROUPED_TMA): the default is the widest N tile that
+    # divides N, with TMA loads where W is contiguous (the forward's products)
+    for label, override, tma in (("default", None, None),
+                                 ("default no TMA", None, "0"),
+                                 ("128x128x64 s4", '{"BLOCK_N": 128, "num_stages": 4}', None),
+                                 ("128x256x64 s3 GROUP_M 1", '{"GROUP_M": 1}', None)):
+        def gl(xin, w, override=override, tma=tma):
+            for name, value in (("ROCMOE_GEMM_CONFIG", override), ("ROCMOE_GROUPED_TMA", tma)):
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             return gpu.grouped_local(team, xin, w, dev_counts, w.shape[0], capacity,
                                      status.data_ptr())
         cases[f"grouped_local {label} W1"] = lambda gl=gl: gl(x, w1)
         cases[f"grouped_local {label} W2"] = lambda gl=gl: gl(hmid, w2)
+        if label.startswith("default"):
+            # the backward's dX products: W transposed (TRANS_W descriptors, or pointers)
+            cases[f"grouped_local {label} dX through W1^T"] = \
+                lambda gl=gl: gl(hmid, w1.transpose(1, 2))
+            cases[f"grouped_local {label} dX through W2^T"] = \
+                lambda gl=gl: gl(x, w2.transpose(1, 2))
     cases["_grouped_mm W1"] = lambda: torch._grouped_mm(x, w1, offs=offs)
     cases["_grouped_mm W2"] = lambda: torch._grouped_mm(hmid, w2, offs=offs)
     cases["permute + _grouped_mm + unpermute W1"] = lambda: permuted(x_sm, w1)
@@ -87,11 +97,86 @@ def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
         ms = interleaved_ms({k: (lambda: None, fn) for k, fn in cases.items()}, rounds=a.reps,
                             calls=2)
     os.environ.pop("ROCMOE_GEMM_CONFIG", None)
+    os.environ.pop("ROCMOE_GROUPED_TMA", None)
     flops = 2 * int(counts.sum()) * h * f
     for k, v in ms.items():
         print(json.dumps(dict(probe="ep_ffn_product", shape=dict(tokens_per_rank=t, hidden=h,
                                                                  ffn=f, experts=e), case=k,
                               ms=round(v, 4), tflops=round(flops / v / 1e9, 1))), flush=True)
+
+
+# grouped_weight_grad configs (ROCMOE_DW_CONFIG), the first the built-in default (since the
+# eighteenth session 128 x 128 x 64, 4 warps, 3 stages, tiles first)
+DW_CONFIGS = {
+    "default": None,
+    "64x64x64 w4 groups first": {"BLOCK_K": 64, "BLOCK_N": 64, "BLOCK_M": 64,
+                                 "TILES_FIRST": False, "num_warps": 4},
+    "64x64x64 w4 tiles first": {"BLOCK_K": 64, "BLOCK_N": 64, "BLOCK_M": 64,
+                                "TILES_FIRST": True, "num_warps": 4},
+    "128x128x64 w8 s3 tiles first": {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 64,
+                                     "TILES_FIRST": True, "num_warps": 8, "num_stages": 3},
+    "128x128x32 w8 s4 tiles first": {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 32,
+                                     "TILES_FIRST": True, "num_warps": 8, "num_stages": 4},
+    "128x128x64 w4 s4 tiles first": {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 64,
+                                     "TILES_FIRST": True, "num_warps": 4, "num_stages": 4},
+    "128x128x32 w4 s4 tiles first": {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 32,
+                                     "TILES_FIRST": True, "num_warps": 4, "num_stages": 4},
+    "128x256x64 w4 s3 tiles first": {"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_M": 64,
+                                     "TILES_FIRST": True, "num_warps": 4, "num_stages": 3},
+    "128x256x64 w8 s3 tiles first": {"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_M": 64,
+                                     "TILES_FIRST": True, "num_warps": 8, "num_stages": 3},
+    "256x128x64 w8 s3 tiles first": {"BLOCK_K": 256, "BLOCK_N": 128, "BLOCK_M": 64,
+                                     "TILES_FIRST": True, "num_warps": 8, "num_stages": 3},
+    "128x128x64 w8 s3 groups first": {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 64,
+                                      "TILES_FIRST": False, "num_warps": 8, "num_stages": 3},
+}
+
+
+def weight_grads(a, x, w1, counts, to_gm, t, h, f, e):
+    """dW of the first product (X^T dH, [E, H, F]) alone: gpu.grouped_weight_grad under
+    tile configs, on rows source-major from a.world sources (each expert's rows split
+    between them, as the handle step receives them), against torch._grouped_mm's
+    weight-gradient form (X^T dH with offsets along the rows) on the same rows group-major,
+    the form torch's own autograd of _grouped_mm runs."""
+    import json
+    from rocmoe.ops import gpu
+    dev = x.device
+    g = torch.Generator(device=dev).manual_seed(1)
+    gh = torch.randn(x.shape[0], f, device=dev, generator=g).to(torch.bfloat16)
+    two = torch.stack([counts // 2, counts - counts // 2]).to(dev)
+    x_sm, gh_sm = x.index_select(0, to_gm), gh.index_select(0, to_gm)
+    offs = torch.cumsum(counts.to(dev), 0).to(torch.int32)
+    want = torch._grouped_mm(x.t(), gh, offs=offs).float()
+    cases, errs = {}, {}
+    for label, cfg in DW_CONFIGS.items():
+        def run(cfg=cfg):
+            if cfg is None:
+                os.environ.pop("ROCMOE_DW_CONFIG", None)
+            else:
+                os.environ["ROCMOE_DW_CONFIG"] = json.dumps(cfg)
+            return gpu.grouped_weight_grad(x_sm, gh_sm, two, w1.shape[0], torch.bfloat16)
+        try:
+            got = run().float()
+            errs[label] = float((got - want).norm() / want.norm())
+            cases[label] = run
+        except Exception as exc:  # noqa: BLE001 - a config that does not build is a result
+            errs[label] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    cases["torch._grouped_mm weight-grad form (group-major rows)"] = \
+        lambda: torch._grouped_mm(x.t(), gh, offs=offs)
+    errs["torch._grouped_mm weight-grad form (group-major rows)"] = 0.0
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        ms = interleaved_ms({k: (lambda: None, fn) for k, fn in cases.items()}, rounds=a.reps,
+                            calls=2)
+    os.environ.pop("ROCMOE_DW_CONFIG", None)
+    flops = 2 * int(counts.sum()) * h * f
+    for k in errs:
+        rec = dict(probe="ep_ffn_weight_grad", shape=dict(tokens_per_rank=t, hidden=h, ffn=f,
+                                                          experts=e, world=a.world),
+                   case=k, rel_err_vs_grouped_mm=errs[k])
+        if k in ms:
+            rec.update(ms=round(ms[k], 4), tflops=round(flops / ms[k] / 1e9, 1))
+        print(json.dumps(rec), flush=True)
 
 
 def main(argv=None):
@@ -101,6 +186,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--products", action="store_true",
                     help="also time each product alone under a few tile configs")
+    ap.add_argument("--weight-grad", action="store_true",
+                    help="also time the weight gradient alone under a few tile configs")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a dry run of the script on the host backend (tiny shapes)")
     a = ap.parse_args(argv)
@@ -154,18 +241,28 @@ def main(argv=None):
                  "source_major_ffn (grouped_mm combine)": grouped_mm_combine,
                  "block_sparse (baseline step)": block_sparse,
                  "torch._grouped_mm": grouped_mm}
-        ref = block_sparse().detach().float()
-        fwd, both, errs = {}, {}, {}
+        ref = block_sparse()
+        for q in (xr, p1, p2):
+            q.grad = None
+        ref.backward(gy)
+        ref_grads = [q.grad.float().clone() for q in (xr, p1, p2)]
+        ref = ref.detach().float()
+        fwd, both, errs, grad_errs = {}, {}, {}, {}
         for name, fn in paths.items():
             try:
                 y = fn()
                 want = ref.index_select(0, to_gm) if fn is grouped_mm_combine else ref
                 errs[name] = float((y.detach().float() - want).norm() / want.norm())
-                for p in (xr, p1, p2):
+                for p in (xr, xs, p1, p2):
                     p.grad = None
-                y.backward(gy)
+                y.backward(gy.index_select(0, to_gm) if fn is grouped_mm_combine else gy)
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
+                # gradients against the block-sparse FFN's (dX back in group-major order)
+                dx = (torch.empty_like(xs.grad).index_copy_(0, to_gm, xs.grad)
+                      if fn is grouped_mm_combine else xr.grad)
+                grad_errs[name] = [round(float((got.float() - want).norm() / want.norm()), 6)
+                                   for got, want in zip((dx, p1.grad, p2.grad), ref_grads)]
 
                 def step(fn=fn):
                     for p in (xr, xs, p1, p2):
@@ -181,6 +278,8 @@ def main(argv=None):
                 errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if a.products and dev.type == "cuda":
             products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e)
+        if a.weight_grad and dev.type == "cuda":
+            weight_grads(a, x, w1, counts, to_gm, t, h, f, e)
         f_ms = interleaved_ms(fwd, rounds=a.reps, calls=2)
         b_ms = interleaved_ms(both, rounds=a.reps, calls=2)
         base = "block_sparse (baseline step)"
@@ -189,7 +288,9 @@ def main(argv=None):
             rec = dict(probe="ep_ffn", shape=dict(tokens_per_rank=t, hidden=h, ffn=f, experts=e,
                                                   world=a.world), rows=rows, local_experts=local,
                        largest_expert_rows=int(counts.max()), capacity=capacity, path=name,
-                       rel_err_vs_block_sparse=errs.get(name))
+                       rel_err_vs_block_sparse=errs.get(name),
+                       grad_rel_err_vs_block_sparse=dict(zip(("x", "w1", "w2"),
+                                                             grad_errs.get(name, []))))
             if name in b_ms:
                 rec.update(fwd_ms=round(f_ms[name], 4), fwd_bwd_ms=round(b_ms[name], 4),
                            fwd_tflops=round(flops / f_ms[name] / 1e9, 1),

@@ -50,7 +50,8 @@ def _compile(name, target_key, dtype="bf16", exchange=True, groups_p2=1, split_k
     elif name == "abort_kernel":
         constexprs = dict(WORLD_P2=8, CLOCK=kernels.device_clock(platform))
     elif name == "grouped_weight_grad_kernel":
-        constexprs = dict(WORLD_P2=8, GROUPS_P2=8, BLOCK_K=64, BLOCK_N=64, BLOCK_M=64)
+        constexprs = dict(WORLD_P2=8, GROUPS_P2=8, BLOCK_K=64, BLOCK_N=64, BLOCK_M=64,
+                          TILES_FIRST=False)
     src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
     return triton.compile(src, target=target, options=options)
 

@@ -846,24 +846,35 @@ def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Te
     k_in, n_out = int(x.shape[1]), int(w.shape[-1])
     if out is None:
         out = torch.zeros(x.shape[0], n_out, dtype=x.dtype, device=dev)
-    cfg = dict(gemm_config(dev, x.dtype), USE_TMA=False)
+    cfg = gemm_config(dev, x.dtype)
     if not os.environ.get("ROCMOE_GEMM_CONFIG"):  # untuned here: at least no ragged N tile
         cfg["BLOCK_N"] = even_block_n(n_out, cfg["BLOCK_N"])
+    if os.environ.get("ROCMOE_GROUPED_TMA") == "0":
+        cfg["USE_TMA"] = False
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tasks = world * (math.ceil(max(max_rows, 1) / bm) + g) * math.ceil(n_out / bn)
     nprog = _num_programs(dev, tasks, 1)
     recv = torch.empty(1, dtype=torch.int64, device=dev)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    # Hopper: X and a contiguous W (the forward's products) through tensor descriptors, as
+    # the handle's GEMM loads them: 15-21 % faster than by pointers on an H200 (results/
+    # probe_ep_ffn_h200_eighteenth_session.jsonl). A transposed W (the backward's dX) goes by
+    # pointers: a descriptor of its stored transpose, boxes turned in shared memory, ran
+    # within 1-3 % of them (..._eighteenth_session_dw.jsonl) and was not kept. Rows past a
+    # segment that a TMA box reads are other segments' (or zeros past X): computed, never
+    # stored
+    x_arg, w_arg, use_tma = gemm_operands(x, w, cfg)
     # the kernel maps order positions to sources: any permutation serves in local mode
     order = _arange_i32(world, dev)
     constexprs = dict(WORLD_P2=max(2, 1 << (world - 1).bit_length()),
                       GROUPS_P2=max(1, 1 << (g - 1).bit_length()),
                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
                       MODE=0, COPY=False, FP32_IEEE=x.dtype == torch.float32,
-                      EVEN_N=n_out % bn == 0, EVEN_K=k_in % cfg["BLOCK_K"] == 0, USE_TMA=False)
+                      EVEN_N=n_out % bn == 0, EVEN_K=k_in % cfg["BLOCK_K"] == 0,
+                      USE_TMA=use_tma)
     options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg and dev.type != "cpu"}
     # capacity: no bound here (the caller's counts are its own); status: the team's scratch
-    args = (x, w, out, counts, order, team.peer_bases, recv, status_address,
+    args = (x_arg, w_arg, out, counts, order, team.peer_bases, recv, status_address,
             0, *([0] * 8), 0, world, int(x.shape[0]), n_out, k_in, g,
             1 << 62, nprog, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
             w.stride(2), 1, 0, 0)
@@ -879,17 +890,44 @@ def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, counts: torch.Tensor,
     dev, world, g = x.device, int(counts.shape[0]), groups
     k_out, n_in = int(x.shape[1]), int(gy.shape[1])
     dw = torch.empty(g, k_out, n_in, dtype=out_dtype, device=dev)
-    bk, bn = (16, 16) if dev.type == "cpu" else (64, 64)
-    grid = (g, math.ceil(k_out / bk), math.ceil(n_in / bn))
+    cfg = weight_grad_config(dev, x.dtype)
+    bk, bn, tiles_first = cfg["BLOCK_K"], cfg["BLOCK_N"], bool(cfg.get("TILES_FIRST"))
+    tiles = (math.ceil(k_out / bk), math.ceil(n_in / bn))
+    grid = (tiles[0] * tiles[1], g) if tiles_first else (g, *tiles)
     const = dict(WORLD_P2=max(2, 1 << (world - 1).bit_length()),
                  GROUPS_P2=max(1, 1 << (g - 1).bit_length()), BLOCK_K=bk, BLOCK_N=bn,
-                 BLOCK_M=16 if dev.type == "cpu" else 64)
+                 BLOCK_M=cfg["BLOCK_M"], TILES_FIRST=tiles_first)
+    options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg}
     x, gy = x.contiguous(), gy.contiguous()
     args = (x, gy, dw, counts, world, g, k_out, n_in, k_out, n_in)
-    _LAUNCHERS["grouped_weight_grad_kernel"](grid, args, const,
-                                             {} if dev.type == "cpu" else {"num_warps": 4},
-                                             ("dw", tuple(sorted(const.items()))))
+    _LAUNCHERS["grouped_weight_grad_kernel"](grid, args, const, options,
+                                             ("dw", tuple(sorted(const.items())),
+                                              tuple(sorted(options.items()))))
     return dw
+
+
+def weight_grad_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Tiles of grouped_weight_grad: BLOCK_K x BLOCK_N of dW, BLOCK_M rows a step, and the
+    grid order; ROCMOE_DW_CONFIG='{"BLOCK_K": 128, ...}' overrides entries (tuning).
+
+    On an H200 (bf16, the expert-parallel step's 32 local experts of 1024 x 4096 and
+    4096 x 1408, rows from two sources; benchmarks/probe_ep_ffn.py --weight-grad,
+    results/probe_ep_ffn_h200_eighteenth_session.jsonl) 128 x 128 tiles, 4 warps, a group's
+    tiles consecutive ran 0.50 / 0.72 ms against 1.05 / 1.46 for 64 x 64 tiles groups
+    first (torch._grouped_mm's weight-gradient form on group-major rows: 0.42 / 0.67); the
+    grid order alone took the 64 x 64 tiles from 1.05 / 1.47 to 0.83 / 1.24 ms (the
+    programs running together share a group's rows of X and dY in L2). float32 steps 32 rows
+    at a time: three stages of 64 would take 192 KB of shared memory."""
+    if device.type == "cpu":  # interpreter: small tiles keep it quick
+        cfg = dict(BLOCK_K=16, BLOCK_N=16, BLOCK_M=16, TILES_FIRST=True)
+    else:
+        cfg = dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32 if dtype == torch.float32 else 64,
+                   TILES_FIRST=True, num_warps=4, num_stages=3)
+    override = os.environ.get("ROCMOE_DW_CONFIG")
+    if override:
+        import json
+        cfg.update(json.loads(override))
+    return cfg
 
 
 def grouped_backward(handle, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor,

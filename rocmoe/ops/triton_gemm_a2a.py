@@ -562,13 +562,22 @@ def abort_kernel(peer_bases_ptr, status_addr, ws_offset, signal_off, ack_off, ph
 def grouped_weight_grad_kernel(x_ptr, gy_ptr, dw_ptr, counts_ptr, world, G, K, N,
                                stride_xm, stride_gm, WORLD_P2: tl.constexpr,
                                GROUPS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+                               BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                               TILES_FIRST: tl.constexpr = False):
     # dW[g] = sum over destinations d of X[segment (d, g)]^T @ dY[segment (d, g)], fp32
-    # accumulation; program (g, k tile, n tile). Segments come from the device counts
-    # [world, G] (rows destination-major, then group), like gemm_a2a_kernel's.
-    g = tl.program_id(0)
-    kt = tl.program_id(1)
-    nt = tl.program_id(2)
+    # accumulation. Segments come from the device counts [world, G] (rows destination-major,
+    # then group), like gemm_a2a_kernel's. TILES_FIRST: program (tile, g), a group's tiles
+    # consecutive (k tile major), so the programs running together read the same group's
+    # rows of X and dY and share them in L2; else program (g, k tile, n tile).
+    if TILES_FIRST:
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        kt = tl.program_id(0) // n_tiles
+        nt = tl.program_id(0) % n_tiles
+        g = tl.program_id(1)
+    else:
+        g = tl.program_id(0)
+        kt = tl.program_id(1)
+        nt = tl.program_id(2)
     positions = tl.arange(0, WORLD_P2)
     segs = tl.arange(0, GROUPS_P2)
     in_world = positions < world
@@ -630,7 +639,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             x_ptr=p, gy_ptr=p, dw_ptr=p, counts_ptr=i64, world="i32", G="i32", K="i32",
             N="i32", stride_xm="i32", stride_gm="i32", WORLD_P2="constexpr",
             GROUPS_P2="constexpr", BLOCK_K="constexpr", BLOCK_N="constexpr",
-            BLOCK_M="constexpr"),
+            BLOCK_M="constexpr", TILES_FIRST="constexpr"),
     }
 
 
