@@ -51,14 +51,6 @@ VARIANTS = {
                      "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "0"},
     "protocol_r2_u4": {"ROCMOE_GEMV_DIRECT": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",
                        "ROCMOE_GEMV_UNROLL": "4"},
-    # the bulk-copy ring (NVIDIA sm_90+): 16 KB chunks, 12 stages, one block an SM, unless
-    # named otherwise
-    "bulk": {"ROCMOE_GEMV_BULK": "1"},
-    "bulk_s8": {"ROCMOE_GEMV_BULK": "1", "ROCMOE_GEMV_BULK_STAGES": "8"},
-    "bulk_8k_s16": {"ROCMOE_GEMV_BULK": "1", "ROCMOE_GEMV_BULK_KB": "8",
-                    "ROCMOE_GEMV_BULK_STAGES": "16"},
-    "bulk_evict": {"ROCMOE_GEMV_BULK": "1", "ROCMOE_GEMV_BULK_EVICT": "1"},
-    "bulk_2sm": {"ROCMOE_GEMV_BULK": "1", "ROCMOE_GEMV_BULK_PER_SM": "2"},
     # on request only
     "async_r1_s4": {"ROCMOE_GEMV_ROWS_PER_WARP": "1", "ROCMOE_GEMV_STAGES": "4"},
     "reg_r2_u2_l2": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",

@@ -90,11 +90,6 @@ constexpr int kDefaultStages = 0;
 constexpr int kDefaultLoad = 0;
 constexpr int kProtocolRows = 2;
 constexpr int kProtocolUnroll = 4;
-// gemv_bulk_kernel (NVIDIA sm_90 and later, world size 1): whether it is the default, the
-// largest chunk a copy moves and the ring's depth (cuBLAS' nvjet GEMV: 12 stages)
-constexpr int kDefaultBulk = 0;
-constexpr int kBulkChunkKB = 16;
-constexpr int kBulkStages = 12;
 
 enum WeightLoad : int { kLoadCached = 0, kLoadNoL1 = 1, kLoadNoL1Prefetch = 2 };
 
@@ -175,53 +170,6 @@ ROCMOE_HD inline void stream_steps(Ops &ops, GroupRange groups, int32_t steps) {
             ++g;
         }
     }
-}
-
-// gemv_bulk_kernel's stream (host and device; tests/ops/test_gemv_schedule.py runs it on the
-// CPU). A row of row_vecs 16-byte vectors is per_row chunks of near-equal size, none above
-// the largest a copy may move; the ring holds `stages` chunks of the largest size.
-constexpr int kBulkMaxStages = 16;
-
-struct BulkPlan {
-    int32_t per_row;     // chunks a row
-    int32_t chunk_vecs;  // vectors of a chunk (the last of a row may be shorter)
-    int32_t stages;      // slots of the ring; 0: not even two chunks fit in `budget` bytes
-};
-
-ROCMOE_HD inline BulkPlan bulk_plan(int64_t row_vecs, int64_t most_vecs, int64_t budget,
-                                    int32_t stages_wanted) {
-    BulkPlan plan{0, 0, 0};
-    if (row_vecs <= 0 || most_vecs <= 0) return plan;
-    const int64_t per_row = (row_vecs + most_vecs - 1) / most_vecs;
-    const int64_t chunk_vecs = (row_vecs + per_row - 1) / per_row;
-    int64_t stages = stages_wanted < kBulkMaxStages ? stages_wanted : kBulkMaxStages;
-    const int64_t fit = budget / (chunk_vecs * 16);
-    stages = stages < fit ? stages : fit;
-    if (stages < 2 || per_row > 0x7fffffff) return plan;
-    plan.per_row = int32_t(per_row);
-    plan.chunk_vecs = int32_t(chunk_vecs);
-    plan.stages = int32_t(stages);
-    return plan;
-}
-
-// chunk c of block b's stream: its row, which chunk of the row it is, and its vectors
-struct BulkChunk {
-    int64_t row;
-    int64_t first;  // first vector inside the row
-    int32_t vecs;
-    bool row_end;
-};
-
-ROCMOE_HD inline BulkChunk bulk_chunk(int64_t row0, int64_t c, int32_t per_row,
-                                      int32_t chunk_vecs, int64_t row_vecs) {
-    BulkChunk ch;
-    ch.row = row0 + c / per_row;
-    const int32_t part = int32_t(c % per_row);
-    ch.first = int64_t(part) * chunk_vecs;
-    const int64_t left = row_vecs - ch.first;
-    ch.vecs = int32_t(left < chunk_vecs ? left : chunk_vecs);
-    ch.row_end = part == per_row - 1;
-    return ch;
 }
 
 #if !defined(ROCMOE_GEMV_SCHEDULE_ONLY)
@@ -494,180 +442,6 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
     for (int j = 0; j < kRows; ++j) ops.even[j] = ops.odd[j] = 0.f;
     const int32_t steps = int32_t((ops.nvec + ROCMOE_WAVE_SIZE - 1) / ROCMOE_WAVE_SIZE);
     stream_steps<kStages>(ops, mine, steps);
-}
-
-// --- bulk-copy ring (sm_90 and later) ---------------------------------------------------
-// torch.mv's kernel at 16384^2 bf16 on the H200 (cuBLAS nvjet, ncu: results/ncu_gemv_h200_
-// seventeenth_session.csv) streams W through a 12-stage, 225 KB shared-memory ring filled by
-// the copy engine, one block an SM: 24 MB in flight over the GPU against the register
-// kernel's 8.6 MB (4,224 waves x 4 x 512 bytes), and 4.41 against 4.23 TB/s. This kernel
-// does the same with 1-D bulk copies (cp.async.bulk, no tensor map): block b owns the rows
-// split_begin(n, blocks, b) .. of W, one contiguous range, and reads it as a stream of
-// chunks (a row is ceil(row / chunk_bytes) chunks of near-equal size, a chunk never spans
-// two rows) through `stages` slots. One wave issues: x once into shared memory, then the
-// chunks, each into its slot when every reading wave has released the slot's last chunk
-// (the slot's `released` barrier); each copy's bytes complete the slot's `landed` barrier.
-// Eight waves read: every thread dots its 16-byte vectors of each chunk with x's (both from
-// shared memory), a wave releases the slot as soon as it is done with it, and at a row's
-// last chunk each wave leaves its sum in the row's slot of `partial`; the wave that comes
-// last sums the eight in wave order (the same y every call) and stores y. No block-wide
-// barrier after the start: the reading waves never wait for one another.
-//
-// The first version read x through L1 and freed each slot with a __syncthreads of the
-// whole block: 0.41-0.73 of torch.mv on the H200, every chunk paying an x load from L2 and
-// the slowest wave (results/gemv_variants_h200_bulk_eighteenth_session.jsonl).
-__device__ __forceinline__ uint32_t shared_address(const void *p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// a barrier whose phases complete after `count` arrivals (and the bytes they expect)
-__device__ __forceinline__ void bulk_barrier_init(uint64_t *bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(count)
-                 : "memory");
-}
-
-// the barrier's one arrival of this phase, expecting `bytes` from the copy engine
-__device__ __forceinline__ void bulk_expect(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-                     shared_address(bar)),
-                 "r"(bytes)
-                 : "memory");
-}
-
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into this
-// block's shared memory; `bar` counts them. evict_first: W is read once, so its lines go
-// first when the L2 needs room (x, read by every block, stays).
-__device__ __forceinline__ void bulk_copy(void *dst, const void *src, uint32_t bytes,
-                                          uint64_t *bar, bool evict_first) {
-    if (evict_first) {
-        uint64_t policy;
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-            " [%0], [%1], %2, [%3], %4;" ::"r"(shared_address(dst)),
-            "l"(src), "r"(bytes), "r"(shared_address(bar)), "l"(policy)
-            : "memory");
-    } else {
-        asm volatile(
-            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-            " [%0], [%1], %2, [%3];" ::"r"(shared_address(dst)),
-            "l"(src), "r"(bytes), "r"(shared_address(bar))
-            : "memory");
-    }
-}
-
-__device__ __forceinline__ bool bulk_landed(uint64_t *bar, uint32_t parity) {
-    uint32_t done;
-    asm volatile(
-        "{\n\t.reg .pred p;\n\t"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(shared_address(bar)), "r"(parity)
-        : "memory");
-    return done != 0;
-}
-
-constexpr int kBulkThreads = kThreads + ROCMOE_WAVE_SIZE;  // kWaves read, one issues
-constexpr int kBulkRowSlots = 32;  // rows whose partials may be open at once (> 2 x the most
-                                   // chunks the waves can be apart: kBulkMaxStages)
-
-// one of the `count` arrivals of the barrier's phase
-__device__ __forceinline__ void bulk_release(uint64_t *bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
-}
-
-
-template <class T>
-__global__ void __launch_bounds__(kBulkThreads, 1)
-    gemv_bulk_kernel(const typename T::storage *W, const typename T::storage *x,
-                     typename T::storage *y, int64_t n, int64_t k, int32_t chunk_vecs,
-                     int32_t per_row, int32_t stages, int evict_first, uint64_t *epoch_word) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-    __trap();  // the host launches it on sm_90 and later only
-#else
-    extern __shared__ __align__(128) uint4 bulk_shared[];  // x (k / V vectors), then the ring
-    __shared__ uint64_t landed[kBulkMaxStages], released[kBulkMaxStages], x_landed;
-    __shared__ float partial[kBulkRowSlots][kWaves];
-    __shared__ int arrived[kBulkRowSlots];
-    advance_epoch(epoch_word);
-    constexpr int V = vec_elems<T>();
-    const int64_t row_vecs = k / V;
-    const int64_t row0 = sched::split_begin(n, int32_t(gridDim.x), int32_t(blockIdx.x));
-    const int64_t rows = sched::split_begin(n, int32_t(gridDim.x), int32_t(blockIdx.x) + 1) - row0;
-    const int64_t chunks = rows * per_row;
-    const uint4 *xs = bulk_shared;
-    uint4 *ring = bulk_shared + row_vecs;
-    const int tid = int(threadIdx.x), lane = tid % ROCMOE_WAVE_SIZE, wave = tid / ROCMOE_WAVE_SIZE;
-    if (tid == 0) {
-        for (int s = 0; s < stages; ++s) {
-            bulk_barrier_init(&landed[s], 1);
-            bulk_barrier_init(&released[s], kWaves);
-        }
-        bulk_barrier_init(&x_landed, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    if (tid < kBulkRowSlots) arrived[tid] = 0;
-    __syncthreads();
-    if (wave == kWaves) {  // the issuing wave
-        if (lane == 0 && chunks > 0) {
-            const uint4 *wv = reinterpret_cast<const uint4 *>(W);
-            bulk_expect(&x_landed, uint32_t(row_vecs) * 16u);
-            bulk_copy(bulk_shared, x, uint32_t(row_vecs) * 16u, &x_landed, false);
-            for (int64_t c = 0; c < chunks; ++c) {
-                const int slot = int(c % stages);
-                if (c >= stages) {  // every wave has released the slot's previous chunk
-                    const uint32_t parity = uint32_t((c / stages - 1) & 1);
-                    while (!bulk_landed(&released[slot], parity)) {
-                    }
-                }
-                const BulkChunk ch = bulk_chunk(row0, c, per_row, chunk_vecs, row_vecs);
-                const uint32_t bytes = uint32_t(ch.vecs) * 16u;
-                bulk_expect(&landed[slot], bytes);
-                bulk_copy(ring + int64_t(slot) * chunk_vecs, wv + ch.row * row_vecs + ch.first,
-                          bytes, &landed[slot], evict_first != 0);
-            }
-        }
-        return;  // (no block-wide barrier follows)
-    }
-    if (chunks > 0)
-        while (!bulk_landed(&x_landed, 0)) {
-        }
-    float even = 0.f, odd = 0.f;
-    for (int64_t c = 0; c < chunks; ++c) {
-        const int slot = int(c % stages);
-        const uint32_t parity = uint32_t((c / stages) & 1);
-        while (!bulk_landed(&landed[slot], parity)) {
-        }
-        const BulkChunk ch = bulk_chunk(row0, c, per_row, chunk_vecs, row_vecs);
-        const uint4 *src = ring + int64_t(slot) * chunk_vecs;
-        const uint4 *xc = xs + ch.first;
-        for (int v = tid; v < ch.vecs; v += kThreads) {
-            float fx[V];
-            unpack<T>(xc[v], fx);
-            dot_vector<T>(src[v], fx, even, odd);
-        }
-        __syncwarp();
-        if (lane == 0) bulk_release(&released[slot]);
-        if (ch.row_end) {
-            const float s = wave_sum(even + odd);
-            even = odd = 0.f;
-            if (lane == 0) {
-                const int r = int(ch.row % kBulkRowSlots);
-                partial[r][wave] = s;
-                __threadfence_block();
-                if (atomicAdd(&arrived[r], 1) == kWaves - 1) {  // the row's last wave
-                    __threadfence_block();
-                    float t = 0.f;
-#pragma unroll
-                    for (int q = 0; q < kWaves; ++q) t += partial[r][q];
-                    y[ch.row] = T::store(t);
-                    atomicExch(&arrived[r], 0);
-                }
-            }
-        }
-    }
-#endif
 }
 #endif  // ROCMOE_PLATFORM_NVIDIA
 
@@ -1001,11 +775,6 @@ struct Tuning {
     int direct;         // ROCMOE_GEMV_DIRECT
     int rows_per_task;  // ROCMOE_GEMV_ROWS (<= 0: automatic)
     int one_shot;       // ROCMOE_GEMV_ONE_SHOT
-    int bulk;           // ROCMOE_GEMV_BULK
-    int bulk_kb;        // ROCMOE_GEMV_BULK_KB
-    int bulk_stages;    // ROCMOE_GEMV_BULK_STAGES
-    int bulk_per_sm;    // ROCMOE_GEMV_BULK_PER_SM
-    int bulk_evict;     // ROCMOE_GEMV_BULK_EVICT
 };
 
 const Tuning &tuning() {
@@ -1016,12 +785,7 @@ const Tuning &tuning() {
                              env_int("ROCMOE_GEMV_PER_CU", kGemvMinBlocks),
                              env_int("ROCMOE_GEMV_DIRECT", 1),
                              env_int("ROCMOE_GEMV_ROWS", 0),
-                             env_int("ROCMOE_GEMV_ONE_SHOT", 1),
-                             env_int("ROCMOE_GEMV_BULK", kDefaultBulk),
-                             env_int("ROCMOE_GEMV_BULK_KB", kBulkChunkKB),
-                             env_int("ROCMOE_GEMV_BULK_STAGES", kBulkStages),
-                             env_int("ROCMOE_GEMV_BULK_PER_SM", 1),
-                             env_int("ROCMOE_GEMV_BULK_EVICT", 0)};
+                             env_int("ROCMOE_GEMV_ONE_SHOT", 1)};
     return t;
 }
 
@@ -1074,71 +838,6 @@ int launch_async(const Common &c, const GemvParams &p, int requested, void *out,
     hipLaunchKernelGGL((gemv_async_kernel<T, kRows, kStages>), dim3(workers), dim3(kThreads),
                        shared, stream, static_cast<const S *>(p.w), static_cast<const S *>(p.x),
                        static_cast<S *>(out), p.n, p.k, epoch_word_of(c));
-    return launched();
-}
-#endif
-
-#if defined(ROCMOE_PLATFORM_NVIDIA)
-constexpr int kNoRing = 1;  // launch_bulk: not even two chunks fit (not an error code)
-
-// whether this GPU has the copy engine gemv_bulk_kernel needs (sm_90 and later)
-bool bulk_capable() {
-    static const bool ok = [] {
-        int device = 0, major = 0;
-        return cudaGetDevice(&device) == cudaSuccess &&
-               cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-                   cudaSuccess &&
-               major >= 9;
-    }();
-    return ok;
-}
-
-// shared memory a block of gemv_bulk_kernel may take: the opt-in limit of a block, and with
-// several blocks an SM their share of the SM's, less what the kernel declares itself
-size_t bulk_shared_budget(int per_sm) {
-    static const int2 limits = [] {
-        int device = 0, block = 0, sm = 0;
-        if (cudaGetDevice(&device) != cudaSuccess ||
-            cudaDeviceGetAttribute(&block, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-                cudaSuccess ||
-            cudaDeviceGetAttribute(&sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) !=
-                cudaSuccess)
-            block = sm = 48 << 10;
-        return make_int2(block, sm);
-    }();
-    constexpr size_t kReserved = 4096;  // the runtime's 1 KB a block, the barriers, partials
-    const size_t share = size_t(limits.y) / size_t(per_sm > 0 ? per_sm : 1);
-    const size_t most = share < size_t(limits.x) ? share : size_t(limits.x);
-    return most > kReserved ? most - kReserved : 0;
-}
-
-template <class T>
-int launch_bulk(const Common &c, const GemvParams &p, int requested, void *out,
-                hipStream_t stream) {
-    using S = typename T::storage;
-    const Tuning &t = tuning();
-    const int per_sm = t.bulk_per_sm > 0 ? t.bulk_per_sm : 1;
-    // x stays in shared memory beside the ring
-    const int64_t row_vecs = p.k / vec_elems<T>();
-    const int64_t budget = int64_t(bulk_shared_budget(per_sm)) - row_vecs * 16;
-    const BulkPlan plan =
-        bulk_plan(row_vecs, int64_t(t.bulk_kb > 0 ? t.bulk_kb : kBulkChunkKB) * 64, budget,
-                  t.bulk_stages > 0 ? t.bulk_stages : kBulkStages);
-    if (plan.stages == 0) return kNoRing;  // the caller runs the register kernel
-    const size_t shared = size_t(row_vecs + int64_t(plan.stages) * plan.chunk_vecs) * 16;
-    static const hipError_t opted = cudaFuncSetAttribute(
-        gemv_bulk_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        int(bulk_shared_budget(1)));
-    if (opted != cudaSuccess)
-        return fail(ROCMOE_ERR_SYSTEM, "gemv_all_reduce: shared memory for the bulk ring: %s",
-                    hipGetErrorString(opted));
-    int64_t workers = requested > 0 ? requested : int64_t(compute_units()) * per_sm;
-    workers = workers < p.n ? workers : p.n;
-    workers = workers > 0 ? workers : 1;
-    hipLaunchKernelGGL((gemv_bulk_kernel<T>), dim3(uint32_t(workers)), dim3(kBulkThreads), shared,
-                       stream, static_cast<const S *>(p.w), static_cast<const S *>(p.x),
-                       static_cast<S *>(out), p.n, p.k, plan.chunk_vecs, plan.per_row,
-                       plan.stages, t.bulk_evict, epoch_word_of(c));
     return launched();
 }
 #endif
@@ -1220,10 +919,6 @@ int launch(const Common &c, const GemvParams &p, int requested, void *out, hipSt
     const int rows = t.rows > 0 ? t.rows : protocol ? kProtocolRows : kDefaultRows;
     const int unroll = t.unroll > 0 ? t.unroll : protocol ? kProtocolUnroll : kDefaultUnroll;
 #if defined(ROCMOE_PLATFORM_NVIDIA)
-    if (!protocol && !shot && t.bulk != 0 && p.vec && p.k > 0 && p.n > 0 && bulk_capable()) {
-        const int rc = launch_bulk<T>(c, p, requested, out, stream);
-        if (rc != kNoRing) return rc;
-    }
     if (!protocol && !shot && t.stages > 0 && p.vec) {
         switch (rows * 100 + t.stages) {
             case 104: return launch_async<T, 1, 4>(c, p, requested, out, stream);
