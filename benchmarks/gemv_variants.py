@@ -32,8 +32,7 @@ import time
 # first is the built-in default (since the H200 sweep of 2026-12-02 the register kernel, one
 # row a wave, 4 loads in flight, ld.global.nc: what reg_r1_u4_l0 names), the second the
 # kernel as it was (one wave per row, the persistent protocol kernel at world size 1, 32-row
-# tasks, L1-cached loads). Those after the first ten run only when named (or with
-# --variants all).
+# tasks, L1-cached loads). The last four run only when named (or with --variants all).
 VARIANTS = {
     "default": {},
     "legacy": {"ROCMOE_GEMV_DIRECT": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "1",
@@ -52,8 +51,6 @@ VARIANTS = {
                      "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "0"},
     "protocol_r2_u4": {"ROCMOE_GEMV_DIRECT": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",
                        "ROCMOE_GEMV_UNROLL": "4"},
-    # the register kernel on the resident grid as it was before ROCMOE_GEMV_EVEN
-    "uneven": {"ROCMOE_GEMV_EVEN": "0"},
     # on request only
     "async_r1_s4": {"ROCMOE_GEMV_ROWS_PER_WARP": "1", "ROCMOE_GEMV_STAGES": "4"},
     "reg_r2_u2_l2": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",

@@ -58,8 +58,6 @@
 //   ROCMOE_GEMV_DIRECT         0: world size 1 runs the protocol kernel too
 //   ROCMOE_GEMV_ROWS           rows per phase-1 task of the protocol kernel (0: automatic)
 //   ROCMOE_GEMV_ONE_SHOT       0: world size > 1 runs the two-phase protocol kernel
-//   ROCMOE_GEMV_EVEN           0: the direct and one-shot grids as resident, not evened out
-//                              (direct_workgroups)
 // Four workgroups of kThreads fit on a compute unit (64 registers on sm_90, 48 KiB of shared
 // memory at most): the H200 sweep ran the old GEMV at 0.58 of copy bandwidth with three
 // resident, 0.74-0.78 with four.
@@ -777,7 +775,6 @@ struct Tuning {
     int direct;         // ROCMOE_GEMV_DIRECT
     int rows_per_task;  // ROCMOE_GEMV_ROWS (<= 0: automatic)
     int one_shot;       // ROCMOE_GEMV_ONE_SHOT
-    int even;           // ROCMOE_GEMV_EVEN
 };
 
 const Tuning &tuning() {
@@ -788,8 +785,7 @@ const Tuning &tuning() {
                              env_int("ROCMOE_GEMV_PER_CU", kGemvMinBlocks),
                              env_int("ROCMOE_GEMV_DIRECT", 1),
                              env_int("ROCMOE_GEMV_ROWS", 0),
-                             env_int("ROCMOE_GEMV_ONE_SHOT", 1),
-                             env_int("ROCMOE_GEMV_EVEN", 1)};
+                             env_int("ROCMOE_GEMV_ONE_SHOT", 1)};
     return t;
 }
 
@@ -802,24 +798,13 @@ int launched() {
 }
 
 // World-size-1 grid: what fits (at most ROCMOE_GEMV_PER_CU a compute unit), and no more
-// workgroups than there are row groups for their waves. With ROCMOE_GEMV_EVEN (the
-// default), then as few waves as carry the groups a wave of that grid must take: every
-// wave gets the same count (one less at most), where the resident grid would leave some
-// waves idle through the others' last group. At 16384 rows on 132 SMs: 4,096 waves of 4
-// rows instead of 4,224 waves of 3 or 4, 12 % of them idle for the last quarter.
+// workgroups than there are row groups for their waves.
 int direct_workgroups(const GemvParams &p, int rows, int requested, int fits) {
     const int per_cu = tuning().per_cu > 0 && tuning().per_cu < fits ? tuning().per_cu : fits;
     const uint64_t groups = (uint64_t(p.n) + uint64_t(rows) - 1) / uint64_t(rows);
     const uint64_t wanted = (groups + kWaves - 1) / kWaves;
-    int workers = persistent_workgroups(
-        requested, uint32_t(wanted < 0x7fffffffu ? wanted : 0x7fffffffu), per_cu);
-    if (tuning().even != 0 && requested <= 0 && workers > 0 && groups > 0) {
-        const uint64_t waves = uint64_t(workers) * kWaves;
-        const uint64_t per_wave = (groups + waves - 1) / waves;
-        const uint64_t even_waves = (groups + per_wave - 1) / per_wave;
-        workers = int((even_waves + kWaves - 1) / kWaves);
-    }
-    return workers;
+    return persistent_workgroups(requested, uint32_t(wanted < 0x7fffffffu ? wanted : 0x7fffffffu),
+                                 per_cu);
 }
 
 uint64_t *epoch_word_of(const Common &c) {
