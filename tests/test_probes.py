@@ -1,0 +1,30 @@
+"""The GPU probes' CPU dry runs: the same script, tiny shapes, the host backend (no GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from rocmoe_testing import REPO
+
+
+def test_ep_ffn_probe_dry_run_reports_every_path_equal_to_the_block_sparse_ffn():
+    # benchmarks/probe_ep_ffn.py times the expert-parallel step's local FFN four ways; each
+    # path's output and gradients (dX, dW1, dW2) are checked against the block-sparse FFN's
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "probe_ep_ffn.py"),
+                           "--device", "cpu", "--shapes", "64,32,48,8", "--reps", "1"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    paths = {r["path"]: r for r in records if r.get("probe") == "ep_ffn"}
+    assert len(paths) == 4, sorted(paths)
+    for name, r in paths.items():
+        assert r["rel_err_vs_block_sparse"] < 1e-2, (name, r)
+        grads = r["grad_rel_err_vs_block_sparse"]
+        assert sorted(grads) == ["w1", "w2", "x"], (name, grads)
+        assert max(grads.values()) < 2e-2, (name, grads)
+        assert r["fwd_bwd_ms"] > 0, (name, r)
