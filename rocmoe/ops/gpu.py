@@ -907,22 +907,13 @@ def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, counts: torch.Tensor,
 
 
 def weight_grad_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Tiles of grouped_weight_grad: BLOCK_K x BLOCK_N of dW, BLOCK_M rows a step, and the
-    grid order; ROCMOE_DW_CONFIG='{"BLOCK_K": 128, ...}' overrides entries (tuning).
-
-    On an H200 (bf16, the expert-parallel step's 32 local experts of 1024 x 4096 and
-    4096 x 1408, rows from two sources; benchmarks/probe_ep_ffn.py --weight-grad,
-    results/probe_ep_ffn_h200_eighteenth_session.jsonl) 128 x 128 tiles, 4 warps, a group's
-    tiles consecutive ran 0.50 / 0.72 ms against 1.05 / 1.46 for 64 x 64 tiles groups
-    first (torch._grouped_mm's weight-gradient form on group-major rows: 0.42 / 0.67); the
-    grid order alone took the 64 x 64 tiles from 1.05 / 1.47 to 0.83 / 1.24 ms (the
-    programs running together share a group's rows of X and dY in L2). float32 steps 32 rows
-    at a time: three stages of 64 would take 192 KB of shared memory."""
+    """Tiles of grouped_weight_grad (triton_gemm_a2a.weight_grad_config: the platform's,
+    measured); ROCMOE_DW_CONFIG='{"BLOCK_K": 128, ...}' overrides entries (tuning)."""
+    from . import triton_gemm_a2a as tk
     if device.type == "cpu":  # interpreter: small tiles keep it quick
         cfg = dict(BLOCK_K=16, BLOCK_N=16, BLOCK_M=16, TILES_FIRST=True)
     else:
-        cfg = dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32 if dtype == torch.float32 else 64,
-                   TILES_FIRST=True, num_warps=4, num_stages=3)
+        cfg = tk.weight_grad_config(_PLATFORM, dtype == torch.float32)
     override = os.environ.get("ROCMOE_DW_CONFIG")
     if override:
         import json

@@ -643,6 +643,30 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
     }
 
 
+def weight_grad_config(platform: str, fp32: bool = False) -> dict:
+    """Tiles of grouped_weight_grad_kernel per platform: BLOCK_K x BLOCK_N of dW, BLOCK_M
+    rows a step, a group's tiles consecutive (TILES_FIRST), launch options.
+
+    Hopper (an H200, bf16, the expert-parallel step's 32 local experts of 1024 x 4096 and
+    4096 x 1408 with rows from two sources; benchmarks/probe_ep_ffn.py --weight-grad,
+    results/probe_ep_ffn_h200_eighteenth_session.jsonl): 128 x 128 tiles, 4 warps, tiles
+    first ran 0.50 / 0.72 ms against 1.05 / 1.46 for 64 x 64 tiles groups first
+    (torch._grouped_mm's weight-gradient form on group-major rows: 0.42 / 0.67); the grid
+    order alone took the 64 x 64 tiles from 1.05 / 1.47 to 0.83 / 1.24 ms (the programs
+    running together share a group's rows of X and dY in L2). At 4 warps the 128 x 128
+    accumulator leaves ptxas short of registers (Triton 3.9 here: 255 and 572 bytes of spill
+    a thread); 8 warps spill nothing and ran 0.69 / 0.97 ms, so the spilling tile stays.
+    float32 steps 32 rows at a time (three stages of 64 would take 192 KB of shared
+    memory). CDNA keeps the 64 x 64
+    tiles it had (three stages of 128 x 128 x 64 would not fit a CU's 64 KB of LDS; not
+    measured on AMD hardware), in the tiles-first order."""
+    if platform == "hip":
+        return dict(BLOCK_K=64, BLOCK_N=64, BLOCK_M=32 if fp32 else 64, TILES_FIRST=True,
+                    num_warps=4)
+    return dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32 if fp32 else 64, TILES_FIRST=True,
+                num_warps=4, num_stages=3)
+
+
 def default_config(platform: str, fp32: bool = False) -> dict:
     """Tile shape and launch options per platform (Hopper wgmma / CDNA MFMA). float32 tiles
     are 4 bytes an element: a shorter K step keeps the pipeline inside shared memory."""
