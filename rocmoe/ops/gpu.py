@@ -295,7 +295,12 @@ def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> di
     else:
         cfg = tk.default_config(_PLATFORM, dtype == torch.float32)
     # ROCMOE_GEMM_CONFIG='{"BLOCK_N": 128, "USE_TMA": true}' overrides entries (tuning)
-    override = os.environ.get("ROCMOE_GEMM_CONFIG")
+    return _overridden(cfg, "ROCMOE_GEMM_CONFIG")
+
+
+def _overridden(cfg: dict, variable: str) -> dict:
+    """`cfg` with the entries of the JSON object in environment variable `variable`."""
+    override = os.environ.get(variable)
     if override:
         import json
         cfg.update(json.loads(override))
@@ -914,11 +919,7 @@ def weight_grad_config(device: torch.device, dtype: torch.dtype = torch.bfloat16
         cfg = dict(BLOCK_K=16, BLOCK_N=16, BLOCK_M=16, TILES_FIRST=True)
     else:
         cfg = tk.weight_grad_config(_PLATFORM, dtype == torch.float32)
-    override = os.environ.get("ROCMOE_DW_CONFIG")
-    if override:
-        import json
-        cfg.update(json.loads(override))
-    return cfg
+    return _overridden(cfg, "ROCMOE_DW_CONFIG")
 
 
 def grouped_backward(handle, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor,
