@@ -81,7 +81,9 @@ def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
         cases[f"grouped_local {label} W1"] = lambda gl=gl: gl(x, w1)
         cases[f"grouped_local {label} W2"] = lambda gl=gl: gl(hmid, w2)
         if label.startswith("default"):
-            # the backward's dX products: W transposed (TRANS_W descriptors, or pointers)
+            # the backward's dX products, W transposed: by pointers either way now (the
+            # eighteenth session's _dw.jsonl ran "default" with a descriptor of W's stored
+            # transpose, TRANS_W, since dropped)
             cases[f"grouped_local {label} dX through W1^T"] = \
                 lambda gl=gl: gl(hmid, w1.transpose(1, 2))
             cases[f"grouped_local {label} dX through W2^T"] = \
