@@ -64,18 +64,18 @@ def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
         return y.index_select(0, to_gm)
 
     cases = {}
-    # (label, ROCMOE_GEMM_CONFIG, ROCMOE_GROUPED_TMA): the default is the widest N tile that
-    # divides N, with TMA loads where W is contiguous (the forward's products)
-    for label, override, tma in (("default", None, None),
-                                 ("default no TMA", None, "0"),
-                                 ("128x128x64 s4", '{"BLOCK_N": 128, "num_stages": 4}', None),
-                                 ("128x256x64 s3 GROUP_M 1", '{"GROUP_M": 1}', None)):
-        def gl(xin, w, override=override, tma=tma):
-            for name, value in (("ROCMOE_GEMM_CONFIG", override), ("ROCMOE_GROUPED_TMA", tma)):
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+    # (label, ROCMOE_GEMM_CONFIG): the default is the widest N tile that divides N (an
+    # override without BLOCK_N keeps it), with TMA loads where W is contiguous (the
+    # forward's products)
+    for label, override in (("default", None),
+                            ("default no TMA", '{"USE_TMA": false}'),
+                            ("128x128x64 s4", '{"BLOCK_N": 128, "num_stages": 4}'),
+                            ("128x256x64 s3 GROUP_M 1", '{"BLOCK_N": 256, "GROUP_M": 1}')):
+        def gl(xin, w, override=override):
+            if override is None:
+                os.environ.pop("ROCMOE_GEMM_CONFIG", None)
+            else:
+                os.environ["ROCMOE_GEMM_CONFIG"] = override
             return gpu.grouped_local(team, xin, w, dev_counts, w.shape[0], capacity,
                                      status.data_ptr())
         cases[f"grouped_local {label} W1"] = lambda gl=gl: gl(x, w1)
@@ -99,7 +99,6 @@ def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
         ms = interleaved_ms({k: (lambda: None, fn) for k, fn in cases.items()}, rounds=a.reps,
                             calls=2)
     os.environ.pop("ROCMOE_GEMM_CONFIG", None)
-    os.environ.pop("ROCMOE_GROUPED_TMA", None)
     flops = 2 * int(counts.sum()) * h * f
     for k, v in ms.items():
         print(json.dumps(dict(probe="ep_ffn_product", shape=dict(tokens_per_rank=t, hidden=h,
@@ -109,29 +108,28 @@ def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
 
 # grouped_weight_grad configs (ROCMOE_DW_CONFIG), the first the built-in default (since the
 # eighteenth session 128 x 128 x 64, 4 warps, 3 stages, tiles first)
-DW_CONFIGS = {
-    "default": None,
-    "64x64x64 w4 groups first": {"BLOCK_K": 64, "BLOCK_N": 64, "BLOCK_M": 64,
-                                 "TILES_FIRST": False, "num_warps": 4},
-    "64x64x64 w4 tiles first": {"BLOCK_K": 64, "BLOCK_N": 64, "BLOCK_M": 64,
-                                "TILES_FIRST": True, "num_warps": 4},
-    "128x128x64 w8 s3 tiles first": {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 64,
-                                     "TILES_FIRST": True, "num_warps": 8, "num_stages": 3},
-    "128x128x32 w8 s4 tiles first": {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 32,
-                                     "TILES_FIRST": True, "num_warps": 8, "num_stages": 4},
-    "128x128x64 w4 s4 tiles first": {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 64,
-                                     "TILES_FIRST": True, "num_warps": 4, "num_stages": 4},
-    "128x128x32 w4 s4 tiles first": {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 32,
-                                     "TILES_FIRST": True, "num_warps": 4, "num_stages": 4},
-    "128x256x64 w4 s3 tiles first": {"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_M": 64,
-                                     "TILES_FIRST": True, "num_warps": 4, "num_stages": 3},
-    "128x256x64 w8 s3 tiles first": {"BLOCK_K": 128, "BLOCK_N": 256, "BLOCK_M": 64,
-                                     "TILES_FIRST": True, "num_warps": 8, "num_stages": 3},
-    "256x128x64 w8 s3 tiles first": {"BLOCK_K": 256, "BLOCK_N": 128, "BLOCK_M": 64,
-                                     "TILES_FIRST": True, "num_warps": 8, "num_stages": 3},
-    "128x128x64 w8 s3 groups first": {"BLOCK_K": 128, "BLOCK_N": 128, "BLOCK_M": 64,
-                                      "TILES_FIRST": False, "num_warps": 8, "num_stages": 3},
-}
+def _dw_config(block_k, block_n, block_m, warps, stages=None, tiles_first=True):
+    """(label, ROCMOE_DW_CONFIG entries) of one weight-gradient tile config."""
+    label = (f"{block_k}x{block_n}x{block_m} w{warps}" + (f" s{stages}" if stages else "")
+             + (" tiles first" if tiles_first else " groups first"))
+    cfg = dict(BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_M=block_m, TILES_FIRST=tiles_first,
+               num_warps=warps)
+    if stages:
+        cfg["num_stages"] = stages
+    return label, cfg
+
+
+DW_CONFIGS = {"default": None, **dict(_dw_config(*c, **kw) for c, kw in (
+    ((64, 64, 64, 4), dict(tiles_first=False)),
+    ((64, 64, 64, 4), {}),
+    ((128, 128, 64, 8, 3), {}),
+    ((128, 128, 32, 8, 4), {}),
+    ((128, 128, 64, 4, 4), {}),
+    ((128, 128, 32, 4, 4), {}),
+    ((128, 256, 64, 4, 3), {}),
+    ((128, 256, 64, 8, 3), {}),
+    ((256, 128, 64, 8, 3), {}),
+    ((128, 128, 64, 8, 3), dict(tiles_first=False))))}
 
 
 def weight_grads(a, x, w1, counts, to_gm, t, h, f, e):

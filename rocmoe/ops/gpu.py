@@ -288,12 +288,17 @@ def _num_programs(device: torch.device, total_tasks: int, per_sm: Optional[float
     return max(1, min(total_tasks, int(sms * per_sm)))
 
 
-def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16,
+                n: Optional[int] = None) -> dict:
+    """The GEMM kernel's tile and launch options. `n` (a product N wide, untuned): the
+    default BLOCK_N narrows to the widest tile that divides N (even_block_n)."""
     from . import triton_gemm_a2a as tk
     if device.type == "cpu":  # interpreter: small tiles keep it quick
         cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
     else:
         cfg = tk.default_config(_PLATFORM, dtype == torch.float32)
+    if n is not None:
+        cfg["BLOCK_N"] = even_block_n(n, cfg["BLOCK_N"])
     # ROCMOE_GEMM_CONFIG='{"BLOCK_N": 128, "USE_TMA": true}' overrides entries (tuning)
     return _overridden(cfg, "ROCMOE_GEMM_CONFIG")
 
@@ -851,11 +856,7 @@ def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Te
     k_in, n_out = int(x.shape[1]), int(w.shape[-1])
     if out is None:
         out = torch.zeros(x.shape[0], n_out, dtype=x.dtype, device=dev)
-    cfg = gemm_config(dev, x.dtype)
-    if not os.environ.get("ROCMOE_GEMM_CONFIG"):  # untuned here: at least no ragged N tile
-        cfg["BLOCK_N"] = even_block_n(n_out, cfg["BLOCK_N"])
-    if os.environ.get("ROCMOE_GROUPED_TMA") == "0":
-        cfg["USE_TMA"] = False
+    cfg = gemm_config(dev, x.dtype, n_out)  # untuned here: at least no ragged N tile
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tasks = world * (math.ceil(max(max_rows, 1) / bm) + g) * math.ceil(n_out / bn)
     nprog = _num_programs(dev, tasks, 1)
