@@ -268,7 +268,8 @@ def combine_kind(layer) -> str:
     dtype only, so that every rank (same layer, same parameters) takes the same path.
     "auto": the fused combine on a rocmoe Context with 16/32-bit weights, else the
     block-sparse FFN and the exchange; "grouped_mm" is taken only when asked for (on one
-    H200 its FFN ran between the block-sparse FFN and the fused combine's: grouped_ffn.py)."""
+    H200 its FFN ran slower than both the block-sparse FFN and the fused combine's:
+    grouped_ffn.py)."""
     fits = layer.w2.dtype in FUSED_COMBINE_DTYPES
     if layer.combine == "gemm_all_to_all":
         if not fits:

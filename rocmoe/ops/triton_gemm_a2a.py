@@ -657,9 +657,8 @@ def weight_grad_config(platform: str, fp32: bool = False) -> dict:
     accumulator leaves ptxas short of registers (Triton 3.9 here: 255 and 572 bytes of spill
     a thread); 8 warps spill nothing and ran 0.69 / 0.97 ms, so the spilling tile stays.
     float32 steps 32 rows at a time (three stages of 64 would take 192 KB of shared
-    memory). CDNA keeps the 64 x 64
-    tiles it had (three stages of 128 x 128 x 64 would not fit a CU's 64 KB of LDS; not
-    measured on AMD hardware), in the tiles-first order."""
+    memory). CDNA keeps the 64 x 64 tiles it had (three stages of 128 x 128 x 64 would not
+    fit a CU's 64 KB of LDS; not measured on AMD hardware), in the tiles-first order."""
     if platform == "hip":
         return dict(BLOCK_K=64, BLOCK_N=64, BLOCK_M=32 if fp32 else 64, TILES_FIRST=True,
                     num_warps=4)
