@@ -10,7 +10,7 @@
 # STAGES (comma list; default build,fused_tests,fused_bench,layer_bench):
 #   build        librocmoe for CUDA in place (benchmarks/device_env.sh: build_cuda)
 #   fused_tests  pytest -m gpu on the fused handles: native launch, lean calls, graphs,
-#                no syncs, bad input (tests/ops_gpu/test_fused_gpu.py)
+#                no syncs, bad input (tests/ops_gpu/test_fused*_gpu.py)
 #   moe_tests    pytest -m gpu tests/moe/test_gpu.py (the layer's kernels, syncs, memory)
 #   ep_tests     pytest -m gpu on expert parallelism (tests/moe/test_expert_parallel_gpu.py)
 #   vexpert_tests  pytest -m gpu tests/moe/test_vexpert_gpu.py
@@ -60,6 +60,7 @@ PYTEST="python3 -m pytest -m gpu -rs -q -p no:cacheprovider"
 if has fused_tests; then
   stamp fused_tests
   run timeout ${FUSED_TESTS_S:-240} $PYTEST tests/ops_gpu/test_fused_gpu.py \
+    tests/ops_gpu/test_fused_launch_and_failures_gpu.py \
     -k "${FUSED_TESTS_K:-native or lean or graph or sync or bad}"
 fi
 if has fused_script; then

@@ -83,7 +83,8 @@ fi
 if has moetest; then
   stamp "moe GPU tests"
   timeout 240 python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/moe/test_gpu.py \
-    tests/ops_gpu/test_fused_gpu.py > "$OUT/gpu_tests.log" 2>&1
+    tests/ops_gpu/test_fused_gpu.py tests/ops_gpu/test_fused_launch_and_failures_gpu.py \
+    > "$OUT/gpu_tests.log" 2>&1
   expect "moe GPU tests" $?
   tail -5 "$OUT/gpu_tests.log"
 fi

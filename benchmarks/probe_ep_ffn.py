@@ -3,8 +3,9 @@
 Why this exists: on 2 x H200 the whole expert-parallel DroplessMoE step on the fused-op handles
 ran at 0.77 and 0.44 of the same layer moving tokens with all_to_all_single around its
 block-sparse FFN (results/multi_gpu_h200x2_seventeenth_session_moe_zipf.jsonl). The handle
-step computes its experts with the project's grouped GEMM kernel (gpu.grouped_local, the
-GemmAllToAll kernel in local mode, and gpu.grouped_weight_grad), the baseline with the
+step computes its experts with the project's grouped GEMM kernels (gpu.grouped_local: since
+the nineteenth session grouped_tiles_kernel from a device task table, before it the
+GemmAllToAll kernel in local mode; and gpu.grouped_weight_grad), the baseline with the
 block-sparse kernels. This times the three ways to compute the same rows, forward +
 backward, on the rows one rank of that run received: the grouped kernels as the handle step
 calls them (grid bounded by the step's worst-case row count), the block-sparse FFN
@@ -46,7 +47,7 @@ def rank0_counts(tokens, experts, world, top_k=2):
 
 def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
     """Each of the two products alone, forward: the grouped kernel (gpu.grouped_local) under
-    tile configs (ROCMOE_GEMM_CONFIG), torch._grouped_mm on group-major rows, and
+    tile configs (ROCMOE_GROUPED_CONFIG), torch._grouped_mm on group-major rows, and
     torch._grouped_mm behind the permutation the handle step would need (its rows arrive
     source-major from two sources, each expert's rows split between them: `to_gm`, their
     group-major positions, as main() makes them)."""
@@ -64,26 +65,26 @@ def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
         return y.index_select(0, to_gm)
 
     cases = {}
-    # (label, ROCMOE_GEMM_CONFIG): the default is the widest N tile that divides N (an
-    # override without BLOCK_N keeps it), with TMA loads where W is contiguous (the
-    # forward's products)
+    # (label, ROCMOE_GROUPED_CONFIG): the default is the platform's grouped tile
+    # (triton_gemm_a2a.grouped_config) with the widest N tile that divides N, TMA loads and
+    # the task loop flattened; an override without BLOCK_N keeps the narrowed width
     for label, override in (("default", None),
                             ("default no TMA", '{"USE_TMA": false}'),
-                            ("128x128x64 s4", '{"BLOCK_N": 128, "num_stages": 4}'),
-                            ("128x256x64 s3 GROUP_M 1", '{"BLOCK_N": 256, "GROUP_M": 1}')):
+                            ("not flattened", '{"FLATTEN": false}'),
+                            ("128x256x64 s3", '{"BLOCK_N": 256, "num_stages": 3}')):
         def gl(xin, w, override=override):
             if override is None:
-                os.environ.pop("ROCMOE_GEMM_CONFIG", None)
+                os.environ.pop("ROCMOE_GROUPED_CONFIG", None)
             else:
-                os.environ["ROCMOE_GEMM_CONFIG"] = override
+                os.environ["ROCMOE_GROUPED_CONFIG"] = override
             return gpu.grouped_local(team, xin, w, dev_counts, w.shape[0], capacity,
                                      status.data_ptr())
         cases[f"grouped_local {label} W1"] = lambda gl=gl: gl(x, w1)
         cases[f"grouped_local {label} W2"] = lambda gl=gl: gl(hmid, w2)
-        if label.startswith("default"):
-            # the backward's dX products, W transposed: by pointers either way now (the
-            # eighteenth session's _dw.jsonl ran "default" with a descriptor of W's stored
-            # transpose, TRANS_W, since dropped)
+        if label in ("default", "not flattened"):
+            # the backward's dX products, W transposed (since the nineteenth session a
+            # descriptor of W's stored transpose, TRANS_W, where TMA is used; the
+            # eighteenth session's files ran them by pointers)
             cases[f"grouped_local {label} dX through W1^T"] = \
                 lambda gl=gl: gl(hmid, w1.transpose(1, 2))
             cases[f"grouped_local {label} dX through W2^T"] = \
@@ -98,7 +99,7 @@ def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
         torch.cuda.synchronize()
         ms = interleaved_ms({k: (lambda: None, fn) for k, fn in cases.items()}, rounds=a.reps,
                             calls=2)
-    os.environ.pop("ROCMOE_GEMM_CONFIG", None)
+    os.environ.pop("ROCMOE_GROUPED_CONFIG", None)
     flops = 2 * int(counts.sum()) * h * f
     for k, v in ms.items():
         print(json.dumps(dict(probe="ep_ffn_product", shape=dict(tokens_per_rank=t, hidden=h,

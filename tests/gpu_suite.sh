@@ -5,17 +5,21 @@
 #   GPU_SUITE_PART=1 bash tests/gpu_suite.sh              # the ipc backend, expert parallelism,
 #                                                          #   vExpert (about 5 min)
 #   GPU_SUITE_PART=2 bash tests/gpu_suite.sh              # the MoE layer (about 5 min)
-#   GPU_SUITE_PART=3 bash tests/gpu_suite.sh              # the fused ops' kernels: handles,
-#                                                          #   graphs, no-sync, failure paths
-#                                                          #   (about 5 min)
+#   GPU_SUITE_PART=3 bash tests/gpu_suite.sh              # the fused ops' handles against
+#                                                          #   the references, split-K and
+#                                                          #   graph replays (about 5 min)
 #   GPU_SUITE_PART=4 bash tests/gpu_suite.sh              # the public ops forward and
 #                                                          #   backward (about 3 min)
+#   GPU_SUITE_PART=5 bash tests/gpu_suite.sh              # the fused ops' native and lean
+#                                                          #   launches, no-sync, failure
+#                                                          #   paths (about 3 min)
 #
-# The parts exist because a device command may run for 10 minutes at most: run the four
-# parts as four commands; each prints its own pytest summary line. (Two parts were too few:
+# The parts exist because a device command may run for 10 minutes at most: run the five
+# parts as five commands; each prints its own pytest summary line. (Two parts were too few:
 # on 2026-12-02 the second took 527 s of pytest, 561 s with the build, close to the limit;
 # on 2026-12-04 the fused ops' part, then 19 tests, took 451 s, and its last test did not
-# finish inside a 470 s limit: the public ops became a part of their own.)
+# finish inside a 470 s limit: the public ops became a part of their own; in the nineteenth
+# session that part's 16 tests took 482 s, so it is two parts, of two files, now.)
 # Builds librocmoe for CUDA in place (benchmarks/device_env.sh: build_cuda; ROCMOE_GPU_BUILD=skip
 # keeps the build there is), then runs `pytest -m gpu`: the ipc backend, the fused ops' GPU
 # kernels (gemm, gemm_grouped, embedding, gemv) and the public ops forward and backward at 1,
@@ -31,7 +35,8 @@ case "${GPU_SUITE_PART:-all}" in
   2) FILES=(tests/moe/test_gpu.py); LOG=gpu_tests_part2.log ;;
   3) FILES=(tests/ops_gpu/test_fused_gpu.py); LOG=gpu_tests_part3.log ;;
   4) FILES=(tests/ops_gpu/test_public_ops_gpu.py); LOG=gpu_tests_part4.log ;;
-  *) echo "GPU_SUITE_PART must be 1, 2, 3, 4 or unset (all), got '$GPU_SUITE_PART'" >&2
+  5) FILES=(tests/ops_gpu/test_fused_launch_and_failures_gpu.py); LOG=gpu_tests_part5.log ;;
+  *) echo "GPU_SUITE_PART must be 1 to 5 or unset (all), got '$GPU_SUITE_PART'" >&2
      exit 2 ;;
 esac
 source benchmarks/device_env.sh || exit 3

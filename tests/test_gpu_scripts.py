@@ -108,7 +108,7 @@ def _gpu_test_files(paths):
 
 def test_gpu_suite_parts_cover_every_gpu_test_file_once(machine):
     parts = []
-    for part in ("1", "2", "3", "4"):
+    for part in ("1", "2", "3", "4", "5"):
         proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": part})
         assert proc.returncode == 0, proc.stdout
         line = next(c for c in calls.splitlines() if "-m pytest -m gpu" in c)
@@ -119,7 +119,7 @@ def test_gpu_suite_parts_cover_every_gpu_test_file_once(machine):
 
 
 def test_gpu_suite_refuses_an_unknown_part(machine):
-    proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": "5"})
+    proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": "6"})
     assert proc.returncode == 2 and "GPU_SUITE_PART" in proc.stdout
     assert "-m pytest" not in calls
 

@@ -234,6 +234,52 @@ def test_weight_gradient_default_tiles_build_with_matrix_instructions(target_key
         assert instruction in compiled.asm[asm_key], f"no {instruction} for {target_key}"
 
 
+def _grouped_tiles_source(platform, dtype, block_n=0, tma=False, trans_w=False):
+    """(source, options) of grouped_tiles_kernel at the platform's default grouped tile
+    (triton_gemm_a2a.grouped_config), pointer loads or (tma) tensor descriptors."""
+    cfg = kernels.grouped_config(platform, dtype == "fp32", block_n)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    sig = dict(kernels.aot_signatures(dtype)["grouped_tiles_kernel"])
+    if tma:
+        sig.update(x_ptr=f"tensordesc<{dtype}[{bm}, {bk}]>",
+                   w_ptr=f"tensordesc<{dtype}[{bn}, {bk}]>" if trans_w
+                   else f"tensordesc<{dtype}[{bk}, {bn}]>")
+    options = {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
+    constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=tma, TRANS_W=trans_w,
+                      EVEN_N=False, EVEN_K=False, FP32_IEEE=dtype == "fp32",
+                      FLATTEN=cfg["FLATTEN"])
+    return ASTSource(fn=kernels.get("grouped_tiles_kernel"), signature=sig,
+                     constexprs=constexprs), options
+
+
+@pytest.mark.parametrize("target_key", sorted(TARGETS))
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_grouped_products_default_tiles_build_with_matrix_instructions(target_key, dtype):
+    # gpu.grouped_local's kernels at each platform's default grouped tile, pointer loads
+    # (CDNA, float32, operands TMA cannot address), wide and 128-wide column tiles
+    target, asm_key, instruction, platform = TARGETS[target_key]
+    for block_n in (0, 128):
+        src, options = _grouped_tiles_source(platform, dtype, block_n)
+        compiled = triton.compile(src, target=target, options=options)
+        if dtype == "bf16":
+            assert instruction in compiled.asm[asm_key], f"no {instruction} for {target_key}"
+    plan = ASTSource(fn=kernels.get("grouped_plan_kernel"),
+                     signature=kernels.aot_signatures(dtype)["grouped_plan_kernel"],
+                     constexprs=dict(SEGS_P2=64, BLOCK_T=128, BLOCK_M=128, GROUP_M=8,
+                                     ZERO_ROWS=64, ZERO_COLS=256))
+    assert triton.compile(plan, target=target).asm[asm_key]
+
+
+@pytest.mark.parametrize("trans_w", [False, True])
+@pytest.mark.parametrize("block_n", [0, 128])
+def test_grouped_products_load_by_the_copy_engine_on_sm90(trans_w, block_n):
+    # Hopper: X and W (as stored, or the backward's W^T from W's own storage, boxes turned
+    # in registers) come by bulk tensor copies feeding wgmma, in the flattened task loop
+    src, options = _grouped_tiles_source("cuda", "bf16", block_n, tma=True, trans_w=trans_w)
+    ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+
+
 @pytest.mark.parametrize("groups_p2", [1, 8])
 def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2):
     # USE_TMA: X and W arrive as tensor descriptors; the K loop must fetch them with bulk

@@ -191,7 +191,7 @@ class _GroupedProducts(torch.autograd.Function):
         team = gpu.team_for(ctx.transport.ctx)
         gy = gy.contiguous()
         dx = gpu.grouped_local(team, gy, w.transpose(1, 2), counts, groups, ctx.max_rows,
-                               _scratch(team, x), out=torch.zeros_like(x))
+                               _scratch(team, x), out=torch.empty_like(x))
         dw = gpu.grouped_weight_grad(x, gy, counts, groups, w.dtype)
         return dx, dw, None, None, None
 

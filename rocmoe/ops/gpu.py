@@ -26,7 +26,7 @@ import torch
 
 from .. import errors
 from .._triton import interpreting as _interpreting
-from .._triton import sm_count, tensor_descriptor, tma_capable
+from .._triton import pow2_at_least, sm_count, tensor_descriptor, tma_capable
 from .. import native_launch
 from ..env import first_call_timeout_from_env
 from ._common import MODES
@@ -264,7 +264,8 @@ def _make_specializer(fn):
 
 
 _LAUNCHERS = {name: _Launcher(name) for name in
-              ("gemm_a2a_kernel", "collect_kernel", "abort_kernel", "grouped_weight_grad_kernel")}
+              ("gemm_a2a_kernel", "collect_kernel", "abort_kernel", "grouped_weight_grad_kernel",
+               "grouped_plan_kernel", "grouped_tiles_kernel")}
 
 
 # ---------------------------------------------------------------------------------------
@@ -288,19 +289,29 @@ def _num_programs(device: torch.device, total_tasks: int, per_sm: Optional[float
     return max(1, min(total_tasks, int(sms * per_sm)))
 
 
-def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                n: Optional[int] = None) -> dict:
-    """The GEMM kernel's tile and launch options. `n` (a product N wide, untuned): the
-    default BLOCK_N narrows to the widest tile that divides N (even_block_n)."""
+def gemm_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The GEMM kernel's tile and launch options."""
     from . import triton_gemm_a2a as tk
     if device.type == "cpu":  # interpreter: small tiles keep it quick
         cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=4, num_stages=1)
     else:
         cfg = tk.default_config(_PLATFORM, dtype == torch.float32)
-    if n is not None:
-        cfg["BLOCK_N"] = even_block_n(n, cfg["BLOCK_N"])
     # ROCMOE_GEMM_CONFIG='{"BLOCK_N": 128, "USE_TMA": true}' overrides entries (tuning)
     return _overridden(cfg, "ROCMOE_GEMM_CONFIG")
+
+
+def grouped_config(device: torch.device, dtype: torch.dtype, n: int) -> dict:
+    """grouped_local's tiles for a product N wide: the platform's
+    (triton_gemm_a2a.grouped_config), BLOCK_N the widest that divides N (even_block_n);
+    ROCMOE_GROUPED_CONFIG='{"BLOCK_N": 128, "FLATTEN": false}' overrides entries (tuning)."""
+    from . import triton_gemm_a2a as tk
+    if device.type == "cpu":  # interpreter: small tiles keep it quick
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, FLATTEN=False)
+    else:
+        fp32 = dtype == torch.float32
+        widest = tk.grouped_config(_PLATFORM, fp32)["BLOCK_N"]
+        cfg = tk.grouped_config(_PLATFORM, fp32, even_block_n(n, widest))
+    return _overridden(cfg, "ROCMOE_GROUPED_CONFIG")
 
 
 def _overridden(cfg: dict, variable: str) -> dict:
@@ -849,44 +860,73 @@ def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Te
                   ) -> torch.Tensor:
     """Y = grouped products of X's rows with device counts [sources, groups] (rows source-
     major, then group): segment (s, g) through w[g] ([G, K, N], any strides), stored at the
-    rows' own positions. No protocol, no host read; rows outside every segment are left as
-    they are in `out` (zeros when it is made here). `max_rows`: the most rows one source
-    may hold (bounds the grid)."""
-    dev, world, g = x.device, int(counts.shape[0]) if counts.dim() == 2 else team.world, groups
+    rows' own positions; the rows of `out` (made here when None) past the segments are set
+    to zero. No protocol, no host read. Counts that cannot be meant (negative, more rows
+    than X or `out` has) compute nothing (`out` all zeros) and record STATUS_BAD_INPUT in
+    status word 3 * sources at `status_address`. `max_rows` is unused: the task table is
+    sized by X's rows (kept for the callers' signature).
+
+    Two launches: grouped_plan_kernel writes the tiles' table and zeroes the rows past the
+    segments, then grouped_tiles_kernel's persistent programs (one an SM) compute the
+    tiles."""
+    from . import triton_gemm_a2a as tk
+    del max_rows
+    dev, g = x.device, groups
+    sources = int(counts.shape[0]) if counts.dim() == 2 else team.world
     k_in, n_out = int(x.shape[1]), int(w.shape[-1])
     if out is None:
-        out = torch.zeros(x.shape[0], n_out, dtype=x.dtype, device=dev)
-    cfg = gemm_config(dev, x.dtype, n_out)  # untuned here: at least no ragged N tile
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    tasks = world * (math.ceil(max(max_rows, 1) / bm) + g) * math.ceil(n_out / bn)
-    nprog = _num_programs(dev, tasks, 1)
-    recv = torch.empty(1, dtype=torch.int64, device=dev)
+        out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=dev)
+    cfg = grouped_config(dev, x.dtype, n_out)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    # Hopper: X and a contiguous W (the forward's products) through tensor descriptors, as
-    # the handle's GEMM loads them: 15-21 % faster than by pointers on an H200 (results/
-    # probe_ep_ffn_h200_eighteenth_session.jsonl). A transposed W (the backward's dX) goes by
-    # pointers: a descriptor of its stored transpose, boxes turned in shared memory, ran
-    # within 1-3 % of them (..._eighteenth_session_dw.jsonl) and was not kept. Rows past a
-    # segment that a TMA box reads are other segments' (or zeros past X): computed, never
-    # stored
-    x_arg, w_arg, use_tma = gemm_operands(x, w, cfg)
-    # the kernel maps order positions to sources: any permutation serves in local mode
-    order = _arange_i32(world, dev)
-    constexprs = dict(WORLD_P2=max(2, 1 << (world - 1).bit_length()),
-                      GROUPS_P2=max(1, 1 << (g - 1).bit_length()),
-                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-                      MODE=0, COPY=False, FP32_IEEE=x.dtype == torch.float32,
-                      EVEN_N=n_out % bn == 0, EVEN_K=k_in % cfg["BLOCK_K"] == 0,
-                      USE_TMA=use_tma)
+    rows_bound = min(int(x.shape[0]), int(out.shape[0]))
+    segments = sources * g
+    n_tiles = math.ceil(n_out / bn)
+    max_tasks = max(1, (math.ceil(rows_bound / bm) + segments) * n_tiles)
+    table = torch.empty(4 * max_tasks + 1, dtype=torch.int32, device=dev)
+    segs_p2 = max(2, 1 << (segments - 1).bit_length())
+    block_t = max(2, min(128, 8192 // segs_p2))  # [BLOCK_T, SEGS_P2] masks stay small
+    zero_rows = 16 if dev.type == "cpu" else 64
+    plan_const = dict(SEGS_P2=segs_p2, BLOCK_T=block_t, BLOCK_M=bm, GROUP_M=cfg["GROUP_M"],
+                      ZERO_ROWS=zero_rows, ZERO_COLS=min(256, max(16, pow2_at_least(n_out))))
+    plan_args = (counts.reshape(-1), table, out, status_address + 4 * 3 * sources,
+                 rows_bound, int(out.shape[0]), n_out, max_tasks, segments, g, n_tiles)
+    plan_grid = max(math.ceil(max_tasks / block_t), math.ceil(out.shape[0] / zero_rows), 1)
+    _LAUNCHERS["grouped_plan_kernel"]((plan_grid,), plan_args, plan_const, {},
+                                      ("plan", tuple(plan_const.items())))
+    # Hopper: X and W through tensor descriptors, W as stored: [G, K, N] contiguous, or the
+    # backward's W^T, a view of a contiguous [G, N, K] (TRANS_W)
+    trans_w = w.dim() == 3 and w.transpose(1, 2).is_contiguous() and not w.is_contiguous()
+    x_arg, w_arg, use_tma = x, w, False
+    if cfg.get("USE_TMA") and _grouped_tma_fits(x, w, trans_w, bk):
+        x_desc = tensor_descriptor(x, x.shape[0], k_in, x.stride(0), [bm, bk])
+        if trans_w:
+            w_desc = tensor_descriptor(w, g * n_out, k_in, k_in, [bn, bk])
+        else:
+            w_desc = tensor_descriptor(w, g * k_in, n_out, n_out, [bk, bn])
+        if x_desc is not None and w_desc is not None:
+            x_arg, w_arg, use_tma = x_desc, w_desc, True
+    nprog = _num_programs(dev, max_tasks, cfg.get("PROGRAMS_PER_SM", 1))
+    constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma,
+                      TRANS_W=trans_w and use_tma, EVEN_N=n_out % bn == 0,
+                      EVEN_K=k_in % bk == 0, FP32_IEEE=x.dtype == torch.float32,
+                      FLATTEN=bool(cfg.get("FLATTEN")) and use_tma)
     options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg and dev.type != "cpu"}
-    # capacity: no bound here (the caller's counts are its own); status: the team's scratch
-    args = (x_arg, w_arg, out, counts, order, team.peer_bases, recv, status_address,
-            0, *([0] * 8), 0, world, int(x.shape[0]), n_out, k_in, g,
-            1 << 62, nprog, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-            w.stride(2), 1, 0, 0)
-    key = ("local", tuple(sorted(constexprs.items())), nprog)
-    _LAUNCHERS["gemm_a2a_kernel"]((nprog,), args, constexprs, options, key)
+    args = (x_arg, w_arg, out, table, max_tasks, n_out, k_in, nprog, x.stride(0),
+            w.stride(0), w.stride(1), w.stride(2))
+    key = ("grouped", tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
+    _LAUNCHERS["grouped_tiles_kernel"]((nprog,), args, constexprs, options, key)
     return out
+
+
+def _grouped_tma_fits(x: torch.Tensor, w: torch.Tensor, trans_w: bool, block_k: int) -> bool:
+    """Whether grouped_local's operands go as tensor descriptors: a GPU with TMA, 16-bit
+    data, X with unit column stride, W [G, K, N] contiguous with K a multiple of BLOCK_K (no
+    box reaches into the next group), or (trans_w) W^T's storage [G, N, K] contiguous."""
+    if not (x.dtype != torch.float32 and x.shape[0] > 0 and x.stride(1) == 1
+            and tma_capable(x.device) and w.dim() == 3):
+        return False
+    return trans_w or (w.is_contiguous() and w.shape[1] % block_k == 0)
 
 
 def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, counts: torch.Tensor, groups: int,
@@ -931,7 +971,7 @@ def grouped_backward(handle, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor,
     team = team_for(handle.ctx)
     counts = counts.reshape(team.world, groups)
     dx = grouped_local(team, gy, w.transpose(1, 2), counts, groups, handle.max_rows,
-                       handle.status_address, out=torch.zeros_like(x))
+                       handle.status_address, out=torch.empty_like(x))
     dw = grouped_weight_grad(x, gy[:x.shape[0]], counts, groups, w.dtype)
     return dx, dw
 

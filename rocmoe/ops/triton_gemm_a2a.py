@@ -35,8 +35,11 @@ turns each source's count into a status word where it is not a row count, writes
 ``recv_counts`` and acknowledges every source.
 
 MODE_LOCAL runs the same tiles with no protocol at all, storing into the output at the rows'
-own positions: world size 1 (the output is then the product itself, no heap, no copy) and
-the backward's grouped dX.
+own positions: world size 1 (the output is then the product itself, no heap, no copy). The
+grouped products with no exchange (gpu.grouped_local: the expert-parallel step's first
+product and every dX) run ``grouped_tiles_kernel`` instead: ``grouped_plan_kernel`` writes
+a table of their tiles on the device, and persistent programs read one record a tile
+instead of recomputing the plan, their task loop flattened into the K loop.
 
 As in ``rocmoe.moe.kernels``, the bodies are plain functions wrapped by ``triton.jit`` on
 first use, so ``TRITON_INTERPRET=1`` set by a test before the first call runs this very
@@ -169,11 +172,13 @@ def _tile_product(x_ptr, w_ptr, row_first, rows_left, n_tile, g, k_lo, k_hi, N, 
                   stride_xm, stride_xk, stride_wg, stride_wk, stride_wn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   COPY: tl.constexpr, FP32_IEEE: tl.constexpr, EVEN_N: tl.constexpr,
-                  EVEN_K: tl.constexpr, USE_TMA: tl.constexpr):
+                  EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, TRANS_W: tl.constexpr = False):
     # One output tile in fp32: X's rows [row_first, row_first + BLOCK_M) (those at or past
     # `rows_left` are not read: the pointer path reads row_first again in their place, TMA
     # zero-fills past X's end; either way they are computed and never stored) times W[g]'s
     # columns of tile n_tile, over K range [k_lo, k_hi). COPY: the tile of X itself.
+    # USE_TMA: w_ptr is a descriptor of W as [G * K, N]; with TRANS_W (grouped_tiles_kernel)
+    # of W^T's storage as [G * N, K], its boxes turned in registers.
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -198,7 +203,11 @@ def _tile_product(x_ptr, w_ptr, row_first, rows_left, n_tile, g, k_lo, k_hi, N, 
                 # rows past the segment (other segments', or past M: zeros) are computed
                 # and never stored
                 a = x_ptr.load([row_first.to(tl.int32), k0])
-                b = w_ptr.load([tl.cast(g * K + k0, tl.int32), (n_tile * BLOCK_N).to(tl.int32)])
+                if TRANS_W:
+                    b = w_ptr.load([tl.cast(g * N + n_tile * BLOCK_N, tl.int32), k0]).T
+                else:
+                    b = w_ptr.load([tl.cast(g * K + k0, tl.int32),
+                                    (n_tile * BLOCK_N).to(tl.int32)])
             elif EVEN_K:
                 a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk)
                 b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
@@ -606,6 +615,98 @@ def grouped_weight_grad_kernel(x_ptr, gy_ptr, dw_ptr, counts_ptr, world, G, K, N
              acc.to(dw_ptr.dtype.element_ty), mask=(ks[:, None] < K) & (ns[None, :] < N))
 
 
+@_kernel
+def grouped_plan_kernel(counts_ptr, table_ptr, out_ptr, status_addr, rows_bound, out_rows, N,
+                        max_tasks, segments, groups, n_tiles, SEGS_P2: tl.constexpr,
+                        BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+                        ZERO_ROWS: tl.constexpr, ZERO_COLS: tl.constexpr):
+    # grouped_tiles_kernel's task table, from the device counts [segments] int64 (segment
+    # s = source * groups + group; their rows one after another from row 0). Task t's
+    # record is four int32 words: (first row of X, rows of the tile that are the segment's,
+    # group, column tile); word 4 * max_tasks holds the number of tasks. Tasks go segment by
+    # segment, inside one GROUP_M row tiles per column tile (they share W's columns in L2).
+    # The rows of out [out_rows, N] past the segments are set to zero here (what a memset
+    # of all of out did, at a fraction of the traffic). Counts the caller cannot have meant
+    # (negative, or more rows than rows_bound) make no task at all (out is all zeros), and
+    # program 0 records STATUS_BAD_INPUT in the int32 at status_addr. Each program writes
+    # the records of BLOCK_T tasks and zeroes ZERO_ROWS rows; every program recomputes the
+    # segments' prefix sums (a few hundred integers) rather than wait for another's.
+    segs = tl.arange(0, SEGS_P2)
+    wide = tl.load(counts_ptr + segs, mask=segs < segments, other=0)
+    bad = ((tl.min(wide, axis=0) < 0) | (tl.max(wide, axis=0) > rows_bound)
+           | (tl.sum(wide, axis=0) > rows_bound))  # each <= rows_bound first: no overflow
+    c = tl.where(bad, 0, wide).to(tl.int32)
+    tiles = tl.cdiv(c, BLOCK_M) * n_tiles
+    tile_end = tl.cumsum(tiles, axis=0)
+    total = tl.minimum(tl.sum(tiles, axis=0), max_tasks)
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(table_ptr + 4 * max_tasks, total)
+        if bad:
+            tl.store(status_addr.to(tl.pointer_type(tl.int32)), STATUS_BAD_INPUT)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    if pid * BLOCK_T < total:
+        seg = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        hot = seg[:, None] == segs[None, :]
+        in_seg = t - tl.sum(tl.where(hot, (tile_end - tiles)[None, :], 0), axis=1)
+        rows = tl.sum(tl.where(hot, c[None, :], 0), axis=1)
+        row_first = tl.sum(tl.where(hot, (tl.cumsum(c, axis=0) - c)[None, :], 0), axis=1)
+        m_tile, n_tile = _grouped_tile(in_seg, tl.cdiv(rows, BLOCK_M), n_tiles, GROUP_M)
+        ok = t < total
+        record = table_ptr + t * 4
+        tl.store(record, row_first + m_tile * BLOCK_M, mask=ok)
+        tl.store(record + 1, tl.minimum(rows - m_tile * BLOCK_M, BLOCK_M), mask=ok)
+        tl.store(record + 2, seg % groups, mask=ok)
+        tl.store(record + 3, n_tile, mask=ok)
+    zr = pid * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
+    if pid * ZERO_ROWS + ZERO_ROWS > tl.sum(c, axis=0):
+        zero_ok = (zr >= tl.sum(c, axis=0)) & (zr < out_rows)
+        zc = tl.arange(0, ZERO_COLS)
+        zeros = tl.zeros((ZERO_ROWS, ZERO_COLS), dtype=out_ptr.dtype.element_ty)
+        for c0 in range(0, N, ZERO_COLS):
+            tl.store(out_ptr + zr[:, None].to(tl.int64) * N + (c0 + zc)[None, :], zeros,
+                     mask=zero_ok[:, None] & ((c0 + zc) < N)[None, :])
+
+
+@_kernel
+def grouped_tiles_kernel(x_ptr, w_ptr, out_ptr, table_ptr, max_tasks, N, K, num_programs,
+                         stride_xm, stride_wg, stride_wk, stride_wn,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_TMA: tl.constexpr, TRANS_W: tl.constexpr, EVEN_N: tl.constexpr,
+                         EVEN_K: tl.constexpr, FP32_IEEE: tl.constexpr,
+                         FLATTEN: tl.constexpr):
+    # The grouped products of gpu.grouped_local: the tasks grouped_plan_kernel wrote into
+    # table_ptr, each out[rows of its tile, its column tile] = X[those rows] @ W[g] (fp32
+    # accumulation; _tile_product, _store_tile), persistent programs taking every
+    # num_programs-th task. X is [M, K] with unit column stride, out [M, N] contiguous;
+    # rows of a tile past its own are computed (from other segments' rows, or zeros past X)
+    # and never stored.
+    # USE_TMA (Hopper): X and W come as tensor descriptors: W [G, K, N] contiguous as
+    # [G * K, N] (K a multiple of BLOCK_K: no box reaches into the next group), or with
+    # TRANS_W, W^T's storage [G, N, K] contiguous as [G * N, K] (a box past N reads the next
+    # group's rows, which only columns past N see, and those are not stored). Otherwise
+    # pointer loads with W's strides. FLATTEN (with TMA only): the task loop and the K loop
+    # are one software-pipelined loop, so the next task's first loads are in flight while
+    # this one stores its tile: on an H200 that took the expert-parallel step's products
+    # from 4-21 % behind torch._grouped_mm to within -9 .. +6 % of it
+    # (benchmarks/probe_grouped_persistent.py,
+    # results/probe_grouped_persistent_h200_nineteenth_session.jsonl). With pointer loads
+    # the flattened loop ran 3-7 x slower than the old kernel's (1.74 against 0.61 ms;
+    # probe_ep_ffn_h200_nineteenth_session_products.jsonl, "default no TMA"), so
+    # gpu.grouped_local flattens only TMA loops.
+    total = tl.load(table_ptr + 4 * max_tasks)
+    for task in tl.range(tl.program_id(0), total, num_programs, flatten=FLATTEN):
+        record = table_ptr + task * 4
+        row0 = tl.load(record)
+        rows = tl.load(record + 1)
+        g = tl.load(record + 2)
+        n_tile = tl.load(record + 3)
+        acc = _tile_product(x_ptr, w_ptr, row0, rows, n_tile, g, 0, K, N, K, stride_xm, 1,
+                            stride_wg, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, False,
+                            FP32_IEEE, EVEN_N, EVEN_K, USE_TMA, TRANS_W)
+        _store_tile(out_ptr, row0, 0, n_tile, acc, rows, N, BLOCK_M, BLOCK_N, EVEN_N)
+
+
 def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
     """Argument types of every kernel for ahead-of-time ``triton.compile``."""
     p = "*" + dtype
@@ -635,6 +736,18 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             peer_bases_ptr=i64, status_addr="i64", ws_offset="i64", signal_off="i64",
             ack_off="i64", phase2_off="i64", count_off="i64", epoch_off="i64", rank="i32",
             world="i32", wait_budget="i32", WORLD_P2="constexpr", CLOCK="constexpr"),
+        "grouped_plan_kernel": dict(
+            counts_ptr=i64, table_ptr=i32, out_ptr=p, status_addr="i64", rows_bound="i64",
+            out_rows="i32", N="i32", max_tasks="i32", segments="i32", groups="i32",
+            n_tiles="i32", SEGS_P2="constexpr", BLOCK_T="constexpr", BLOCK_M="constexpr",
+            GROUP_M="constexpr", ZERO_ROWS="constexpr", ZERO_COLS="constexpr"),
+        "grouped_tiles_kernel": dict(
+            x_ptr=p, w_ptr=p, out_ptr=p, table_ptr=i32, max_tasks="i32", N="i32", K="i32",
+            num_programs="i32", stride_xm="i32", stride_wg="i32",
+            stride_wk="i32", stride_wn="i32", BLOCK_M="constexpr", BLOCK_N="constexpr",
+            BLOCK_K="constexpr", USE_TMA="constexpr", TRANS_W="constexpr",
+            EVEN_N="constexpr", EVEN_K="constexpr", FP32_IEEE="constexpr",
+            FLATTEN="constexpr"),
         "grouped_weight_grad_kernel": dict(
             x_ptr=p, gy_ptr=p, dw_ptr=p, counts_ptr=i64, world="i32", G="i32", K="i32",
             N="i32", stride_xm="i32", stride_gm="i32", WORLD_P2="constexpr",
@@ -664,6 +777,31 @@ def weight_grad_config(platform: str, fp32: bool = False) -> dict:
                     num_warps=4)
     return dict(BLOCK_K=128, BLOCK_N=128, BLOCK_M=32 if fp32 else 64, TILES_FIRST=True,
                 num_warps=4, num_stages=3)
+
+
+def grouped_config(platform: str, fp32: bool = False, block_n: int = 0) -> dict:
+    """Tiles of grouped_tiles_kernel per platform, for a product whose column tile is
+    `block_n` wide (0: the widest, which gpu.grouped_config narrows to one that divides N).
+
+    Hopper (an H200, bf16, the expert-parallel step's products of 28,015 rows over 32 local
+    experts, group-major and from two sources; benchmarks/probe_grouped_persistent.py,
+    results/probe_grouped_persistent_h200_nineteenth_session.jsonl): 128 x 256 x 64, 8 warps,
+    4 stages, flattened (0.36-0.55 ms against torch._grouped_mm's 0.39-0.58 on the same
+    rows; 3 stages within 1 %); where N needs a 128-wide tile (1408) 4 warps, 4 stages
+    (0.55 ms, 8 warps 0.58-0.60). float32 as the GEMM's own tile, not flattened (not timed).
+    CDNA: the GEMM's default tile, not flattened (nothing here is measured on AMD)."""
+    if fp32:  # pointer loads: not flattened (see grouped_tiles_kernel)
+        cfg = dict(default_config(platform, True), FLATTEN=False)
+    elif platform == "hip":
+        cfg = dict(default_config(platform), FLATTEN=False)
+    else:
+        cfg = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8,
+                   num_stages=4, USE_TMA=True, FLATTEN=True)
+        if block_n and block_n < 256:
+            cfg.update(BLOCK_N=block_n, num_warps=4)
+    if block_n:
+        cfg["BLOCK_N"] = block_n
+    return cfg
 
 
 def default_config(platform: str, fp32: bool = False) -> dict:

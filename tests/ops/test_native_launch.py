@@ -2,7 +2,7 @@
 its parameter layout against the one the H200's driver reported for the GEMM kernel
 (benchmarks/results/probe_gemm_host_h200.json, cuFuncGetParamInfo), its specialisation
 tokens, and that it refuses where it cannot run. The launches themselves are checked on the
-GPU (tests/ops_gpu/test_fused_gpu.py, "native")."""
+GPU (tests/ops_gpu/test_fused_launch_and_failures_gpu.py, "native")."""
 
 import ast
 import json

@@ -19,3 +19,10 @@ def librocmoe_has_gpu() -> bool:
     except Exception:  # pragma: no cover - broken install
         return False
     return _native.gpu_platform() != "none"
+
+
+def require_gpu_build():
+    """Skip without a GPU; fail where there is one but librocmoe was built without it."""
+    require_gpu()
+    if not librocmoe_has_gpu():
+        pytest.fail("librocmoe was built without a GPU platform on a machine with a GPU")
