@@ -10,12 +10,12 @@ sm90, bf16 / fp16). Elsewhere it loops ``torch.mm`` over the groups on host coun
 
 What it measured (DroplessMoE's ``combine="grouped_mm"``, taken only when asked for): on an
 H200, on the rows rank 0 of a 2-GPU Zipf run received (28015 rows from two sources, 32 local
-experts, bf16), forward + backward took 3.82 / 6.37 ms here against 3.47 / 4.71 ms through
-the block-sparse FFN and 3.15 / 4.07 ms through the fused combine's grouped Triton kernels
-(hidden 1024 / ffn 4096 and hidden 4096 / ffn 1408; the fused combine after the seventeenth
-session's tile fix and the eighteenth session's TMA loads and weight-gradient tiles).
-torch._grouped_mm alone on group-major rows took 2.84 / 3.61: the regrouping gathers cost
-the rest (benchmarks/probe_ep_ffn.py, results/probe_ep_ffn_h200_eighteenth_session_dw.jsonl).
+experts, bf16), forward + backward took 3.79 / 6.34 ms here against 3.43 / 4.75 ms through
+the block-sparse FFN and 2.85 / 3.64 ms through the fused combine's grouped Triton kernels
+(hidden 1024 / ffn 4096 and hidden 4096 / ffn 1408; the fused combine with the nineteenth
+session's task-table kernel, gpu.grouped_local). torch._grouped_mm alone on group-major rows
+took 2.73 / 3.48: the regrouping gathers cost the rest (benchmarks/probe_ep_ffn.py,
+results/probe_ep_ffn_h200_nineteenth_session.jsonl).
 
 Rows past the arrivals (the handles' upper-bound buffers) keep their place; their results
 are undefined and never read: the exchange back sends each source its counted rows only.
