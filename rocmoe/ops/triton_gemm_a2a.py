@@ -687,9 +687,9 @@ def grouped_tiles_kernel(x_ptr, w_ptr, out_ptr, table_ptr, max_tasks, N, K, num_
     # group's rows, which only columns past N see, and those are not stored). Otherwise
     # pointer loads with W's strides. FLATTEN (with TMA only): the task loop and the K loop
     # are one software-pipelined loop, so the next task's first loads are in flight while
-    # this one stores its tile: on an H200 that took the expert-parallel step's products
-    # from 4-21 % behind torch._grouped_mm to within -9 .. +6 % of it
-    # (benchmarks/probe_grouped_persistent.py,
+    # this one stores its tile: on an H200, in one run, the expert-parallel step's four
+    # products ran 5-36 % behind torch._grouped_mm on the old kernel (gemm_a2a_kernel in
+    # local mode) and -8 .. +5 % from it on this one (benchmarks/probe_grouped_persistent.py,
     # results/probe_grouped_persistent_h200_nineteenth_session.jsonl). With pointer loads
     # the flattened loop ran 3-7 x slower than the old kernel's (1.74 against 0.61 ms;
     # probe_ep_ffn_h200_nineteenth_session_products.jsonl, "default no TMA"), so
