@@ -1,9 +1,9 @@
 #!/bin/bash
 # Every GPU test, on a GPU machine, from the repo root:
 #
-#   bash tests/gpu_suite.sh [PYTEST_ARGS...]              # all of them (about 16 min on an H200)
+#   bash tests/gpu_suite.sh [PYTEST_ARGS...]              # all of them (about 22 min on an H200)
 #   GPU_SUITE_PART=1 bash tests/gpu_suite.sh              # the ipc backend, expert parallelism,
-#                                                          #   vExpert (about 5 min)
+#                                                          #   vExpert (about 6 min)
 #   GPU_SUITE_PART=2 bash tests/gpu_suite.sh              # the MoE layer (about 5 min)
 #   GPU_SUITE_PART=3 bash tests/gpu_suite.sh              # the fused ops' handles against
 #                                                          #   the references, split-K and
