@@ -210,14 +210,13 @@ def main(argv=None):
             cts_dev = cts.to(dev).contiguous()
             want = reference(xin, w, cts, tr)
             wt = w.transpose(1, 2) if tr else w
-            cases = {}
-            if team is not None:
-                cases["grouped_local"] = lambda xin=xin, wt=wt, c=cts_dev: gpu.grouped_local(
-                    team, xin, wt, c, wt.shape[0], xin.shape[0], status.data_ptr())
-                given = torch.empty(xin.shape[0], wt.shape[2], dtype=xin.dtype, device=dev)
-                cases["grouped_local, out given"] = \
-                    lambda xin=xin, wt=wt, c=cts_dev, o=given: gpu.grouped_local(
-                        team, xin, wt, c, wt.shape[0], xin.shape[0], status.data_ptr(), out=o)
+            # (the CPU dry run has no team: grouped_local reads none for 2-D counts)
+            cases = {"grouped_local": lambda xin=xin, wt=wt, c=cts_dev: gpu.grouped_local(
+                team, xin, wt, c, wt.shape[0], xin.shape[0], status.data_ptr())}
+            given = torch.empty(xin.shape[0], wt.shape[2], dtype=xin.dtype, device=dev)
+            cases["grouped_local, out given"] = \
+                lambda xin=xin, wt=wt, c=cts_dev, o=given: gpu.grouped_local(
+                    team, xin, wt, c, wt.shape[0], xin.shape[0], status.data_ptr(), out=o)
             for cfg, flat in itertools.product(configs, (False, True)):
                 # no ragged column tile, as grouped_local (gpu.even_block_n)
                 cfg = dict(cfg, BLOCK_N=gpu.even_block_n(wt.shape[2], cfg["BLOCK_N"]))

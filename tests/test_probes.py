@@ -28,3 +28,20 @@ def test_ep_ffn_probe_dry_run_reports_every_path_equal_to_the_block_sparse_ffn()
         assert sorted(grads) == ["w1", "w2", "x"], (name, grads)
         assert max(grads.values()) < 2e-2, (name, grads)
         assert r["fwd_bwd_ms"] > 0, (name, r)
+
+
+def test_grouped_products_probe_dry_run_reports_every_case_equal_to_the_reference():
+    # benchmarks/probe_grouped_persistent.py times gpu.grouped_local and the probe's own
+    # table kernel on four products and two row layouts; each case's result is checked
+    # against the segment products in fp32
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "probe_grouped_persistent.py"),
+                           "--device", "cpu", "--shapes", "64,32,40,8", "--reps", "1"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    cases = {(r["product"], r["rows"], r["case"]) for r in records}
+    assert len(cases) == 4 * 2 * 4, sorted(cases)
+    for r in records:
+        assert isinstance(r["rel_err"], float) and r["rel_err"] < 1e-3, r
