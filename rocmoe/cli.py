@@ -41,6 +41,11 @@ ENV_KNOBS = (
                                      '{"tma": false, "dstd": {"block_n": 256, "num_warps": 8}}'),
     ("ROCMOE_GEMM_CONFIG", "", "JSON overrides of the GEMM+A2A tile config, e.g. "
                                '{"BLOCK_N": 128, "USE_TMA": false, "PROGRAMS_PER_SM": 1}'),
+    ("ROCMOE_GROUPED_CONFIG", "", "JSON overrides of the expert-parallel grouped products' "
+                                  'tiles (gpu.grouped_local), e.g. {"BLOCK_N": 128, '
+                                  '"FLATTEN": false}'),
+    ("ROCMOE_DW_CONFIG", "", "JSON overrides of the grouped weight gradient's tiles, e.g. "
+                             '{"BLOCK_K": 64, "TILES_FIRST": false}'),
     ("ROCMOE_GPU_WORKGROUPS", "0", "workgroups of the HIP fused kernels (0: per the GPU)"),
     ("ROCMOE_EMBEDDING_DIRECT", "1", "Embedding+A2A at world size 1: 1 a plain gather "
                                      "kernel, 0 the protocol kernel"),
