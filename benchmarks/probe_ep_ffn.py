@@ -45,14 +45,13 @@ def rank0_counts(tokens, experts, world, top_k=2):
     return counts
 
 
-def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
+def products(a, x, w1, w2, counts, to_gm, act, t, h, f, e):
     """Each of the two products alone, forward: the grouped kernel (gpu.grouped_local) under
     tile configs (ROCMOE_GROUPED_CONFIG), torch._grouped_mm on group-major rows, and
     torch._grouped_mm behind the permutation the handle step would need (its rows arrive
     source-major from two sources, each expert's rows split between them: `to_gm`, their
     group-major positions, as main() makes them)."""
     from rocmoe.ops import gpu
-    team = gpu.team_for(transport.ctx)
     status = torch.zeros(64, dtype=torch.int32, device=x.device)
     dev_counts = counts.to(x.device).view(1, -1)
     offs = torch.cumsum(counts.to(x.device), 0).to(torch.int32)
@@ -77,8 +76,7 @@ def products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e):
                 os.environ.pop("ROCMOE_GROUPED_CONFIG", None)
             else:
                 os.environ["ROCMOE_GROUPED_CONFIG"] = override
-            return gpu.grouped_local(team, xin, w, dev_counts, w.shape[0], capacity,
-                                     status.data_ptr())
+            return gpu.grouped_local(xin, w, dev_counts, status.data_ptr())
         cases[f"grouped_local {label} W1"] = lambda gl=gl: gl(x, w1)
         cases[f"grouped_local {label} W2"] = lambda gl=gl: gl(hmid, w2)
         if label in ("default", "not flattened"):
@@ -220,8 +218,8 @@ def main(argv=None):
         p1, p2 = w1.clone().requires_grad_(True), w2.clone().requires_grad_(True)
 
         def grouped_kernels():
-            hmid = act(grouped_products(xr, p1, dev_counts, transport, capacity))
-            return grouped_products(hmid, p2, dev_counts, transport, capacity)
+            hmid = act(grouped_products(xr, p1, dev_counts, transport))
+            return grouped_products(hmid, p2, dev_counts, transport)
 
         def block_sparse():
             return local_experts(xr, ids, ones, p1, p2, None, 128, "gelu")
@@ -278,7 +276,7 @@ def main(argv=None):
             except Exception as exc:  # noqa: BLE001 - a path that does not run is a result
                 errs[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if a.products and dev.type == "cuda":
-            products(a, x, w1, w2, counts, to_gm, capacity, transport, act, t, h, f, e)
+            products(a, x, w1, w2, counts, to_gm, act, t, h, f, e)
         if a.weight_grad and dev.type == "cuda":
             weight_grads(a, x, w1, counts, to_gm, t, h, f, e)
         f_ms = interleaved_ms(fwd, rounds=a.reps, calls=2)

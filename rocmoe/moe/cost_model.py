@@ -214,9 +214,9 @@ def profile_handle_ffn(layer, rows: int, reps: int = 3) -> tuple[float, float, l
                 counts = busy if rank == timed else idle
 
                 def step():
-                    h = act(grouped_products(x, layer.w1, counts, transport, capacity))
+                    h = act(grouped_products(x, layer.w1, counts, transport))
                     if layer.w3 is not None:
-                        h = h * grouped_products(x, layer.w3, counts, transport, capacity)
+                        h = h * grouped_products(x, layer.w3, counts, transport)
                     back = transport.combine(h, layer.w2, counts)
                     torch.autograd.grad(back.float().sum(), weights)
                 times.append(_median_ms(step, reps))

@@ -163,10 +163,10 @@ class _GroupedProducts(torch.autograd.Function):
     (s, g) through W[g], rows at their own positions), without a host read on a GPU."""
 
     @staticmethod
-    def forward(ctx, x, w, counts, transport, max_rows):
+    def forward(ctx, x, w, counts, transport):
         from ..ops import gpu
         ctx.save_for_backward(x, w, counts)
-        ctx.transport, ctx.max_rows = transport, max_rows
+        ctx.transport = transport
         if x.device.type == "cpu":
             from ..ops.products import grouped_products
             n = int(counts.sum())
@@ -174,7 +174,7 @@ class _GroupedProducts(torch.autograd.Function):
             y[:n] = grouped_products(x[:n], w, counts.tolist())
             return y
         team = gpu.team_for(transport.ctx)
-        return gpu.grouped_local(team, x, w, counts, w.shape[0], max_rows, _scratch(team, x))
+        return gpu.grouped_local(x, w, counts, _scratch(team, x))
 
     @staticmethod
     def backward(ctx, gy):
@@ -187,13 +187,13 @@ class _GroupedProducts(torch.autograd.Function):
             dx = torch.zeros_like(x)
             dx[:n] = grouped_products(gy[:n], w.transpose(1, 2), counts.tolist())
             return dx, grouped_weight_grad(x[:n], gy[:n], counts.tolist()).to(w.dtype), \
-                None, None, None
+                None, None
         team = gpu.team_for(ctx.transport.ctx)
         gy = gy.contiguous()
-        dx = gpu.grouped_local(team, gy, w.transpose(1, 2), counts, groups, ctx.max_rows,
-                               _scratch(team, x), out=torch.empty_like(x))
+        dx = gpu.grouped_local(gy, w.transpose(1, 2), counts, _scratch(team, x),
+                               out=torch.empty_like(x))
         dw = gpu.grouped_weight_grad(x, gy, counts, groups, w.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None
 
 
 def _scratch(team, x) -> int:
@@ -205,15 +205,15 @@ def _scratch(team, x) -> int:
     return buf.data_ptr()
 
 
-def grouped_products(x, w, counts, transport, max_rows):
-    return _GroupedProducts.apply(x, w, counts, transport, max_rows)
+def grouped_products(x, w, counts, transport):
+    return _GroupedProducts.apply(x, w, counts, transport)
 
 
 def handle_forward(layer, x, expert_ids, weights, transport: HandleTransport, combine: str):
     """One expert-parallel forward with every count on the device (see the module)."""
     num_tokens, top_k = expert_ids.shape
     world = transport.world_size
-    capacity = transport.begin_step(num_tokens * top_k)
+    transport.begin_step(num_tokens * top_k)  # the handles' capacity, agreed by every rank
     # 1. each pair's (rank, group); sorted by it (stable: token order within a group)
     plan = layer.dispatcher.plan(expert_ids, transport)
     groups = plan.num_groups
@@ -232,9 +232,9 @@ def handle_forward(layer, x, expert_ids, weights, transport: HandleTransport, co
         # 4 and 5: the first products on the device counts, the last one fused into the
         # trip back
         act = ACTIVATIONS[layer.activation]
-        h = act(grouped_products(received, layer.w1, recv, transport, capacity))
+        h = act(grouped_products(received, layer.w1, recv, transport))
         if layer.w3 is not None:
-            h = h * grouped_products(received, layer.w3, recv, transport, capacity)
+            h = h * grouped_products(received, layer.w3, recv, transport)
         back = transport.combine(h, layer.w2, recv)
     elif combine == "grouped_mm":
         # 4. the local FFN on grouped products of the arrivals (device counts); 5. back by

@@ -855,24 +855,19 @@ def even_block_n(n: int, block_n: int, least: int = 64) -> int:
     return block_n
 
 
-def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
-                  groups: int, max_rows: int, status_address: int, out: Optional[torch.Tensor] = None
-                  ) -> torch.Tensor:
+def grouped_local(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, status_address: int,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Y = grouped products of X's rows with device counts [sources, groups] (rows source-
     major, then group): segment (s, g) through w[g] ([G, K, N], any strides), stored at the
     rows' own positions; the rows of `out` (made here when None) past the segments are set
     to zero. No protocol, no host read. Counts that cannot be meant (negative, more rows
     than X or `out` has) compute nothing (`out` all zeros) and record STATUS_BAD_INPUT in
-    status word 3 * sources at `status_address`. `max_rows` is unused: the task table is
-    sized by X's rows (kept for the callers' signature).
+    status word 3 * sources at `status_address`. The task table is sized by X's rows.
 
     Two launches: grouped_plan_kernel writes the tiles' table and zeroes the rows past the
     segments, then grouped_tiles_kernel's persistent programs (one an SM) compute the
     tiles."""
-    from . import triton_gemm_a2a as tk
-    del max_rows
-    dev, g = x.device, groups
-    sources = int(counts.shape[0]) if counts.dim() == 2 else team.world
+    dev, g, sources = x.device, int(w.shape[0]), int(counts.shape[0])
     k_in, n_out = int(x.shape[1]), int(w.shape[-1])
     if out is None:
         out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=dev)
@@ -894,18 +889,9 @@ def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Te
     plan_grid = max(math.ceil(max_tasks / block_t), math.ceil(out.shape[0] / zero_rows), 1)
     _LAUNCHERS["grouped_plan_kernel"]((plan_grid,), plan_args, plan_const, {},
                                       ("plan", tuple(plan_const.items())))
-    # Hopper: X and W through tensor descriptors, W as stored: [G, K, N] contiguous, or the
-    # backward's W^T, a view of a contiguous [G, N, K] (TRANS_W)
-    trans_w = w.dim() == 3 and w.transpose(1, 2).is_contiguous() and not w.is_contiguous()
-    x_arg, w_arg, use_tma = x, w, False
-    if cfg.get("USE_TMA") and _grouped_tma_fits(x, w, trans_w, bk):
-        x_desc = tensor_descriptor(x, x.shape[0], k_in, x.stride(0), [bm, bk])
-        if trans_w:
-            w_desc = tensor_descriptor(w, g * n_out, k_in, k_in, [bn, bk])
-        else:
-            w_desc = tensor_descriptor(w, g * k_in, n_out, n_out, [bk, bn])
-        if x_desc is not None and w_desc is not None:
-            x_arg, w_arg, use_tma = x_desc, w_desc, True
+    # the backward's W^T: a view of a contiguous [G, N, K]
+    trans_w = w.transpose(1, 2).is_contiguous() and not w.is_contiguous()
+    x_arg, w_arg, use_tma = grouped_operands(x, w, cfg, trans_w)
     nprog = _num_programs(dev, max_tasks, cfg.get("PROGRAMS_PER_SM", 1))
     constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma,
                       TRANS_W=trans_w and use_tma, EVEN_N=n_out % bn == 0,
@@ -919,14 +905,24 @@ def grouped_local(team: Team, x: torch.Tensor, w: torch.Tensor, counts: torch.Te
     return out
 
 
-def _grouped_tma_fits(x: torch.Tensor, w: torch.Tensor, trans_w: bool, block_k: int) -> bool:
-    """Whether grouped_local's operands go as tensor descriptors: a GPU with TMA, 16-bit
-    data, X with unit column stride, W [G, K, N] contiguous with K a multiple of BLOCK_K (no
-    box reaches into the next group), or (trans_w) W^T's storage [G, N, K] contiguous."""
-    if not (x.dtype != torch.float32 and x.shape[0] > 0 and x.stride(1) == 1
-            and tma_capable(x.device) and w.dim() == 3):
-        return False
-    return trans_w or (w.is_contiguous() and w.shape[1] % block_k == 0)
+def grouped_operands(x: torch.Tensor, w: torch.Tensor, cfg: dict, trans_w: bool) -> tuple:
+    """(X argument, W argument, USE_TMA) of grouped_tiles_kernel: for W [G, K, N] as stored,
+    gemm_operands' (one [G * K, N] descriptor, K a multiple of BLOCK_K); for the backward's
+    W^T (trans_w: a view of a contiguous [G, N, K]), a descriptor of W's own storage
+    [G * N, K] with [BLOCK_N, BLOCK_K] boxes, which the kernel turns. The tensors
+    themselves where TMA cannot load them (tma_operands_fit)."""
+    if not trans_w:
+        return gemm_operands(x, w, cfg)
+    storage = w.transpose(1, 2).reshape(-1, w.shape[1])  # [G * N, K], a view
+    if not tma_operands_fit(x, storage, cfg):
+        return x, w, False
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    x_desc = tensor_descriptor(x, x.shape[0], x.shape[1], x.stride(0), [bm, bk])
+    w_desc = tensor_descriptor(storage, storage.shape[0], storage.shape[1], storage.stride(0),
+                               [bn, bk])
+    if x_desc is None or w_desc is None:
+        return x, w, False
+    return x_desc, w_desc, True
 
 
 def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, counts: torch.Tensor, groups: int,
@@ -970,8 +966,8 @@ def grouped_backward(handle, x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor,
     read of the counts."""
     team = team_for(handle.ctx)
     counts = counts.reshape(team.world, groups)
-    dx = grouped_local(team, gy, w.transpose(1, 2), counts, groups, handle.max_rows,
-                       handle.status_address, out=torch.empty_like(x))
+    dx = grouped_local(gy, w.transpose(1, 2), counts, handle.status_address,
+                       out=torch.empty_like(x))
     dw = grouped_weight_grad(x, gy[:x.shape[0]], counts, groups, w.dtype)
     return dx, dw
 

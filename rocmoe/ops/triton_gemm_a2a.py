@@ -659,8 +659,9 @@ def grouped_plan_kernel(counts_ptr, table_ptr, out_ptr, status_addr, rows_bound,
         tl.store(record + 2, seg % groups, mask=ok)
         tl.store(record + 3, n_tile, mask=ok)
     zr = pid * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
-    if pid * ZERO_ROWS + ZERO_ROWS > tl.sum(c, axis=0):
-        zero_ok = (zr >= tl.sum(c, axis=0)) & (zr < out_rows)
+    rows_taken = tl.sum(c, axis=0)
+    if pid * ZERO_ROWS + ZERO_ROWS > rows_taken:
+        zero_ok = (zr >= rows_taken) & (zr < out_rows)
         zc = tl.arange(0, ZERO_COLS)
         zeros = tl.zeros((ZERO_ROWS, ZERO_COLS), dtype=out_ptr.dtype.element_ty)
         for c0 in range(0, N, ZERO_COLS):

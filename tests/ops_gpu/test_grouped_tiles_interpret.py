@@ -37,7 +37,7 @@ status = torch.zeros(16, dtype=torch.int32)
 out = torch.full((rows + 9, n), 7.0)              # and 4 more in out: all 9 zeroed
 if case == "bad":
     counts[1, 1] = -1
-gpu.grouped_local(None, x, w, counts, groups, 0, status.data_ptr(), out=out)
+gpu.grouped_local(x, w, counts, status.data_ptr(), out=out)
 if case == "bad":
     assert bool((out == 0).all()), "a bad count stored rows"
     assert int(status[3 * sources]) == 6, status.tolist()   # ROCMOE_STATUS_BAD_INPUT
