@@ -10,16 +10,21 @@ import sys
 from rocmoe_testing import REPO
 
 
+def _dry_run(script, *args):
+    """The JSON records of benchmarks/`script` run on CPU under Triton's interpreter."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--device", "cpu",
+                           "--reps", "1", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
 def test_ep_ffn_probe_dry_run_reports_every_path_equal_to_the_block_sparse_ffn():
     # benchmarks/probe_ep_ffn.py times the expert-parallel step's local FFN four ways; each
     # path's output and gradients (dX, dW1, dW2) are checked against the block-sparse FFN's
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "probe_ep_ffn.py"),
-                           "--device", "cpu", "--shapes", "64,32,48,8", "--reps", "1"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    records = _dry_run("probe_ep_ffn.py", "--shapes", "64,32,48,8")
     paths = {r["path"]: r for r in records if r.get("probe") == "ep_ffn"}
     assert len(paths) == 4, sorted(paths)
     for name, r in paths.items():
@@ -34,13 +39,7 @@ def test_grouped_products_probe_dry_run_reports_every_case_equal_to_the_referenc
     # benchmarks/probe_grouped_persistent.py times gpu.grouped_local and the probe's own
     # table kernel on four products and two row layouts; each case's result is checked
     # against the segment products in fp32
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "probe_grouped_persistent.py"),
-                           "--device", "cpu", "--shapes", "64,32,40,8", "--reps", "1"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    records = _dry_run("probe_grouped_persistent.py", "--shapes", "64,32,40,8")
     cases = {(r["product"], r["rows"], r["case"]) for r in records}
     assert len(cases) == 4 * 2 * 4, sorted(cases)
     for r in records:

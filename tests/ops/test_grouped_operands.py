@@ -7,9 +7,10 @@ cannot load (float32) go as the tensors themselves."""
 import pytest
 import torch
 
-from rocmoe.ops import gpu
+from rocmoe_testing import require_module
 
-pytest.importorskip("triton")
+require_module("triton", "Triton's tensor descriptors are what grouped_operands makes")
+from rocmoe.ops import gpu  # noqa: E402
 
 CFG = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, USE_TMA=True)
 G, K, N = 3, 48, 40
