@@ -866,43 +866,111 @@ def grouped_local(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, status
 
     Two launches: grouped_plan_kernel writes the tiles' table and zeroes the rows past the
     segments, then grouped_tiles_kernel's persistent programs (one an SM) compute the
-    tiles."""
-    dev, g, sources = x.device, int(w.shape[0]), int(counts.shape[0])
-    k_in, n_out = int(x.shape[1]), int(w.shape[-1])
+    tiles. What a shape fixes (tiles, grids, constexprs, the native launches) is a
+    _GroupedLaunch, made on the first call of the shape and kept (_GROUPED_LAUNCHES)."""
     if out is None:
-        out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=dev)
-    cfg = grouped_config(dev, x.dtype, n_out)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    rows_bound = min(int(x.shape[0]), int(out.shape[0]))
-    segments = sources * g
-    n_tiles = math.ceil(n_out / bn)
-    max_tasks = max(1, (math.ceil(rows_bound / bm) + segments) * n_tiles)
-    table = torch.empty(4 * max_tasks + 1, dtype=torch.int32, device=dev)
-    segs_p2 = max(2, 1 << (segments - 1).bit_length())
-    block_t = max(2, min(128, 8192 // segs_p2))  # [BLOCK_T, SEGS_P2] masks stay small
-    zero_rows = 16 if dev.type == "cpu" else 64
-    plan_const = dict(SEGS_P2=segs_p2, BLOCK_T=block_t, BLOCK_M=bm, GROUP_M=cfg["GROUP_M"],
-                      ZERO_ROWS=zero_rows, ZERO_COLS=min(256, max(16, pow2_at_least(n_out))))
-    plan_args = (counts.reshape(-1), table, out, status_address + 4 * 3 * sources,
-                 rows_bound, int(out.shape[0]), n_out, max_tasks, segments, g, n_tiles)
-    plan_grid = max(math.ceil(max_tasks / block_t), math.ceil(out.shape[0] / zero_rows), 1)
-    _LAUNCHERS["grouped_plan_kernel"]((plan_grid,), plan_args, plan_const, {},
-                                      ("plan", tuple(plan_const.items())))
-    # the backward's W^T: a view of a contiguous [G, N, K]
-    trans_w = w.transpose(1, 2).is_contiguous() and not w.is_contiguous()
-    x_arg, w_arg, use_tma = grouped_operands(x, w, cfg, trans_w)
-    nprog = _num_programs(dev, max_tasks, cfg.get("PROGRAMS_PER_SM", 1))
-    constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma,
-                      TRANS_W=trans_w and use_tma, EVEN_N=n_out % bn == 0,
-                      EVEN_K=k_in % bk == 0, FP32_IEEE=x.dtype == torch.float32,
-                      FLATTEN=bool(cfg.get("FLATTEN")) and use_tma)
-    options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg and dev.type != "cpu"}
-    args = (x_arg, w_arg, out, table, max_tasks, n_out, k_in, nprog, x.stride(0),
-            w.stride(0), w.stride(1), w.stride(2))
-    key = ("grouped", tuple(sorted(constexprs.items())), tuple(sorted(options.items())))
-    _LAUNCHERS["grouped_tiles_kernel"]((nprog,), args, constexprs, options, key)
+        out = torch.empty(x.shape[0], w.shape[-1], dtype=x.dtype, device=x.device)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not counts.is_contiguous():
+        counts = counts.contiguous()
+    key = (x.device, x.dtype, x.shape, x.stride(0), w.shape, w.stride(), counts.shape[0],
+           out.shape[0], os.environ.get("ROCMOE_GROUPED_CONFIG"))
+    launch = _GROUPED_LAUNCHES.get(key)
+    if launch is None:
+        if len(_GROUPED_LAUNCHES) >= _MAX_GROUPED_LAUNCHES:
+            _GROUPED_LAUNCHES.pop(next(iter(_GROUPED_LAUNCHES)))  # the oldest shape
+        launch = _GROUPED_LAUNCHES[key] = _GroupedLaunch(x, w, counts, out)
+    launch(x, w, counts, status_address, out)
     return out
+
+
+class _GroupedLaunch:
+    """grouped_local's two launches for one shape (X's rows and row stride, W's shape and
+    strides, the sources, out's rows, dtype, GPU): everything but the tensors' addresses
+    and the status word is computed once here.
+
+    A call launches each kernel through its NativeLaunch (native_launch: one cuLaunchKernel,
+    X's and W's TMA maps re-encoded only when their address moves) once the JIT has
+    compiled it on the first call; a call whose pointers would get another specialisation
+    (16-byte alignment, dtype), and every call on AMD and under the interpreter, goes
+    through the JIT launcher. On an H200's host the JIT path took 116-205 us a call
+    (results/probe_grouped_persistent_h200_nineteenth_session.jsonl), this one 27-48
+    (torch._grouped_mm 24-34; ..._twentieth_session.jsonl), and the products went from
+    slower than torch._grouped_mm to faster on 8 of 8 when each call starts from an idle
+    GPU."""
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                 out: torch.Tensor):
+        dev, g, sources = x.device, int(w.shape[0]), int(counts.shape[0])
+        k_in, n_out = int(x.shape[1]), int(w.shape[-1])
+        self.device = dev
+        self.cfg = cfg = grouped_config(dev, x.dtype, n_out)
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        rows_bound = min(int(x.shape[0]), int(out.shape[0]))
+        segments = sources * g
+        n_tiles = math.ceil(n_out / bn)
+        max_tasks = max(1, (math.ceil(rows_bound / bm) + segments) * n_tiles)
+        self.table_words = 4 * max_tasks + 1
+        self.status_offset = 4 * 3 * sources
+        segs_p2 = max(2, 1 << (segments - 1).bit_length())
+        block_t = max(2, min(128, 8192 // segs_p2))  # [BLOCK_T, SEGS_P2] masks stay small
+        zero_rows = 16 if dev.type == "cpu" else 64
+        self.plan_const = dict(SEGS_P2=segs_p2, BLOCK_T=block_t, BLOCK_M=bm,
+                               GROUP_M=cfg["GROUP_M"], ZERO_ROWS=zero_rows,
+                               ZERO_COLS=min(256, max(16, pow2_at_least(n_out))))
+        self.plan_fixed = (rows_bound, int(out.shape[0]), n_out, max_tasks, segments, g,
+                           n_tiles)
+        self.plan_grid = (max(math.ceil(max_tasks / block_t),
+                              math.ceil(out.shape[0] / zero_rows), 1),)
+        self.plan_key = ("plan", tuple(self.plan_const.items()))
+        # the backward's W^T: a view of a contiguous [G, N, K]
+        self.trans_w = w.transpose(1, 2).is_contiguous() and not w.is_contiguous()
+        self.nprog = _num_programs(dev, max_tasks, cfg.get("PROGRAMS_PER_SM", 1))
+        self.constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n_out % bn == 0,
+                               EVEN_K=k_in % bk == 0, FP32_IEEE=x.dtype == torch.float32)
+        self.options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages")
+                        if k2 in cfg and dev.type != "cpu"}
+        self.tiles_fixed = (max_tasks, n_out, k_in, self.nprog, x.stride(0), *w.stride())
+        # NativeLaunch of each kernel: None until the JIT compiled it, False when refused
+        self.plan_native = None
+        self.tiles_native = None
+
+    def __call__(self, x, w, counts, status_address: int, out) -> None:
+        table = torch.empty(self.table_words, dtype=torch.int32, device=self.device)
+        plan_args = (counts, table, out, status_address + self.status_offset,
+                     *self.plan_fixed)
+        native = self.plan_native
+        if not (native and native.launch(self.plan_grid, plan_args)):
+            compiled = _LAUNCHERS["grouped_plan_kernel"](self.plan_grid, plan_args,
+                                                         self.plan_const, {}, self.plan_key)
+            if native is None and compiled is not None:
+                self.plan_native = native_launch.try_native(compiled, plan_args, (0, 1, 2, 3),
+                                                            self.device) or False
+        # a descriptor's place takes the tensor it describes (native_launch._desc_view):
+        # X [M, K]; W [G, K, N] as [G * K, N], or for W^T its storage [G, N, K] as [G * N, K]
+        w_storage = w.transpose(1, 2) if self.trans_w else w
+        raw = (x, w_storage, out, table, *self.tiles_fixed)
+        native = self.tiles_native
+        if native and native.launch((self.nprog,), raw):
+            return
+        x_arg, w_arg, use_tma = grouped_operands(x, w, self.cfg, self.trans_w)
+        constexprs = dict(self.constexprs, USE_TMA=use_tma, TRANS_W=self.trans_w and use_tma,
+                          FLATTEN=bool(self.cfg.get("FLATTEN")) and use_tma)
+        if not use_tma:
+            raw = (x, w) + raw[2:]
+        key = ("grouped", tuple(sorted(constexprs.items())), tuple(sorted(self.options.items())))
+        compiled = _LAUNCHERS["grouped_tiles_kernel"]((self.nprog,), (x_arg, w_arg) + raw[2:],
+                                                      constexprs, self.options, key)
+        if native is None and compiled is not None:
+            self.tiles_native = native_launch.try_native(compiled, raw, (0, 1, 2, 3),
+                                                         self.device) or False
+
+
+# grouped_local's launches by shape; a layer's products are a handful of shapes, so the
+# oldest goes only past this many (a run whose rows change from step to step)
+_GROUPED_LAUNCHES: dict = {}
+_MAX_GROUPED_LAUNCHES = 64
 
 
 def grouped_operands(x: torch.Tensor, w: torch.Tensor, cfg: dict, trans_w: bool) -> tuple:

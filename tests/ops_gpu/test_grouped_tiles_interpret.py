@@ -4,7 +4,8 @@ task table, then grouped_tiles_kernel) under Triton's CPU interpreter: each segm
 stored and for the backward's transposed view, with empty segments, segments of several
 row tiles, and a K and N that are not multiples of the tile; rows outside every segment keep
 are set to zero (past the segments, also where `out` has more rows than X); counts that
-cannot be meant compute nothing (all zeros) and set the status word."""
+cannot be meant compute nothing (all zeros) and set the status word; a shape's second call,
+through the launch the first one kept, computes its own counts."""
 
 import os
 import subprocess
@@ -43,6 +44,11 @@ if case == "bad":
     assert int(status[3 * sources]) == 6, status.tolist()   # ROCMOE_STATUS_BAD_INPUT
     print("GROUPED_OK")
     sys.exit(0)
+if case == "again":  # the same shape, other counts (fewer rows): the kept launch's call
+    counts = torch.tensor([[0, 30, 10], [20, 5, 1]], dtype=torch.int64)
+    out.fill_(7.0)
+    gpu.grouped_local(x, w, counts, status.data_ptr(), out=out)
+    assert len(gpu._GROUPED_LAUNCHES) == 1, list(gpu._GROUPED_LAUNCHES)
 assert int(status.abs().sum()) == 0, status.tolist()
 want = torch.zeros_like(out)
 row = 0
@@ -61,6 +67,10 @@ print("GROUPED_OK")
 @pytest.mark.parametrize("case", ["stored", "transposed"])
 def test_grouped_products_multiply_each_segment_in_place_and_zero_the_rows_past_them(case):
     _run(case)
+
+
+def test_a_second_call_of_a_shape_computes_the_products_of_its_own_counts():
+    _run("again")
 
 
 def test_grouped_products_with_a_bad_count_store_only_zeros_and_record_bad_input():
