@@ -44,3 +44,14 @@ def test_grouped_products_probe_dry_run_reports_every_case_equal_to_the_referenc
     assert len(cases) == 4 * 2 * 4, sorted(cases)
     for r in records:
         assert isinstance(r["rel_err"], float) and r["rel_err"] < 1e-3, r
+
+
+def test_glu_ffn_probe_dry_run_reports_every_case_equal_to_the_baseline_layer():
+    # benchmarks/probe_glu_ffn.py times the layer's GLU experts three ways (block-sparse,
+    # gpu.grouped_local on the padded rows, the torch._grouped_mm layer); each case's output
+    # and dX are checked against the baseline's
+    records = _dry_run("probe_glu_ffn.py")
+    assert len(records) == 3, records
+    for r in records:
+        assert r["rel_err_out"] < 1e-4 and r["rel_err_dx"] < 1e-4, r
+        assert r["fwd_bwd_ms"] > 0, r
