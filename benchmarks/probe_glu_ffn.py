@@ -139,7 +139,7 @@ def main(argv=None):
                 ratio_vs_baseline=round(idle[base] / idle[name], 3),
                 queued_ratio_vs_baseline=round(queued[base] / queued[name], 3),
                 rel_err_out=_rel(out, base_out), rel_err_dx=_rel(dx, base_dx))), flush=True)
-        del layer, x, results
+        cases = timed = results = None  # (the next shape's tensors replace these)
 
 
 if __name__ == "__main__":

@@ -940,13 +940,8 @@ class _GroupedLaunch:
         table = torch.empty(self.table_words, dtype=torch.int32, device=self.device)
         plan_args = (counts, table, out, status_address + self.status_offset,
                      *self.plan_fixed)
-        native = self.plan_native
-        if not (native and native.launch(self.plan_grid, plan_args)):
-            compiled = _LAUNCHERS["grouped_plan_kernel"](self.plan_grid, plan_args,
-                                                         self.plan_const, {}, self.plan_key)
-            if native is None and compiled is not None:
-                self.plan_native = native_launch.try_native(compiled, plan_args, (0, 1, 2, 3),
-                                                            self.device) or False
+        _kept_launch(self, "plan_native", "grouped_plan_kernel", self.plan_grid, plan_args,
+                     (0, 1, 2, 3), self.plan_const, {}, self.plan_key)
         # a descriptor's place takes the tensor it describes (native_launch._desc_view):
         # X [M, K]; W [G, K, N] as [G * K, N], or for W^T its storage [G, N, K] as [G * N, K]
         w_storage = w.transpose(1, 2) if self.trans_w else w
@@ -996,24 +991,66 @@ def grouped_operands(x: torch.Tensor, w: torch.Tensor, cfg: dict, trans_w: bool)
 def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, counts: torch.Tensor, groups: int,
                         out_dtype: torch.dtype) -> torch.Tensor:
     """dW [G, K, N] of grouped_local: dW[g] = sum over sources s of X[(s, g)]^T dY[(s, g)],
-    fp32 accumulation, from device counts [sources, groups]."""
-    dev, world, g = x.device, int(counts.shape[0]), groups
-    k_out, n_in = int(x.shape[1]), int(gy.shape[1])
-    dw = torch.empty(g, k_out, n_in, dtype=out_dtype, device=dev)
-    cfg = weight_grad_config(dev, x.dtype)
-    bk, bn, tiles_first = cfg["BLOCK_K"], cfg["BLOCK_N"], bool(cfg.get("TILES_FIRST"))
-    tiles = (math.ceil(k_out / bk), math.ceil(n_in / bn))
-    grid = (tiles[0] * tiles[1], g) if tiles_first else (g, *tiles)
-    const = dict(WORLD_P2=max(2, 1 << (world - 1).bit_length()),
-                 GROUPS_P2=max(1, 1 << (g - 1).bit_length()), BLOCK_K=bk, BLOCK_N=bn,
-                 BLOCK_M=cfg["BLOCK_M"], TILES_FIRST=tiles_first)
-    options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg}
+    fp32 accumulation, from device counts [sources, groups]. Counts that cannot be meant
+    (negative, more rows than X or dY has) give dW = 0 and read nothing. What a shape fixes
+    is kept (_WeightGradLaunch, _GROUPED_LAUNCHES); after its first call the kernel launches
+    through the driver (native_launch)."""
     x, gy = x.contiguous(), gy.contiguous()
-    args = (x, gy, dw, counts, world, g, k_out, n_in, k_out, n_in)
-    _LAUNCHERS["grouped_weight_grad_kernel"](grid, args, const, options,
-                                             ("dw", tuple(sorted(const.items())),
-                                              tuple(sorted(options.items()))))
+    if not counts.is_contiguous():
+        counts = counts.contiguous()
+    key = ("dw", x.device, x.dtype, x.shape, gy.shape, counts.shape[0], groups, out_dtype,
+           os.environ.get("ROCMOE_DW_CONFIG"))
+    launch = _GROUPED_LAUNCHES.get(key)
+    if launch is None:
+        if len(_GROUPED_LAUNCHES) >= _MAX_GROUPED_LAUNCHES:
+            _GROUPED_LAUNCHES.pop(next(iter(_GROUPED_LAUNCHES)))
+        launch = _GROUPED_LAUNCHES[key] = _WeightGradLaunch(x, gy, counts, groups)
+    dw = torch.empty(groups, x.shape[1], gy.shape[1], dtype=out_dtype, device=x.device)
+    launch(x, gy, counts, dw)
     return dw
+
+
+class _WeightGradLaunch:
+    """grouped_weight_grad's launch for one shape: grid, constexprs and the integer
+    arguments computed once; the kernel through its NativeLaunch after the JIT's first
+    launch (_kept_launch)."""
+
+    def __init__(self, x: torch.Tensor, gy: torch.Tensor, counts: torch.Tensor, groups: int):
+        dev, world, g = x.device, int(counts.shape[0]), groups
+        k_out, n_in = int(x.shape[1]), int(gy.shape[1])
+        cfg = weight_grad_config(dev, x.dtype)
+        bk, bn, tiles_first = cfg["BLOCK_K"], cfg["BLOCK_N"], bool(cfg.get("TILES_FIRST"))
+        tiles = (math.ceil(k_out / bk), math.ceil(n_in / bn))
+        self.grid = (tiles[0] * tiles[1], g) if tiles_first else (g, *tiles)
+        self.const = dict(WORLD_P2=max(2, 1 << (world - 1).bit_length()),
+                          GROUPS_P2=max(1, 1 << (g - 1).bit_length()), BLOCK_K=bk, BLOCK_N=bn,
+                          BLOCK_M=cfg["BLOCK_M"], TILES_FIRST=tiles_first)
+        self.options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg}
+        self.key = ("dw", tuple(sorted(self.const.items())), tuple(sorted(self.options.items())))
+        self.fixed = (world, g, k_out, n_in, k_out, n_in, min(int(x.shape[0]), int(gy.shape[0])))
+        self.device = dev
+        self.native = None  # NativeLaunch once the JIT compiled the kernel; False: refused
+
+    def __call__(self, x, gy, counts, dw) -> None:
+        _kept_launch(self, "native", "grouped_weight_grad_kernel", self.grid,
+                     (x, gy, dw, counts, *self.fixed), (0, 1, 2, 3), self.const, self.options,
+                     self.key)
+
+
+def _kept_launch(owner, attr: str, name: str, grid: tuple, args: tuple, dynamic: tuple,
+                 constexprs: dict, options: dict, key) -> None:
+    """Launch kernel `name` through `getattr(owner, attr)`, the NativeLaunch made from the
+    JIT's first compile of it (the `dynamic` argument positions may change from call to
+    call; the others are fixed for the owner): through the JIT launcher when there is none
+    yet, none can be made (AMD, the interpreter: it stays False) or a call's arguments
+    would get another specialisation."""
+    native = getattr(owner, attr)
+    if native and native.launch(grid, args):
+        return
+    compiled = _LAUNCHERS[name](grid, args, constexprs, options, key)
+    if native is None and compiled is not None:
+        setattr(owner, attr, native_launch.try_native(compiled, args, dynamic, owner.device)
+                or False)
 
 
 def weight_grad_config(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -569,7 +569,7 @@ def abort_kernel(peer_bases_ptr, status_addr, ws_offset, signal_off, ack_off, ph
 
 @_kernel
 def grouped_weight_grad_kernel(x_ptr, gy_ptr, dw_ptr, counts_ptr, world, G, K, N,
-                               stride_xm, stride_gm, WORLD_P2: tl.constexpr,
+                               stride_xm, stride_gm, rows_bound, WORLD_P2: tl.constexpr,
                                GROUPS_P2: tl.constexpr, BLOCK_K: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                                TILES_FIRST: tl.constexpr = False):
@@ -592,7 +592,13 @@ def grouped_weight_grad_kernel(x_ptr, gy_ptr, dw_ptr, counts_ptr, world, G, K, N
     in_world = positions < world
     counts = tl.load(counts_ptr + positions[:, None] * G + segs[None, :],
                      mask=in_world[:, None] & (segs[None, :] < G), other=0)
-    counts = tl.maximum(counts, 0)
+    # counts the caller cannot have meant (negative, or more rows than X and dY hold:
+    # rows_bound) read nothing and give dW = 0, as grouped_local computes nothing for them;
+    # each count is checked against the bound before the sum, which then cannot overflow
+    bad = (tl.min(tl.min(counts, axis=1), axis=0) < 0) | \
+        (tl.max(tl.max(counts, axis=1), axis=0) > rows_bound)
+    bad = bad | (tl.sum(tl.sum(tl.where(bad, 0, counts), axis=1), axis=0) > rows_bound)
+    counts = tl.where(bad, 0, counts)
     flat_start = tl.cumsum(tl.sum(counts, axis=1), axis=0) - tl.sum(counts, axis=1)
     seg_row = tl.cumsum(counts, axis=1) - counts
     ks = kt * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -751,7 +757,8 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             FLATTEN="constexpr"),
         "grouped_weight_grad_kernel": dict(
             x_ptr=p, gy_ptr=p, dw_ptr=p, counts_ptr=i64, world="i32", G="i32", K="i32",
-            N="i32", stride_xm="i32", stride_gm="i32", WORLD_P2="constexpr",
+            N="i32", stride_xm="i32", stride_gm="i32", rows_bound="i32",
+            WORLD_P2="constexpr",
             GROUPS_P2="constexpr", BLOCK_K="constexpr", BLOCK_N="constexpr",
             BLOCK_M="constexpr", TILES_FIRST="constexpr"),
     }

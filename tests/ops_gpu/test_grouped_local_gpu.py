@@ -1,8 +1,9 @@
 """gpu.grouped_local, the expert-parallel step's grouped products, on a real GPU (skipped on
 CPU-only machines): after a shape's first call, both of its kernels launch through the
-driver (native_launch) with the JIT's bits, also for other counts and another X; calls
-captured in a CUDA graph replay what eager calls compute; calls make no host sync. The
-products themselves, on CPU: test_grouped_tiles_interpret.py."""
+driver (native_launch) with the JIT's bits, also for other counts and another X, and so
+does gpu.grouped_weight_grad (the step's dW); calls captured in a CUDA graph replay what
+eager calls compute; calls make no host sync. The products themselves, on CPU:
+test_grouped_tiles_interpret.py, test_grouped_weight_grad_interpret.py."""
 
 import pytest
 import torch
@@ -81,6 +82,33 @@ def test_grouped_local_launches_natively_after_its_first_call_with_the_jits_resu
     assert int(status.abs().sum()) == 0, status.tolist()
 
 
+def test_grouped_weight_grad_launches_natively_after_its_first_call_with_the_jits_results():
+    require_gpu_build()
+    from rocmoe import native_launch
+    from rocmoe.ops import gpu
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    x, counts = _x(12, dtype, dev), _counts(13, dev)
+    gy = torch.randn(ROWS, N, generator=torch.Generator().manual_seed(14)).to(dev, dtype)
+    first = gpu.grouped_weight_grad(x, gy, counts, GROUPS, dtype)  # the JIT compiles it
+    before = dict(native_launch.stats)
+    again = gpu.grouped_weight_grad(x, gy, counts, GROUPS, dtype)
+    other = _counts(15, dev)
+    got = gpu.grouped_weight_grad(x, gy, other, GROUPS, dtype)
+    torch.cuda.synchronize()
+    launched = {k: native_launch.stats[k] - before[k] for k in before}
+    if native_launch.enabled() and not torch.version.hip:
+        assert launched == {"native": 2, "fallback": 0}, (launched, native_launch.last_refusal)
+    assert torch.equal(first, again), "the native launch differs from the JIT's"
+    want = torch.zeros(GROUPS, K, N, dtype=torch.float64, device=dev)
+    row = 0
+    for s in range(SOURCES):
+        for e in range(GROUPS):
+            c = int(other[s, e])
+            want[e] += x[row:row + c].double().t() @ gy[row:row + c].double()
+            row += c
+    assert _rel_err(got, want) < TOL[dtype]
+
+
 def test_grouped_local_calls_captured_in_a_cuda_graph_replay_what_eager_calls_compute():
     require_gpu_build()
     from rocmoe.ops import gpu
@@ -115,18 +143,20 @@ def test_grouped_local_calls_captured_in_a_cuda_graph_replay_what_eager_calls_co
         assert _rel_err(out_t, _reference(x, wt, counts)) < TOL[dtype]
 
 
-def test_grouped_local_calls_make_no_host_sync():
+def test_grouped_local_and_weight_grad_calls_make_no_host_sync():
     require_gpu_build()
     from rocmoe.ops import gpu
     dev, dtype = torch.device("cuda"), torch.bfloat16
     w, x, counts = _weights(dtype, True, dev), _x(10, dtype, dev), _counts(11, dev)
     status = torch.zeros(64, dtype=torch.int32, device=dev)
-    gpu.grouped_local(x, w, counts, status.data_ptr())  # the JIT's first call may sync
+    gpu.grouped_local(x, w, counts, status.data_ptr())  # the JIT's first calls may sync
+    gpu.grouped_weight_grad(x, x, counts, GROUPS, dtype)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
             y = gpu.grouped_local(x, w, counts, status.data_ptr())
+            gpu.grouped_weight_grad(x, x, counts, GROUPS, dtype)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert _rel_err(y, _reference(x, w, counts)) < TOL[dtype]
