@@ -15,7 +15,10 @@ the block-sparse FFN and 2.85 / 3.64 ms through the fused combine's grouped Trit
 (hidden 1024 / ffn 4096 and hidden 4096 / ffn 1408; the fused combine with the nineteenth
 session's task-table kernel, gpu.grouped_local). torch._grouped_mm alone on group-major rows
 took 2.73 / 3.48: the regrouping gathers cost the rest (benchmarks/probe_ep_ffn.py,
-results/probe_ep_ffn_h200_nineteenth_session.jsonl).
+results/probe_ep_ffn_h200_nineteenth_session.jsonl). In the twentieth session, with the
+grouped kernels launched natively, the fused combine's FFN took 2.65 / 3.42 and 2.74 / 3.45
+ms in two runs, torch._grouped_mm 2.75 / 3.63 and 2.84 / 3.55, this module 3.74 / 6.48 and
+3.87 / 6.41 (results/probe_ep_ffn_h200_twentieth_session{,_dw_native}.jsonl).
 
 Rows past the arrivals (the handles' upper-bound buffers) keep their place; their results
 are undefined and never read: the exchange back sends each source its counted rows only.
