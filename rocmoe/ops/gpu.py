@@ -874,15 +874,56 @@ def grouped_local(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, status
         x = x.contiguous()
     if not counts.is_contiguous():
         counts = counts.contiguous()
-    key = (x.device, x.dtype, x.shape, x.stride(0), w.shape, w.stride(), counts.shape[0],
-           out.shape[0], os.environ.get("ROCMOE_GROUPED_CONFIG"))
+    # everything a launch fixes or the checks below read is in the key: a call of a known
+    # shape was checked when its launch was made
+    key = (x.device, x.dtype, x.shape, x.stride(0), w.device, w.dtype, w.shape, w.stride(),
+           counts.device, counts.dtype, counts.shape, out.device, out.dtype, out.shape,
+           out.stride(), os.environ.get("ROCMOE_GROUPED_CONFIG"))
     launch = _GROUPED_LAUNCHES.get(key)
     if launch is None:
+        _check_grouped("grouped_local", x, w.shape[0], counts, w=w, out=out)
         if len(_GROUPED_LAUNCHES) >= _MAX_GROUPED_LAUNCHES:
             _GROUPED_LAUNCHES.pop(next(iter(_GROUPED_LAUNCHES)))  # the oldest shape
         launch = _GROUPED_LAUNCHES[key] = _GroupedLaunch(x, w, counts, out)
     launch(x, w, counts, status_address, out)
     return out
+
+
+def _check_grouped(what: str, x: torch.Tensor, groups: int, counts: torch.Tensor,
+                   w: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                   gy: Optional[torch.Tensor] = None) -> None:
+    """InvalidArgumentError (DTypeError, DeviceMismatchError) for operands the grouped
+    kernels would misread: X [M, K]; counts [sources, groups] int64; W [groups, K, N] and out
+    [rows, N] (grouped_local), or dY [M', N] (grouped_weight_grad); one dtype, one GPU.
+    Shapes only: the counts' values are checked on the device (the kernels' bad-count
+    path), never read here."""
+    def bad(message):
+        raise errors.InvalidArgumentError(f"{what}: {message}")
+    if x.dim() != 2:
+        bad(f"X must be [rows, K], got shape {tuple(x.shape)}")
+    if counts.dim() != 2 or counts.shape[1] != groups or counts.shape[0] < 1:
+        bad(f"counts must be [sources, {groups}] (one column a group), got shape "
+            f"{tuple(counts.shape)}")
+    if counts.dtype != torch.int64:
+        raise errors.DTypeError(f"{what}: counts must be int64, got {counts.dtype}")
+    others = {"counts": counts}
+    if w is not None:
+        if w.dim() != 3 or w.shape[1] != x.shape[1]:
+            bad(f"W must be [groups, K = {x.shape[1]}, N], got shape {tuple(w.shape)}")
+        if out.dim() != 2 or out.shape[1] != w.shape[2] or out.stride(1) != 1 \
+                or out.stride(0) != out.shape[1]:
+            bad(f"out must be a contiguous [rows, N = {w.shape[2]}], got shape "
+                f"{tuple(out.shape)} with strides {tuple(out.stride())}")
+        others.update(W=w, out=out)
+    if gy is not None:
+        if gy.dim() != 2:
+            bad(f"dY must be [rows, N], got shape {tuple(gy.shape)}")
+        others["dY"] = gy
+    for name, t in others.items():
+        if name != "counts" and t.dtype != x.dtype:
+            raise errors.DTypeError(f"{what}: {name} is {t.dtype}, X is {x.dtype}")
+        if t.device != x.device:
+            raise errors.DeviceMismatchError(f"{what}: {name} is on {t.device}, X on {x.device}")
 
 
 class _GroupedLaunch:
@@ -998,10 +1039,11 @@ def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, counts: torch.Tensor,
     x, gy = x.contiguous(), gy.contiguous()
     if not counts.is_contiguous():
         counts = counts.contiguous()
-    key = ("dw", x.device, x.dtype, x.shape, gy.shape, counts.shape[0], groups, out_dtype,
-           os.environ.get("ROCMOE_DW_CONFIG"))
+    key = ("dw", x.device, x.dtype, x.shape, gy.device, gy.dtype, gy.shape, counts.device,
+           counts.dtype, counts.shape, groups, out_dtype, os.environ.get("ROCMOE_DW_CONFIG"))
     launch = _GROUPED_LAUNCHES.get(key)
     if launch is None:
+        _check_grouped("grouped_weight_grad", x, groups, counts, gy=gy)
         if len(_GROUPED_LAUNCHES) >= _MAX_GROUPED_LAUNCHES:
             _GROUPED_LAUNCHES.pop(next(iter(_GROUPED_LAUNCHES)))
         launch = _GROUPED_LAUNCHES[key] = _WeightGradLaunch(x, gy, counts, groups)
