@@ -829,17 +829,6 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
     return call
 
 
-_ARANGES: dict = {}
-
-
-def _arange_i32(n: int, device) -> torch.Tensor:
-    key = (n, str(device))
-    t = _ARANGES.get(key)
-    if t is None:
-        t = _ARANGES[key] = torch.arange(max(n, 1), dtype=torch.int32, device=device)
-    return t
-
-
 def even_block_n(n: int, block_n: int, least: int = 64) -> int:
     """The widest tile of `block_n`, `block_n` / 2, ... (down to `least`) that divides N, or
     `block_n` when none does. The untuned grouped products run the default 128 x 256 tile:
