@@ -871,9 +871,7 @@ def grouped_local(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, status
     launch = _GROUPED_LAUNCHES.get(key)
     if launch is None:
         _check_grouped("grouped_local", x, w.shape[0], counts, w=w, out=out)
-        if len(_GROUPED_LAUNCHES) >= _MAX_GROUPED_LAUNCHES:
-            _GROUPED_LAUNCHES.pop(next(iter(_GROUPED_LAUNCHES)))  # the oldest shape
-        launch = _GROUPED_LAUNCHES[key] = _GroupedLaunch(x, w, counts, out)
+        launch = _keep_launch(key, _GroupedLaunch(x, w, counts, out))
     launch(x, w, counts, status_address, out)
     return out
 
@@ -992,10 +990,20 @@ class _GroupedLaunch:
                                                          self.device) or False
 
 
-# grouped_local's launches by shape; a layer's products are a handful of shapes, so the
-# oldest goes only past this many (a run whose rows change from step to step)
+# grouped_local's and grouped_weight_grad's launches by shape; a layer's products are a
+# handful of shapes, so the oldest goes only past this many (a run whose rows change from
+# step to step)
 _GROUPED_LAUNCHES: dict = {}
 _MAX_GROUPED_LAUNCHES = 64
+
+
+def _keep_launch(key, launch):
+    """Keep `launch` for calls of `key`'s shape (the oldest kept one goes past
+    _MAX_GROUPED_LAUNCHES); returns it."""
+    if len(_GROUPED_LAUNCHES) >= _MAX_GROUPED_LAUNCHES:
+        _GROUPED_LAUNCHES.pop(next(iter(_GROUPED_LAUNCHES)))
+    _GROUPED_LAUNCHES[key] = launch
+    return launch
 
 
 def grouped_operands(x: torch.Tensor, w: torch.Tensor, cfg: dict, trans_w: bool) -> tuple:
@@ -1033,9 +1041,7 @@ def grouped_weight_grad(x: torch.Tensor, gy: torch.Tensor, counts: torch.Tensor,
     launch = _GROUPED_LAUNCHES.get(key)
     if launch is None:
         _check_grouped("grouped_weight_grad", x, groups, counts, gy=gy)
-        if len(_GROUPED_LAUNCHES) >= _MAX_GROUPED_LAUNCHES:
-            _GROUPED_LAUNCHES.pop(next(iter(_GROUPED_LAUNCHES)))
-        launch = _GROUPED_LAUNCHES[key] = _WeightGradLaunch(x, gy, counts, groups)
+        launch = _keep_launch(key, _WeightGradLaunch(x, gy, counts, groups))
     dw = torch.empty(groups, x.shape[1], gy.shape[1], dtype=out_dtype, device=x.device)
     launch(x, gy, counts, dw)
     return dw
