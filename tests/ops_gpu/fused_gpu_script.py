@@ -48,7 +48,10 @@ def device_kernels(handle):
 
 def gemm_case(call, world, k, n, groups, seed):
     g = torch.Generator().manual_seed(seed + call)
-    counts = torch.randint(0, 9, (world, world, groups), generator=g)  # [src, dst, group]
+    # [src, dst, group]; GEMM_COUNT_MAX (at most 64 // groups) makes segments of several
+    # 16-row tiles for the interpreter's grouped cases
+    most = int(os.environ.get("GEMM_COUNT_MAX", "8"))
+    counts = torch.randint(0, most + 1, (world, world, groups), generator=g)
     if groups > 1:
         counts[:, :, 1] = 0  # a group with no rows anywhere
     if world > 1:
