@@ -55,3 +55,15 @@ def test_glu_ffn_probe_dry_run_reports_every_case_equal_to_the_baseline_layer():
     for r in records:
         assert r["rel_err_out"] < 1e-4 and r["rel_err_dx"] < 1e-4, r
         assert r["fwd_bwd_ms"] > 0, r
+
+
+def test_combine_product_probe_dry_run_reports_the_handle_equal_to_the_segment_products():
+    # benchmarks/probe_combine_product.py times the grouped GemmAllToAll handle (the
+    # expert-parallel combine's product, local mode) against gpu.grouped_local; each case's
+    # result is checked against the segment products in fp32
+    records = _dry_run("probe_combine_product.py", "--shapes", "64,32,48,8")
+    cases = {(r["product"], r["case"]) for r in records}
+    assert cases == {(p, c) for p in ("W1", "W2")
+                     for c in ("GemmAllToAll handle", "gpu.grouped_local")}, sorted(cases)
+    for r in records:
+        assert r["rel_err"] < 1e-5, r

@@ -32,8 +32,7 @@ def compiled_not_interpreted(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def _compile(name, target_key, dtype="bf16", exchange=True, groups_p2=1, split_k=1,
-             table=False):
+def _compile(name, target_key, dtype="bf16", exchange=True, groups_p2=1, split_k=1):
     target, _, _, platform = TARGETS[target_key]
     signature = kernels.aot_signatures(dtype)[name]
     options = {}
@@ -45,10 +44,7 @@ def _compile(name, target_key, dtype="bf16", exchange=True, groups_p2=1, split_k
         constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2,
                           MODE=kernels.MODE_EXCHANGE if exchange else kernels.MODE_LOCAL,
                           COPY=False, FP32_IEEE=dtype == "fp32", EVEN_N=False, EVEN_K=False,
-                          USE_TMA=False, SPLIT_K=split_k, CLOCK=kernels.device_clock(platform),
-                          TABLE=table)
-    elif name == "exchange_plan_kernel":
-        constexprs = dict(WORLD_P2=8, GROUPS_P2=groups_p2, BLOCK_T=128, BLOCK_M=128, GROUP_M=8)
+                          USE_TMA=False, SPLIT_K=split_k, CLOCK=kernels.device_clock(platform))
     elif name == "collect_kernel":
         constexprs = dict(WORLD_P2=8, ROWS=64, BLOCK_N=128)
     elif name == "abort_kernel":
@@ -69,22 +65,12 @@ def test_gemm_a2a_uses_matrix_instructions(target_key, dtype):
 
 
 @pytest.mark.parametrize("target_key", sorted(TARGETS))
-@pytest.mark.parametrize("table", [False, True])
-@pytest.mark.parametrize("exchange", [False, True])
-def test_grouped_gemm_a2a_uses_matrix_instructions(target_key, table, exchange):
+def test_grouped_gemm_a2a_uses_matrix_instructions(target_key):
     # grouped products (W [G, K, N], the MoE combine's local experts): the same kernel with
-    # the segment lookup compiled in, or reading exchange_plan_kernel's task table (TABLE)
+    # the segment lookup compiled in
     _, asm_key, instruction, _ = TARGETS[target_key]
-    compiled = _compile("gemm_a2a_kernel", target_key, "bf16", exchange=exchange, groups_p2=8,
-                        table=table)
+    compiled = _compile("gemm_a2a_kernel", target_key, "bf16", groups_p2=8)
     assert instruction in compiled.asm[asm_key], f"no {instruction} for {target_key}"
-
-
-@pytest.mark.parametrize("target_key", sorted(TARGETS))
-@pytest.mark.parametrize("groups_p2", [2, 64])
-def test_exchange_plan_kernel_compiles(target_key, groups_p2):
-    _, asm_key, _, _ = TARGETS[target_key]
-    assert _compile("exchange_plan_kernel", target_key, groups_p2=groups_p2).asm[asm_key]
 
 
 @pytest.mark.parametrize("target_key", sorted(TARGETS))
@@ -108,11 +94,11 @@ SIGNAL_STORE = r"^(global|flat)_atomic_swap_x2 "
 
 
 @pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
-@pytest.mark.parametrize("groups_p2,table", [(1, False), (8, False), (8, True)])
-def test_gemm_a2a_signal_is_a_system_scope_release_on_amd(arch, groups_p2, table):
+@pytest.mark.parametrize("groups_p2", [1, 8])
+def test_gemm_a2a_signal_is_a_system_scope_release_on_amd(arch, groups_p2):
     # the tiles are in the peer's heap before its flag says so: L2 written back to system
     # scope and waited for, right before the flag store (tests/amd_isa.py)
-    asm = _compile("gemm_a2a_kernel", arch, groups_p2=groups_p2, table=table).asm["amdgcn"]
+    asm = _compile("gemm_a2a_kernel", arch, groups_p2=groups_p2).asm["amdgcn"]
     problems = amd_isa.release_problems(asm, arch, SIGNAL_STORE)
     assert not problems, "\n".join(problems)
 
@@ -186,7 +172,7 @@ def test_gemm_a2a_main_loop_is_pipelined_on_sm90():
     assert "st.global.v4" in ptx and "st.global.b16" not in ptx
 
 
-def _tma_default_tile(mode, groups_p2, direct=False, table=False):
+def _tma_default_tile(mode, groups_p2, direct=False):
     """(source, options) of gemm_a2a_kernel at the CUDA default tile with TMA loads (X and W
     as tensor descriptors) and divisible shapes; `direct`: the world-size-1 path."""
     cfg = dict(kernels.default_config("cuda"))
@@ -197,7 +183,7 @@ def _tma_default_tile(mode, groups_p2, direct=False, table=False):
     cfg.pop("USE_TMA", None)
     constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2, MODE=mode, COPY=False,
                       FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=1,
-                      DIRECT=direct, CLOCK=kernels.CLOCK_CUDA, TABLE=table)
+                      DIRECT=direct, CLOCK=kernels.CLOCK_CUDA)
     return ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig,
                      constexprs=constexprs), options
 
@@ -294,11 +280,11 @@ def test_grouped_products_load_by_the_copy_engine_on_sm90(trans_w, block_n):
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
 
 
-@pytest.mark.parametrize("groups_p2,table", [(1, False), (8, False), (8, True)])
-def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2, table):
+@pytest.mark.parametrize("groups_p2", [1, 8])
+def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2):
     # USE_TMA: X and W arrive as tensor descriptors; the K loop must fetch them with bulk
     # tensor copies (TMA) feeding wgmma, and the epilogue still stores into the peer's heap
-    src, options = _tma_default_tile(kernels.MODE_EXCHANGE, groups_p2, table=table)
+    src, options = _tma_default_tile(kernels.MODE_EXCHANGE, groups_p2)
     ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
     assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"

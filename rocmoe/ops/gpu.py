@@ -265,7 +265,7 @@ def _make_specializer(fn):
 
 _LAUNCHERS = {name: _Launcher(name) for name in
               ("gemm_a2a_kernel", "collect_kernel", "abort_kernel", "grouped_weight_grad_kernel",
-               "grouped_plan_kernel", "grouped_tiles_kernel", "exchange_plan_kernel")}
+               "grouped_plan_kernel", "grouped_tiles_kernel")}
 
 
 # ---------------------------------------------------------------------------------------
@@ -429,14 +429,12 @@ class _GemmLaunch:
         self.per = g
         # the most tasks the counts could ask for (device counts are never read here)
         tiles = world * (math.ceil(handle.max_rows / bm) + g) * self.n_tiles
-        call_tiles = tiles if scratch_status is None else \
-            (math.ceil(max(1, x.shape[0]) / bm) + g) * self.n_tiles
-        split_k, self.split_scratch = self._split_scratch(cfg, call_tiles, dev)
+        split_k, self.split_scratch = self._split_scratch(
+            cfg, tiles if scratch_status is None else
+            (math.ceil(max(1, x.shape[0]) / bm) + g) * self.n_tiles, dev)
         tasks = tiles * split_k  # a split tile is split_k tasks
         # world size 1, one W, K unsplit: the kernel's DIRECT path (no plan; X's own tiles)
         self.direct = self.local and g == 1 and split_k == 1
-        self.device = dev
-        self._table_plan(team, g, call_tiles, handle, scratch_status)
         if self.direct:
             tasks = math.ceil(max(handle.max_rows, 1) / bm) * self.n_tiles
         if self.local and dev.type != "cpu":
@@ -459,7 +457,7 @@ class _GemmLaunch:
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             MODE=0 if self.local else 1, COPY=self.copy, FP32_IEEE=x.dtype == torch.float32,
             EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False,
-            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock(), TABLE=self.table)
+            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock())
         self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
                     self.nprog)
         layout = handle.layout
@@ -485,42 +483,6 @@ class _GemmLaunch:
             self.collect_key = (rows, cn, self.collect_blocks)
             self.collect_spec = None
 
-    def _table_plan(self, team, groups: int, tiles: int, handle, scratch_status) -> None:
-        """Grouped products (the expert-parallel combine) read their plan from a task table
-        exchange_plan_kernel writes on the device just before the kernel (TABLE): at 32
-        groups the kernel's own plan, a dozen reductions over the [world, G] counts for
-        every tile, kept the tensor cores idle between tiles (the local mode's grouped
-        products ran 9-13 % faster from a table, results/probe_grouped_persistent_h200_
-        nineteenth_session.jsonl). One W (G = 1), the row exchange and the DIRECT path
-        keep the kernel's own plan (a handful of integers). ROCMOE_GEMM_TABLE=0 turns the
-        table off (the A/B of benchmarks/probe_exchange_table.py)."""
-        from . import triton_gemm_a2a as tk
-        self.table = (not self.copy and not self.direct and groups > 1
-                      and os.environ.get("ROCMOE_GEMM_TABLE", "1") != "0")
-        self.table_addr, self.table_native = 0, None
-        if not self.table:
-            return
-        self.table_buf = torch.zeros(tk.TABLE_HEADER + tk.TABLE_RECORD * tiles,
-                                     dtype=torch.int32, device=self.device)
-        self.table_addr = self.table_buf.data_ptr()
-        groups_p2 = max(2, 1 << (groups - 1).bit_length())
-        block_t = max(2, min(128, 8192 // max(groups_p2, team.world_p2)))
-        self.table_grid = (max(1, math.ceil(tiles / block_t)),)
-        self.table_const = dict(WORLD_P2=team.world_p2, GROUPS_P2=groups_p2, BLOCK_T=block_t,
-                                BLOCK_M=self.bm, GROUP_M=self.cfg["GROUP_M"])
-        capacity = handle.layout.capacity if scratch_status is None else 1 << 62
-        self.table_fixed = (team.world, groups, capacity, self.n_tiles, tiles)
-        self.table_key = ("exchange_plan", tuple(sorted(self.table_const.items())))
-
-    def _write_table(self, team, x: torch.Tensor, counts: torch.Tensor) -> None:
-        """The call's task table (TABLE), launched on the current stream before the kernel
-        that reads it."""
-        world, groups, capacity, n_tiles, tiles = self.table_fixed
-        args = (counts, team.order, self.table_addr, world, x.shape[0], groups, capacity,
-                n_tiles, tiles)
-        _kept_launch(self, "table_native", "exchange_plan_kernel", self.table_grid, args,
-                     (0, 4), self.table_const, {}, self.table_key)
-
     def _split_scratch(self, cfg: dict, tiles: int, dev) -> tuple:
         """SPLIT_K of the kernel and its scratch (a semaphore and SPLIT_K fp32 partials for
         each of the `tiles` a call can have), or (1, None) when the config asks for no split
@@ -543,12 +505,9 @@ class _GemmLaunch:
         return (x, w_raw, out, counts, team.order, team.peer_bases, recv, *self.tail_args,
                 x.shape[0], handle.N, x.shape[1], self.per, self.capacity, self.nprog,
                 x.stride(0), x.stride(1), *strides_w,
-                self.wait_budget if self.launched else self.first_budget, *self.split_args,
-                self.table_addr)
+                self.wait_budget if self.launched else self.first_budget, *self.split_args)
 
     def launch(self, handle, team, x, w, counts, out, recv, descriptors) -> None:
-        if self.table:
-            self._write_table(team, x, counts)
         strides_w = (0, 0, 0) if self.copy else \
             (w.stride(0) if w.dim() == 3 else 0, w.stride(-2), w.stride(-1))
         # the kernel made for TMA loads first: its launch checks every operand it loads by
@@ -627,7 +586,7 @@ class _GemmLaunch:
 # X and W change from call to call; the rest (workspace offsets, rank, N, K, groups,
 # capacity, grid, wait budget) is fixed for a plan
 _GEMM_DYNAMIC = (0, 1, 2, 3, 4, 5, 6, 19, 25, 26, 27, 28, 29)
-_GEMM_FIXED = tuple(i for i in range(34) if i not in _GEMM_DYNAMIC)
+_GEMM_FIXED = tuple(i for i in range(33) if i not in _GEMM_DYNAMIC)
 _GEMM_BUDGET = 30  # wait_budget: fixed, but the first launch's is longer (_first_launch_done)
 # the most split-K scratch a plan allocates (about 20 MiB at 512 x 4096 x 4096, SPLIT_K 2)
 _SPLIT_SCRATCH_MAX = 64 << 20
@@ -786,8 +745,6 @@ class _LeanGemmLaunch:
             return False
         self.recv_cell[0] = p
         plan = self.plan
-        if plan.table:
-            plan._write_table(self.team, x, counts)
         nl.launch_as_written(plan.nprog, stream)
         if not plan.local:
             plan._collect(self.team, out, recv, x.device)

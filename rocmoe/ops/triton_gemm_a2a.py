@@ -70,13 +70,6 @@ STATUS_BAD_INPUT = tl.constexpr(6)
 COUNT_ABORTED = tl.constexpr(-1)
 COUNT_BAD_INPUT = tl.constexpr(-2)
 
-# exchange_plan_kernel's task table (int32 words): a header (tasks, whether the counts are
-# bad, rows taken) and one record a task (TABLE_FIELDS, in this order)
-TABLE_HEADER, TABLE_RECORD = 8, 8
-TABLE_FIELDS = ("x_row", "rows", "group", "n_tile", "dest", "out_row", "slice_tasks", "sent")
-_TABLE_HEADER = tl.constexpr(TABLE_HEADER)
-_TABLE_RECORD = tl.constexpr(TABLE_RECORD)
-
 
 # CLOCK of the kernels with waits: what bounds a wait. A count of polls was the bound once
 # (a system-scope atomic "takes about a microsecond"), but a poll's cost depends on where the
@@ -282,13 +275,13 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     counters_off, recv_off, parity_bytes, source_bytes,
                     rank, world, M, N, K, G, capacity, num_programs,
                     stride_xm, stride_xk, stride_wg, stride_wk, stride_wn, wait_budget,
-                    split_addr, split_tiles, table_addr,
+                    split_addr, split_tiles,
                     WORLD_P2: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                     MODE: tl.constexpr, COPY: tl.constexpr, FP32_IEEE: tl.constexpr,
                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr = False,
                     SPLIT_K: tl.constexpr = 1, DIRECT: tl.constexpr = False,
-                    CLOCK: tl.constexpr = 0, TABLE: tl.constexpr = False):
+                    CLOCK: tl.constexpr = 0):
     # counts [world, G] int64 (G = 1 for one W): rows of X, destination-major then group.
     # COPY: no W, the "product" is X itself (the row exchange; N = K). USE_TMA (Hopper):
     # x_ptr / w_ptr are tensor descriptors of X [M, K] and W [G*K, N] with [BLOCK_M, BLOCK_K]
@@ -301,9 +294,6 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
     # whatever the arrival order), stores the tile and counts it done. A call with more tiles
     # than the scratch holds, or bad counts, runs unsplit.
     # DIRECT (MODE_LOCAL with G = 1 and SPLIT_K = 1, counts [1]): no plan, see below.
-    # TABLE: the plan is not computed here but read from the task table exchange_plan_kernel
-    # wrote at table_addr (launched just before, on the same stream): a task loads its
-    # record's eight words instead of a dozen reductions over the [world, G] counts.
     if USE_TMA:
         out_ty = x_ptr.dtype
     else:
@@ -343,32 +333,27 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
         in_world = positions < world
         segs = tl.arange(0, GROUPS_P2)
 
-        if TABLE:
-            table = table_addr.to(tl.pointer_type(tl.int32))
-            total_tasks = tl.load(table)
-            bad = tl.load(table + 1) != 0
-        else:
-            # ---- the plan, from the counts (every program computes the same) ------------
-            counts = tl.load(counts_ptr + positions[:, None] * G + segs[None, :],
-                             mask=in_world[:, None] & (segs[None, :] < G), other=0)
-            dest_rows = tl.sum(counts, axis=1)                           # [WORLD_P2], by rank
-            row_start = tl.cumsum(dest_rows, axis=0) - dest_rows         # first row of X for d
-            seg_tiles = tl.cdiv(counts, BLOCK_M) * n_tiles_n              # [WORLD_P2, GROUPS_P2]
-            seg_end = tl.cumsum(seg_tiles, axis=1)                        # tile numbers in a slice
-            seg_row = tl.cumsum(counts, axis=1) - counts                  # first row of segment
-            dest_tiles = tl.maximum(tl.sum(seg_tiles, axis=1), 1)        # an empty slice: 1 task
-            order = tl.load(order_ptr + positions, mask=in_world, other=0)
-            # tiles in order position p = dest_tiles[order[p]]
-            tiles_in_order = tl.sum(tl.where(order[:, None] == positions[None, :],
-                                             dest_tiles[None, :], 0), axis=1)
-            tiles_in_order = tl.where(in_world, tiles_in_order, 0)
-            next_prefix = tl.cumsum(tiles_in_order, axis=0)
-            total_tasks = tl.sum(tiles_in_order, axis=0)
-            # counts this rank could not have meant: nothing is computed, every slice is signalled
-            # with COUNT_BAD_INPUT, and the host raises for this rank
-            bad = (tl.min(tl.min(counts, axis=1), axis=0) < 0) | \
-                (tl.max(tl.where(in_world, dest_rows, 0), axis=0) > capacity) | \
-                (tl.sum(dest_rows, axis=0) > M)
+        # ---- the plan, from the counts (every program computes the same) ----------------
+        counts = tl.load(counts_ptr + positions[:, None] * G + segs[None, :],
+                         mask=in_world[:, None] & (segs[None, :] < G), other=0)
+        dest_rows = tl.sum(counts, axis=1)                           # [WORLD_P2], by rank
+        row_start = tl.cumsum(dest_rows, axis=0) - dest_rows         # first row of X for d
+        seg_tiles = tl.cdiv(counts, BLOCK_M) * n_tiles_n              # [WORLD_P2, GROUPS_P2]
+        seg_end = tl.cumsum(seg_tiles, axis=1)                        # tile numbers in a slice
+        seg_row = tl.cumsum(counts, axis=1) - counts                  # first row of segment
+        dest_tiles = tl.maximum(tl.sum(seg_tiles, axis=1), 1)        # an empty slice: 1 task
+        order = tl.load(order_ptr + positions, mask=in_world, other=0)
+        # tiles in order position p = dest_tiles[order[p]]
+        tiles_in_order = tl.sum(tl.where(order[:, None] == positions[None, :],
+                                         dest_tiles[None, :], 0), axis=1)
+        tiles_in_order = tl.where(in_world, tiles_in_order, 0)
+        next_prefix = tl.cumsum(tiles_in_order, axis=0)
+        total_tasks = tl.sum(tiles_in_order, axis=0)
+        # counts this rank could not have meant: nothing is computed, every slice is signalled
+        # with COUNT_BAD_INPUT, and the host raises for this rank
+        bad = (tl.min(tl.min(counts, axis=1), axis=0) < 0) | \
+            (tl.max(tl.where(in_world, dest_rows, 0), axis=0) > capacity) | \
+            (tl.sum(dest_rows, axis=0) > M)
 
         if MODE == 1:
             my_base = tl.load(peer_bases_ptr + rank) + ws_offset
@@ -409,45 +394,30 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
             else:
                 k_lo = 0
                 k_hi = K
-            if TABLE:
-                # the tile's record (exchange_plan_kernel): its rows are X's from x_row on
-                # (m_tile 0: the record's rows are the tile's own), stored from out_row on
-                record = table + _TABLE_HEADER + tile_task * _TABLE_RECORD
-                row0 = tl.load(record)
-                rows = tl.load(record + 1)
-                g = tl.load(record + 2)
-                n_tile = tl.load(record + 3)
-                dest = tl.load(record + 4)
-                out_row0 = tl.load(record + 5)
-                tiles = tl.load(record + 6)
-                m_tile = 0
-                free = _pick(dest_free.to(tl.int32), dest, positions) > 0
-                store = (rows > 0) & free
-            else:
-                # locate(): the slice is the number of slices that end at or before this task
-                pos = tl.sum((next_prefix <= tile_task).to(tl.int32), axis=0)
-                dest = _pick(order, pos, positions)
-                first = _pick(next_prefix - tiles_in_order, pos, positions)
-                tiles = _pick(tiles_in_order, pos, positions)
-                tile = tile_task - first
-                # the segment of this tile inside the slice
-                seg_end_d = tl.sum(tl.where(positions[:, None] == dest, seg_end, 0), axis=0)
-                g = tl.minimum(tl.sum((seg_end_d <= tile).to(tl.int32), axis=0), G - 1)
-                counts_d = tl.sum(tl.where(positions[:, None] == dest, counts, 0), axis=0)
-                seg_row_d = tl.sum(tl.where(positions[:, None] == dest, seg_row, 0), axis=0)
-                seg_tiles_d = tl.sum(tl.where(positions[:, None] == dest, seg_tiles, 0), axis=0)
-                seg_first = _pick(seg_end_d - seg_tiles_d, g, segs)
-                rows = _pick(counts_d, g, segs)
-                in_seg = tile - seg_first
-                rows = tl.where((in_seg < _pick(seg_tiles_d, g, segs)) & (bad == 0), rows, 0)
-                row0 = _pick(row_start, dest, positions) + _pick(seg_row_d, g, segs)
-                out_row0 = _pick(seg_row_d, g, segs)  # in this rank's region at the destination
-                free = _pick(dest_free.to(tl.int32), dest, positions) > 0
-                store = (rows > 0) & free
-                # grouped tile order inside the segment (computed for every task: a task with
-                # no rows stores nothing)
-                m_tile, n_tile = _grouped_tile(tl.where(store, in_seg, 0),
-                                               tl.cdiv(rows, BLOCK_M), n_tiles_n, GROUP_M)
+            # locate(): the slice is the number of slices that end at or before this task
+            pos = tl.sum((next_prefix <= tile_task).to(tl.int32), axis=0)
+            dest = _pick(order, pos, positions)
+            first = _pick(next_prefix - tiles_in_order, pos, positions)
+            tiles = _pick(tiles_in_order, pos, positions)
+            tile = tile_task - first
+            # the segment of this tile inside the slice
+            seg_end_d = tl.sum(tl.where(positions[:, None] == dest, seg_end, 0), axis=0)
+            g = tl.minimum(tl.sum((seg_end_d <= tile).to(tl.int32), axis=0), G - 1)
+            counts_d = tl.sum(tl.where(positions[:, None] == dest, counts, 0), axis=0)
+            seg_row_d = tl.sum(tl.where(positions[:, None] == dest, seg_row, 0), axis=0)
+            seg_tiles_d = tl.sum(tl.where(positions[:, None] == dest, seg_tiles, 0), axis=0)
+            seg_first = _pick(seg_end_d - seg_tiles_d, g, segs)
+            rows = _pick(counts_d, g, segs)
+            in_seg = tile - seg_first
+            rows = tl.where((in_seg < _pick(seg_tiles_d, g, segs)) & (bad == 0), rows, 0)
+            row0 = _pick(row_start, dest, positions) + _pick(seg_row_d, g, segs)
+            out_row0 = _pick(seg_row_d, g, segs)  # inside this rank's region at the destination
+            free = _pick(dest_free.to(tl.int32), dest, positions) > 0
+            store = (rows > 0) & free
+            # grouped tile order inside the segment (computed for every task: a task with no
+            # rows stores nothing)
+            m_tile, n_tile = _grouped_tile(tl.where(store, in_seg, 0), tl.cdiv(rows, BLOCK_M),
+                                           n_tiles_n, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if store:
                 acc = _tile_product(x_ptr, w_ptr, row0 + m_tile * BLOCK_M, rows - m_tile * BLOCK_M,
@@ -480,11 +450,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     if done + 1 == tiles:
                         tl.atomic_xchg(counters + 2 + dest, 0, sem="relaxed", scope="gpu")
                         dest_ws = tl.load(peer_bases_ptr + dest) + ws_offset
-                        if TABLE:
-                            sent = tl.load(record + 7)
-                        else:
-                            sent = tl.where(bad, COUNT_BAD_INPUT,
-                                            _pick(dest_rows, dest, positions))
+                        sent = tl.where(bad, COUNT_BAD_INPUT, _pick(dest_rows, dest, positions))
                         # the count travels with the data: a plain store, published with the
                         # tiles by the signal's release
                         tl.store((dest_ws + count_off + ((epoch % 2) * world + rank) * 8).to(
@@ -512,102 +478,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     tl.store(status + 3 * world + 1, epoch.to(tl.int32))
         else:
             if tl.program_id(0) == 0:
-                if TABLE:
-                    tl.store(recv_ptr, tl.load(table + 2).to(tl.int64))
-                else:
-                    tl.store(recv_ptr, tl.where(bad, 0, tl.sum(dest_rows, axis=0)))
-
-
-@triton.jit
-def _slice_tasks(counts, bad, order, positions, in_world, n_tiles, BLOCK_M: tl.constexpr):
-    # (tasks of the slice at each order position, their prefix sums, all tasks): the tiles
-    # of each destination's segments (none when the counts are bad), one task at least
-    dest_tiles = tl.maximum(tl.sum(tl.cdiv(tl.where(bad, 0, counts), BLOCK_M) * n_tiles,
-                                   axis=1), 1)
-    in_order = tl.sum(tl.where(order[:, None] == positions[None, :], dest_tiles[None, :], 0),
-                      axis=1)
-    in_order = tl.where(in_world, in_order, 0)
-    prefix = tl.cumsum(in_order, axis=0)
-    return in_order, prefix, tl.sum(in_order, axis=0)
-
-
-@_kernel(do_not_specialize=("M",))
-def exchange_plan_kernel(counts_ptr, order_ptr, table_addr, world, M, G, capacity, n_tiles,
-                         max_tasks, WORLD_P2: tl.constexpr, GROUPS_P2: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    # gemm_a2a_kernel's plan (TABLE) as a table, from the device counts [world, G] int64:
-    # the tasks in the order the kernel numbers them (slices in `order`, a slice's segments
-    # in turn, inside a segment GROUP_M row tiles per column tile; an empty slice one task
-    # with no rows, so that its signal is still raised), one TABLE_RECORD-word record each:
-    # X's first row of the tile, the tile's rows (0: store nothing), group, column tile,
-    # destination, first row in this rank's region at the destination, the slice's tasks,
-    # the count the slice's signal carries. Header: tasks, bad, rows taken (0 when bad).
-    # Counts that cannot be meant (negative, a destination above `capacity`, more than M
-    # rows) give every slice one task with no rows that sends COUNT_BAD_INPUT, as the
-    # kernel's own plan does; so do counts asking for more than `max_tasks` tasks (the
-    # table's size: the caller sizes it for every count within the capacity). Each program
-    # writes BLOCK_T records and recomputes the [world, G] sums (a few hundred integers)
-    # rather than wait for another's.
-    table = table_addr.to(tl.pointer_type(tl.int32))
-    positions = tl.arange(0, WORLD_P2)
-    in_world = positions < world
-    segs = tl.arange(0, GROUPS_P2)
-    counts = tl.load(counts_ptr + positions[:, None] * G + segs[None, :],
-                     mask=in_world[:, None] & (segs[None, :] < G), other=0)
-    dest_rows = tl.sum(counts, axis=1)
-    bad = (tl.min(tl.min(counts, axis=1), axis=0) < 0) | \
-        (tl.max(tl.where(in_world, dest_rows, 0), axis=0) > capacity) | \
-        (tl.sum(dest_rows, axis=0) > M)
-    order = tl.load(order_ptr + positions, mask=in_world, other=0)
-    in_order, prefix, total = _slice_tasks(counts, bad, order, positions, in_world, n_tiles,
-                                           BLOCK_M)
-    bad = bad | (total > max_tasks)
-    in_order, prefix, total = _slice_tasks(counts, bad, order, positions, in_world, n_tiles,
-                                           BLOCK_M)
-    dest_rows = tl.where(bad, 0, dest_rows)
-    row_start = tl.cumsum(dest_rows, axis=0) - dest_rows
-    pid = tl.program_id(0)
-    if pid == 0:
-        tl.store(table, total.to(tl.int32))
-        tl.store(table + 1, bad.to(tl.int32))
-        tl.store(table + 2, tl.sum(dest_rows, axis=0).to(tl.int32))
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    if pid * BLOCK_T < total:
-        ok = t < total
-        # the slice: the number of slices that end at or before the task
-        pos = tl.sum((prefix[None, :] <= t[:, None]).to(tl.int32), axis=1)
-        at_pos = pos[:, None] == positions[None, :]
-        dest = tl.sum(tl.where(at_pos, order[None, :], 0), axis=1)
-        tile = t - tl.sum(tl.where(at_pos, (prefix - in_order)[None, :], 0), axis=1)
-        slice_tasks = tl.sum(tl.where(at_pos, in_order[None, :], 0), axis=1)
-        at_dest = dest[:, None] == positions[None, :]
-        start = tl.sum(tl.where(at_dest, row_start[None, :], 0), axis=1)
-        sent = tl.where(bad, COUNT_BAD_INPUT, tl.sum(tl.where(at_dest, dest_rows[None, :], 0),
-                                                     axis=1))
-        # the segment of the tile inside its slice: the destination's counts, per task
-        c = tl.load(counts_ptr + dest[:, None] * G + segs[None, :],
-                    mask=ok[:, None] & (segs[None, :] < G), other=0)
-        c = tl.where(bad, 0, c)
-        seg_tiles = tl.cdiv(c, BLOCK_M) * n_tiles
-        seg_end = tl.cumsum(seg_tiles, axis=1)
-        g = tl.minimum(tl.sum((seg_end <= tile[:, None]).to(tl.int32), axis=1), G - 1)
-        at_g = segs[None, :] == g[:, None]
-        in_seg = tile - tl.sum(tl.where(at_g, seg_end - seg_tiles, 0), axis=1)
-        valid = in_seg < tl.sum(tl.where(at_g, seg_tiles, 0), axis=1)
-        rows = tl.where(valid, tl.sum(tl.where(at_g, c, 0), axis=1), 0)
-        seg_row = tl.sum(tl.where(at_g, tl.cumsum(c, axis=1) - c, 0), axis=1)
-        m_tile, n_tile = _grouped_tile(tl.where(valid, in_seg, 0), tl.cdiv(rows, BLOCK_M),
-                                       n_tiles, GROUP_M)
-        record = table + _TABLE_HEADER + t * _TABLE_RECORD
-        tl.store(record, (start + seg_row + m_tile * BLOCK_M).to(tl.int32), mask=ok)
-        tl.store(record + 1, tl.minimum(rows - m_tile * BLOCK_M, BLOCK_M).to(tl.int32),
-                 mask=ok)
-        tl.store(record + 2, g.to(tl.int32), mask=ok)
-        tl.store(record + 3, n_tile.to(tl.int32), mask=ok)
-        tl.store(record + 4, dest.to(tl.int32), mask=ok)
-        tl.store(record + 5, (seg_row + m_tile * BLOCK_M).to(tl.int32), mask=ok)
-        tl.store(record + 6, slice_tasks.to(tl.int32), mask=ok)
-        tl.store(record + 7, sent.to(tl.int32), mask=ok)
+                tl.store(recv_ptr, tl.where(bad, 0, tl.sum(dest_rows, axis=0)))
 
 
 @_kernel
@@ -858,16 +729,10 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             rank="i32", world="i32", M="i32", N="i32", K="i32", G="i32", capacity="i64",
             num_programs="i32", stride_xm="i32", stride_xk="i32", stride_wg="i32",
             stride_wk="i32", stride_wn="i32", wait_budget="i32", split_addr="i64",
-            split_tiles="i32", table_addr="i64", WORLD_P2="constexpr", GROUPS_P2="constexpr",
-            BLOCK_M="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr",
-            MODE="constexpr", COPY="constexpr", FP32_IEEE="constexpr", EVEN_N="constexpr",
-            EVEN_K="constexpr", USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr",
-            CLOCK="constexpr", TABLE="constexpr"),
-        "exchange_plan_kernel": dict(
-            counts_ptr=i64, order_ptr=i32, table_addr="i64", world="i32", M="i32", G="i32",
-            capacity="i64", n_tiles="i32", max_tasks="i32", WORLD_P2="constexpr",
-            GROUPS_P2="constexpr", BLOCK_T="constexpr", BLOCK_M="constexpr",
-            GROUP_M="constexpr"),
+            split_tiles="i32", WORLD_P2="constexpr", GROUPS_P2="constexpr", BLOCK_M="constexpr",
+            BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", MODE="constexpr",
+            COPY="constexpr", FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
+            USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr", CLOCK="constexpr"),
         "collect_kernel": dict(
             out_ptr=p, peer_bases_ptr=i64, recv_ptr=i64, status_addr="i64", ws_offset="i64",
             ack_off="i64", count_off="i64", epoch_off="i64", counters_off="i64",

@@ -38,15 +38,11 @@ def test_grouped_gemm_all_to_all_matches_reference(ranks):
     assert proc.stdout.count("OK gemm_grouped") == 2 * ranks, proc.stdout
 
 
-@pytest.mark.parametrize("table", ["1", "0"])
-def test_grouped_segments_of_several_tiles_reach_every_rank_from_the_task_table_or_without(
-        table):
-    # segments of up to 21 rows (two 16-row tiles) times three 16-wide column tiles: the
-    # kernel reading exchange_plan_kernel's table (the default for grouped products), and
-    # with ROCMOE_GEMM_TABLE=0 its own per-tile plan
+def test_grouped_segments_of_several_tiles_reach_every_rank():
+    # segments of up to 21 rows (two 16-row tiles) times three 16-wide column tiles: every
+    # task finds its segment, row tile and column tile in the kernel's own plan
     proc = run_mpi(SCRIPT, 3, "gemm_grouped", "--calls", "2", "--dtype", "fp32",
-                   timeout=300, env=_env(ROCMOE_TIMEOUT_S="30", GEMM_COUNT_MAX="21",
-                                         ROCMOE_GEMM_TABLE=table))
+                   timeout=300, env=_env(ROCMOE_TIMEOUT_S="30", GEMM_COUNT_MAX="21"))
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.count("OK gemm_grouped") == 3, proc.stdout
 

@@ -1,21 +1,25 @@
-"""Does the grouped GemmAllToAll kernel run faster from a task table? (the expert-parallel
-combine's product, on one GPU)
+"""The expert-parallel combine's product on one GPU: the grouped GemmAllToAll handle against
+torch._grouped_mm and gpu.grouped_local on the same rows, and (at a9f822f only) the same
+kernel reading a device task table.
 
 Why this exists: the fused combine of the expert-parallel step is one grouped GemmAllToAll
 call a layer: Y = H @ W2[g] for each local expert's rows, each tile stored straight into
-the rank its rows came from. Until the twenty-first session its kernel (gemm_a2a_kernel)
-found each tile's segment from the [world, G] counts with a dozen reductions per tile, which
-left the tensor cores idle between tiles; the same per-tile plan cost the local grouped
-products 9-13 % against a table read (results/probe_grouped_persistent_h200_nineteenth_
-session.jsonl). With TABLE, exchange_plan_kernel writes every tile's record on the device
-first and the kernel reads one record a tile. On one GPU the handle runs in local mode
-(world size 1: no exchange, the same tiles and plan); this times it, on the rows one rank of
-the 2-GPU Zipf step receives (benchmarks/probe_ep_ffn.py's rank0_counts), with the table
-and with ROCMOE_GEMM_TABLE=0 (the per-tile plan), against gpu.grouped_local (the step's
-local products) and torch._grouped_mm on the same rows.
+the rank its rows came from. Its kernel (gemm_a2a_kernel) finds each tile's segment from
+the [world, G] counts with a dozen reductions per tile. The twentieth session left open
+whether that per-tile plan costs what it cost the local grouped products (9-13 % against a
+table read, results/probe_grouped_persistent_h200_nineteenth_session.jsonl). The twenty-
+first session tried the table (exchange_plan_kernel wrote every tile's record on the device
+before the kernel, which loaded one record a tile) and timed it with this probe at a9f822f
+(then benchmarks/probe_exchange_table.py, with `ROCMOE_GEMM_TABLE` on and off;
+results/probe_exchange_table_h200_twentyfirst_session.jsonl): the
+table ran 2-6 % slower than the per-tile plan on all four products, idle-start, queued and
+replayed (a record is a dependent global load ahead of each tile's first TMA load; the plan
+is register arithmetic on counts loaded once), so it was reverted. On one GPU the handle
+runs in local mode (world size 1: no exchange, the same tiles and plan), on the rows one
+rank of the 2-GPU Zipf step receives (benchmarks/probe_ep_ffn.py's rank0_counts).
 
-    python3 benchmarks/probe_exchange_table.py [--shapes T,H,F,E;...] [--reps 10]
-    python3 benchmarks/probe_exchange_table.py --device cpu --shapes 64,32,48,8  # dry run
+    python3 benchmarks/probe_combine_product.py [--shapes T,H,F,E;...] [--reps 10]
+    python3 benchmarks/probe_combine_product.py --device cpu --shapes 64,32,48,8  # dry run
 
 One JSON line per shape, product and case: ms (median of interleaved rounds, each from an
 idle GPU), queued_ms (behind an untimed call), graph_ms (replayed from a CUDA graph),
@@ -66,18 +70,10 @@ def main(argv=None):
             want = torch.cat([x[at:at + c].float() @ w[g].float() for g, (at, c) in
                               enumerate(zip((torch.cumsum(counts, 0) - counts).tolist(),
                                             counts.tolist()))])
-            handles = {}
-            for label, table in (("handle, task table", "1"), ("handle, per-tile plan", "0")):
-                os.environ["ROCMOE_GEMM_TABLE"] = table  # read when the call's plan is made
-                hd = ops.GemmAllToAll(ctx, max_rows=rows, K=k, N=n, dtype=dtype, groups=groups)
-                if dev.type == "cpu":
-                    hd._engine = "triton"
-                with torch.no_grad():
-                    hd(x, w, dev_counts)
-                plans = list(hd._launches.values())
-                assert [p.table for p in plans] == [table == "1"], (label, plans)
-                handles[label] = hd
-            os.environ.pop("ROCMOE_GEMM_TABLE", None)
+            handle = ops.GemmAllToAll(ctx, max_rows=rows, K=k, N=n, dtype=dtype, groups=groups)
+            if dev.type == "cpu":
+                handle._engine = "triton"
+            handles = {"GemmAllToAll handle": handle}
             cases = {label: (lambda hd=hd: hd(x, w, dev_counts)[0][:rows])
                      for label, hd in handles.items()}
             cases["gpu.grouped_local"] = lambda: gpu.grouped_local(x, w, dev_counts,
@@ -106,7 +102,7 @@ def main(argv=None):
                         torch.cuda.synchronize()
             flops = 2 * rows * k * n
             for label, err in errs.items():
-                rec = dict(probe="exchange_table", shape=dict(tokens_per_rank=t, hidden=h, ffn=f,
+                rec = dict(probe="combine_product", shape=dict(tokens_per_rank=t, hidden=h, ffn=f,
                                                               experts=e, local_experts=groups,
                                                               rows=rows),
                            product=pname, case=label, rel_err=err)
