@@ -11,10 +11,11 @@ table read, results/probe_grouped_persistent_h200_nineteenth_session.jsonl). The
 first session tried the table (exchange_plan_kernel wrote every tile's record on the device
 before the kernel, which loaded one record a tile) and timed it with this probe at a9f822f
 (then benchmarks/probe_exchange_table.py, with `ROCMOE_GEMM_TABLE` on and off;
-results/probe_exchange_table_h200_twentyfirst_session.jsonl): the
-table ran 2-6 % slower than the per-tile plan on all four products, idle-start, queued and
-replayed (a record is a dependent global load ahead of each tile's first TMA load; the plan
-is register arithmetic on counts loaded once), so it was reverted. On one GPU the handle
+results/probe_exchange_table_h200_twentyfirst_session.jsonl): against the per-tile plan
+the table ran 2.3-6.3 % slower idle-start, -0.4 to +3.3 % queued and +0.6 to +2.6 % replayed
+from graphs on the four products (a record is a dependent global load ahead of each tile's
+first TMA load, and the table one more launch; the plan is register arithmetic on counts
+loaded once), so it was reverted. On one GPU the handle
 runs in local mode (world size 1: no exchange, the same tiles and plan), on the rows one
 rank of the 2-GPU Zipf step receives (benchmarks/probe_ep_ffn.py's rank0_counts).
 
