@@ -15,16 +15,16 @@ results/probe_exchange_table_h200_twentyfirst_session.jsonl): against the per-ti
 the table ran 2.3-6.3 % slower idle-start, -0.4 to +3.3 % queued and +0.6 to +2.6 % replayed
 from graphs on the four products (a record is a dependent global load ahead of each tile's
 first TMA load, and the table one more launch; the plan is register arithmetic on counts
-loaded once), so it was reverted. On one GPU the handle
-runs in local mode (world size 1: no exchange, the same tiles and plan), on the rows one
-rank of the 2-GPU Zipf step receives (benchmarks/probe_ep_ffn.py's rank0_counts).
+loaded once), so it was reverted. On one GPU the handle runs in local mode (world size 1:
+no exchange, the same tiles and plan), on the rows one rank of the 2-GPU Zipf step receives
+(benchmarks/probe_ep_ffn.py's rank0_counts).
 
     python3 benchmarks/probe_combine_product.py [--shapes T,H,F,E;...] [--reps 10]
     python3 benchmarks/probe_combine_product.py --device cpu --shapes 64,32,48,8  # dry run
 
 One JSON line per shape, product and case: ms (median of interleaved rounds, each from an
 idle GPU), queued_ms (behind an untimed call), graph_ms (replayed from a CUDA graph),
-host_us (a call's host time, the GPU kept busy), TFLOP/s and the relative error against
+host_us (a call's host time: rocmoe.bench.timing.host_ms_per_call), TFLOP/s and the relative error against
 the segment products in fp32. The products: W2 (the combine's, K = ffn, N = hidden) and W1
 (K = hidden, N = ffn)."""
 
@@ -32,13 +32,14 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from probe_ep_ffn import SHAPES, rank0_counts  # noqa: E402  (benchmarks/ is on sys.path)
+# (benchmarks/ is on sys.path; probe_ep_ffn puts the repository there too)
+from probe_ep_ffn import SHAPES, rank0_counts  # noqa: E402
+from probe_grouped_persistent import reference  # noqa: E402
 
 
 def main(argv=None):
@@ -49,10 +50,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a dry run on the host backend (Triton's interpreter)")
     a = ap.parse_args(argv)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import rocmoe
     from rocmoe import ops
-    from rocmoe.bench.timing import captured, interleaved_ms, time_ms
+    from rocmoe.bench.timing import captured, host_ms_per_call, interleaved_ms, time_ms
     from rocmoe.ops import gpu
     dev = torch.device(a.device)
     # bf16 on the GPU; the interpreter computes bf16 dots wrongly (Triton 3.9), so fp32
@@ -68,15 +68,11 @@ def main(argv=None):
             x = (torch.randn(rows, k, device=dev, generator=gen) * 0.5).to(dtype)
             w = (torch.randn(groups, k, n, device=dev, generator=gen) / k ** 0.5).to(dtype)
             dev_counts = counts.to(dev).view(1, groups)
-            want = torch.cat([x[at:at + c].float() @ w[g].float() for g, (at, c) in
-                              enumerate(zip((torch.cumsum(counts, 0) - counts).tolist(),
-                                            counts.tolist()))])
+            want = reference(x, w, counts.view(1, groups))
             handle = ops.GemmAllToAll(ctx, max_rows=rows, K=k, N=n, dtype=dtype, groups=groups)
             if dev.type == "cpu":
                 handle._engine = "triton"
-            handles = {"GemmAllToAll handle": handle}
-            cases = {label: (lambda hd=hd: hd(x, w, dev_counts)[0][:rows])
-                     for label, hd in handles.items()}
+            cases = {"GemmAllToAll handle": lambda: handle(x, w, dev_counts)[0][:rows]}
             cases["gpu.grouped_local"] = lambda: gpu.grouped_local(x, w, dev_counts,
                                                                    status.data_ptr())
             if dev.type == "cuda":
@@ -95,12 +91,7 @@ def main(argv=None):
                     queued = interleaved_ms(timed, rounds=a.reps, calls=2, queued=True)
                     for label, fn in cases.items():
                         graph[label] = time_ms(captured(fn), reps=a.reps)
-                        fn()
-                        t0 = time.perf_counter()
-                        for _ in range(10):
-                            fn()
-                        host_us[label] = (time.perf_counter() - t0) * 1e5
-                        torch.cuda.synchronize()
+                        host_us[label] = host_ms_per_call(fn) * 1e3
             flops = 2 * rows * k * n
             for label, err in errs.items():
                 rec = dict(probe="combine_product", shape=dict(tokens_per_rank=t, hidden=h, ffn=f,
@@ -112,8 +103,7 @@ def main(argv=None):
                                graph_ms=round(graph[label], 4), host_us=round(host_us[label], 1),
                                tflops=round(flops / ms[label] / 1e9, 1))
                 print(json.dumps(rec), flush=True)
-            for hd in handles.values():
-                hd.close()
+            handle.close()
 
 
 if __name__ == "__main__":
