@@ -32,7 +32,7 @@ import time
 # first is the built-in default (since the H200 sweep of 2026-12-02 the register kernel, one
 # row a wave, 4 loads in flight, ld.global.nc: what reg_r1_u4_l0 names), the second the
 # kernel as it was (one wave per row, the persistent protocol kernel at world size 1, 32-row
-# tasks, L1-cached loads). The last four run only when named (or with --variants all).
+# tasks, L1-cached loads). The last five run only when named (or with --variants all).
 VARIANTS = {
     "default": {},
     "legacy": {"ROCMOE_GEMV_DIRECT": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "1",
@@ -59,14 +59,20 @@ VARIANTS = {
                      "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "1"},
     "protocol_r2_u2": {"ROCMOE_GEMV_DIRECT": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",
                        "ROCMOE_GEMV_UNROLL": "2"},
+    # the default kernel with W's chunks split evenly over the waves instead of its rows
+    # (hip/src/gpu/fused_gemv.hip: walk_chunks); it applies where the rows outnumber the
+    # resident grid's waves (4,224 on an H200), elsewhere it is the default
+    "balance": {"ROCMOE_GEMV_BALANCE": "1"},
 }
 SWEEP = list(VARIANTS)[:10]
 SHAPES = [(8192, 8192), (28672, 8192), (16384, 16384), (4096, 4096), (8192, 28672)]
 DTYPES = ("bf16", "fp32")
 # checked, not timed: groups and rows of one, K of one vector or less (lanes past the row's
-# end), K not a multiple of a 16-byte vector (element path), x not 16-byte aligned
+# end), K not a multiple of a 16-byte vector (element path), x not 16-byte aligned, and more
+# rows than an H200's 4,224 resident waves with a row's last chunk short (the balanced
+# split's cut rows)
 EDGE = [(229, 16, 0), (37, 24, 0), (5, 8, 0), (3, 20, 0), (777, 1001, 0), (4097, 1000, 0),
-        (1, 4096, 0), (512, 512, 1)]
+        (1, 4096, 0), (512, 512, 1), (4801, 1000, 0), (9000, 4104, 0)]
 EDGE_DTYPES = ("bf16", "fp32", "fp16")
 TOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 5e-3}
 

@@ -63,6 +63,11 @@ ENV_KNOBS = (
     ("ROCMOE_GEMV_ROWS", "0", "GEMV protocol kernel: rows per phase-1 task (0: about N / "
                               "workgroups)"),
     ("ROCMOE_GEMV_PER_CU", "4", "GEMV: workgroups per compute unit (at most what fits)"),
+    ("ROCMOE_GEMV_ONE_SHOT", "1", "GEMV at world size > 1: 1 the one-hop kernel, 0 the "
+                                  "two-phase protocol kernel (every rank alike)"),
+    ("ROCMOE_GEMV_BALANCE", "0", "GEMV at world size 1, one row a wave: 1 splits W's chunks "
+                                 "evenly over the waves (rows cut between two waves) instead "
+                                 "of whole rows; not yet timed on a GPU"),
 )
 
 

@@ -13,7 +13,19 @@ host program includes (with ROCMOE_GEMV_SCHEDULE_ONLY: no kernels) and drives he
   whose step is still to be consumed, keeps kStages - 1 steps in flight, and finishes each
   group right after its last step, also for K == 0 (no steps) and for waves without groups.
 
-nvcc compiles the program (the kernel file includes the platform header, which needs a GPU
+The balanced split (ROCMOE_GEMV_BALANCE=1: `walk_chunks`, one row a wave) is driven the same
+way, with every wave's operations modelled on the host (a chunk's value stands for its
+vectors' dot product; a slot is a map entry):
+
+* where it applies (`balanced_split_fits`), the waves' chunk counts differ by one at most and
+  each is a row's chunks at least; every chunk of every row is accumulated exactly once,
+  each wave's chunks in order;
+* every row's y is stored exactly once and equals the sum of its chunks, whichever of a cut
+  row's two waves comes second (the waves run in order and in reverse order), every slot
+  named is one of 1 .. waves - 1, is shared by the two waves of one row, and is empty again
+  after the call; the slots fit in the world-size-1 receive buffers.
+
+nvcc compiles the programs (the kernel file includes the platform header, which needs a GPU
 compiler); nothing runs on a GPU.
 """
 
@@ -27,17 +39,11 @@ from rocmoe_testing import REPO, require_tool
 
 pytestmark = pytest.mark.compile
 
-PROGRAM = r"""
+# what both programs start with: the kernel file's schedule and a CHECK that counts failures
+PRELUDE = r"""
 #include "gpu/fused_gemv.hip"
 
 #include <cstdio>
-#include <cstdlib>
-#include <deque>
-#include <vector>
-
-using rocmoe::fused::GroupRange;
-using rocmoe::fused::stream_steps;
-using rocmoe::fused::wave_groups;
 
 static int failures = 0;
 #define CHECK(cond, ...)                                 \
@@ -50,6 +56,16 @@ static int failures = 0;
             }                                            \
         }                                                \
     } while (0)
+"""
+
+PROGRAM = PRELUDE + r"""
+#include <cstdlib>
+#include <deque>
+#include <vector>
+
+using rocmoe::fused::GroupRange;
+using rocmoe::fused::stream_steps;
+using rocmoe::fused::wave_groups;
 
 static void check_split(long long groups, int waves) {
     long long next = 0, least = -1, most = 0;
@@ -186,11 +202,151 @@ int main() {
 """
 
 
-def test_gemv_split_and_pipeline_schedule_on_the_cpu(tmp_path):
+BALANCED_PROGRAM = PRELUDE + r"""
+#include <cmath>
+#include <map>
+#include <random>
+#include <utility>
+#include <vector>
+
+using rocmoe::fused::balanced_split_fits;
+using rocmoe::fused::chunks_per_row;
+using rocmoe::fused::walk_chunks;
+using rocmoe::sched::gemv_result_offset;
+
+
+// One call's state: the chunks' values, what the waves did, the slots
+struct Call {
+    long long rows, per_row;
+    int waves;
+    std::vector<double> value;            // [rows * per_row]
+    std::vector<int> hits;                // [rows * per_row]
+    std::vector<int> stores;              // [rows]
+    std::vector<double> y;                // [rows]
+    std::map<int, std::pair<long long, double>> slots;  // slot -> (row, part)
+};
+
+// walk_chunks' operations for wave q (the model of gemv_balanced_kernel's ChunkLane)
+struct WaveModel {
+    Call *call;
+    int q;
+    double acc = 0;
+    long long chunks = 0, next = -1;
+    void segment(long long row, long long from, long long to) {
+        const long long at = row * call->per_row + from;
+        CHECK(row >= 0 && row < call->rows && from >= 0 && from < to && to <= call->per_row,
+              "wave %d: segment (%lld, %lld, %lld)", q, row, from, to);
+        CHECK(next < 0 || at == next, "wave %d: chunk %lld after %lld", q, at, next);
+        for (long long c = from; c < to; ++c) {
+            ++call->hits[row * call->per_row + c];
+            acc += call->value[row * call->per_row + c];
+        }
+        chunks += to - from;
+        next = row * call->per_row + to;
+    }
+    void store(long long row) {
+        ++call->stores[row];
+        call->y[row] = acc;
+        acc = 0;
+    }
+    void share(long long row, int slot) {
+        CHECK(slot >= 1 && slot < call->waves, "wave %d: slot %d of %d waves", q, slot,
+              call->waves);
+        auto it = call->slots.find(slot);
+        if (it == call->slots.end()) {
+            call->slots[slot] = std::make_pair(row, acc);
+        } else {
+            CHECK(it->second.first == row, "slot %d: rows %lld and %lld", slot, it->second.first,
+                  row);
+            ++call->stores[row];
+            call->y[row] = acc + it->second.second;
+            call->slots.erase(it);
+        }
+        acc = 0;
+    }
+};
+
+static void check_call(long long rows, long long nvec, int wave, int waves, bool reverse,
+                       std::mt19937_64 &rng) {
+    const long long per_row = chunks_per_row(nvec, wave);
+    CHECK(per_row == (nvec + wave - 1) / wave && per_row * wave >= nvec &&
+              (per_row - 1) * wave < nvec,
+          "nvec %lld wave %d: %lld chunks a row", nvec, wave, per_row);
+    const long long total = rows * per_row;
+    const bool fits = balanced_split_fits(rows, per_row, waves);
+    CHECK(fits == (total / waves >= per_row), "rows %lld per_row %lld waves %d: fits %d", rows,
+          per_row, waves, int(fits));
+    if (!fits) return;
+    // the slots (one uint64 a wave) fit in the world-size-1 receive buffers (two parities of
+    // fp32 partials then y; bf16 / fp16 y is the smallest)
+    CHECK(8ull * waves <= 2 * (gemv_result_offset(rows, 1) + 2ull * rows),
+          "rows %lld: %d slots do not fit", rows, waves);
+    Call call{rows, per_row, waves};
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    call.value.resize(total);
+    for (double &v : call.value) v = u(rng);
+    call.hits.assign(total, 0);
+    call.stores.assign(rows, 0);
+    call.y.assign(rows, 0.0);
+    long long least = -1, most = 0;
+    for (int i = 0; i < waves; ++i) {
+        const int q = reverse ? waves - 1 - i : i;
+        WaveModel m{&call, q};
+        walk_chunks(m, rows, per_row, waves, q);
+        CHECK(m.acc == 0, "wave %d: a part left unstored", q);
+        least = least < 0 || m.chunks < least ? m.chunks : least;
+        most = m.chunks > most ? m.chunks : most;
+    }
+    CHECK(most - least <= 1 && least >= per_row, "rows %lld per_row %lld waves %d: %lld to %lld "
+          "chunks a wave", rows, per_row, waves, least, most);
+    for (long long c = 0; c < total; ++c)
+        CHECK(call.hits[c] == 1, "rows %lld per_row %lld waves %d: chunk %lld taken %d times",
+              rows, per_row, waves, c, call.hits[c]);
+    for (long long r = 0; r < rows; ++r) {
+        double want = 0;
+        for (long long c = 0; c < per_row; ++c) want += call.value[r * per_row + c];
+        CHECK(call.stores[r] == 1 && std::fabs(call.y[r] - want) <= 1e-9 * (1 + std::fabs(want)),
+              "rows %lld per_row %lld waves %d: row %lld stored %d times, %g against %g", rows,
+              per_row, waves, r, call.stores[r], call.y[r], want);
+    }
+    CHECK(call.slots.empty(), "rows %lld per_row %lld waves %d: %zu slots left full", rows,
+          per_row, waves, call.slots.size());
+}
+
+int main() {
+    std::mt19937_64 rng(7);
+    const long long rows_list[] = {1, 2, 7, 37, 229, 4096, 4097, 16384};
+    const long long nvec_list[] = {1, 2, 31, 32, 33, 64, 1000, 2048};
+    const int waves_list[] = {1, 2, 3, 8, 528, 4224};
+    long long applied = 0;
+    for (long long rows : rows_list)
+        for (long long nvec : nvec_list)
+            for (int wave : {32, 64})
+                for (int waves : waves_list)
+                    for (bool reverse : {false, true}) {
+                        if (rows * nvec > (1ll << 24)) continue;
+                        check_call(rows, nvec, wave, waves, reverse, rng);
+                        applied += balanced_split_fits(rows, chunks_per_row(nvec, wave), waves);
+                    }
+    // the H200 shapes (16384^2 bf16: 2048 vectors a row; 4,224 waves) take the balanced split
+    CHECK(balanced_split_fits(16384, chunks_per_row(2048, 32), 4224), "16384^2 bf16");
+    CHECK(applied > 100, "only %lld cases applied the split", applied);
+    if (failures) {
+        std::printf("%d failures\n", failures);
+        return 1;
+    }
+    std::printf("gemv balanced split: all checks passed (%lld cases)\n", applied);
+    return 0;
+}
+"""
+
+
+def _build_and_run(tmp_path, program: str, name: str) -> str:
+    """Compile `program` (a host program including the kernel file's schedule) and run it."""
     nvcc = require_tool("nvcc", "compiles the GEMV kernel file's schedule into a host program")
-    src = tmp_path / "gemv_schedule.cu"
-    src.write_text(PROGRAM)
-    exe = tmp_path / "gemv_schedule"
+    src = tmp_path / f"{name}.cu"
+    src.write_text(program)
+    exe = tmp_path / name
     build = subprocess.run(
         [nvcc, "-x", "cu", "-std=c++17", "-O1", "-arch=sm_90", "--expt-relaxed-constexpr",
          "-DROCMOE_HAVE_GPU", "-DROCMOE_PLATFORM_IS_CUDA", "-DROCMOE_GEMV_SCHEDULE_ONLY",
@@ -200,4 +356,14 @@ def test_gemv_split_and_pipeline_schedule_on_the_cpu(tmp_path):
     run = subprocess.run([str(exe)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          timeout=120)
     assert run.returncode == 0, run.stdout
-    assert "gemv schedule: all checks passed" in run.stdout, run.stdout
+    return run.stdout
+
+
+def test_gemv_split_and_pipeline_schedule_on_the_cpu(tmp_path):
+    out = _build_and_run(tmp_path, PROGRAM, "gemv_schedule")
+    assert "gemv schedule: all checks passed" in out, out
+
+
+def test_gemv_balanced_split_takes_every_chunk_once_and_stores_every_row_once(tmp_path):
+    out = _build_and_run(tmp_path, BALANCED_PROGRAM, "gemv_balanced")
+    assert "gemv balanced split: all checks passed" in out, out

@@ -2,7 +2,8 @@
 via mpiexec).
 
 usage: fused_gpu_script.py OPS [--calls N] [--dtype D[,D...]]
-  OPS    comma list of gemm | gemm_grouped | rows | embedding | gemv | gemm_timeout |
+  OPS    comma list of gemm | gemm_grouped | rows | embedding | gemv | gemv_tall |
+         gemm_timeout |
          bad_counts | abort | gemv_abort | gemv_mismatch | graph | native | lean |
          first_call_drift
 On a GPU the handles run their CUDA/HIP kernels (ipc backend); on a CPU-only machine the
@@ -277,6 +278,46 @@ def check_gemv(ctx, dtype, calls):
             h.synchronize()
             e = rel_err(out, _gemv_reference(wsx, dtype))
             assert e < TOL[dtype], f"rank {rank} N {n} call {call}: relative error {e}"
+
+
+def check_gemv_tall(ctx, dtype, calls):
+    # more rows than a resident grid has waves, so that ROCMOE_GEMV_BALANCE=1 cuts rows
+    # between waves (K of 1000 and 4104: a row's last chunk is short); `calls` calls back to
+    # back without a sync (a slot left full would spoil the next call's cut rows), then the
+    # same calls replayed from a CUDA graph, equal to eager
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    n = 16411
+    for k in (1000, 4104):
+        h = ops.GemvAllReduce(ctx, n, k, dtype)
+        inputs = []
+        for call in range(calls):  # every rank alike: y = world * W x
+            g = torch.Generator(device=dev).manual_seed(5000 + 100 * call)
+            inputs.append((torch.randn(n, k, generator=g, device=dev).to(dtype),
+                           torch.randn(k, generator=g, device=dev).to(dtype)))
+        with torch.no_grad():
+            eager = [h(w, x).clone() for w, x in inputs]
+            refs = [world * (w.double() @ x.double()) for w, x in inputs]
+            for call, (out, ref) in enumerate(zip(eager, refs)):
+                e = rel_err(out, ref)
+                assert e < TOL[dtype], f"rank {rank} N {n} K {k} call {call}: relative error {e}"
+            if dev.type != "cuda":
+                continue
+            torch.cuda.synchronize()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                [h(w, x) for w, x in inputs]  # warm-up on the capture stream
+            torch.cuda.current_stream().wait_stream(stream)
+            ctx.barrier()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = [h(w, x) for w, x in inputs]
+            for _ in range(2):
+                graph.replay()
+                torch.cuda.synchronize()
+                for call, (a, b_) in enumerate(zip(eager, captured)):
+                    assert torch.equal(a, b_), f"K {k} call {call}: a replay differs from eager"
+        h.synchronize()
 
 
 def check_gemv_abort(ctx, dtype, calls):
@@ -704,7 +745,7 @@ def main():
     ctx = rocmoe.init(heap_size=256 << 20,
                       timeout_s=float(os.environ.get("ROCMOE_TIMEOUT_S", 30)))
     checks = {"gemm": check_gemm, "gemm_grouped": check_gemm_grouped, "rows": check_rows,
-              "embedding": check_embedding, "gemv": check_gemv,
+              "embedding": check_embedding, "gemv": check_gemv, "gemv_tall": check_gemv_tall,
               "gemm_timeout": check_gemm_timeout, "bad_counts": check_bad_counts,
               "abort": check_abort, "gemv_abort": check_gemv_abort,
               "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,

@@ -45,3 +45,14 @@ def test_handles_replay_from_cuda_graphs_equal_to_eager(ranks):
                    env=mpi_env(ROCMOE_TIMEOUT_S="60"))
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.count("OK graph") == 2 * ranks, proc.stdout
+
+
+def test_gemv_balanced_split_matches_reference_and_replays_from_graphs_on_gpu():
+    require_gpu_build()
+    # ROCMOE_GEMV_BALANCE=1 (off by default): rows cut between waves, summed through slots
+    # that every call must leave empty; 16411 rows, more than the resident grid has waves
+    proc = run_mpi(SCRIPT, 1, "gemv_tall", "--calls", "3", "--dtype", "fp32,bf16,fp16",
+                   timeout=300, env=mpi_env(ROCMOE_TIMEOUT_S="60", ROCMOE_GEMV_BALANCE="1"))
+    assert proc.returncode == 0, proc.stdout
+    for dtype in ("fp32", "bf16", "fp16"):
+        assert f"OK gemv_tall {dtype}" in proc.stdout, proc.stdout

@@ -302,7 +302,12 @@ ROCMOE_HD inline int64_t split_begin(int64_t n, int32_t parts, int32_t i) {
  *   gemv_all_reduce       recv: partials [world][n] fp32 at 0 (source s's partial of every
  *                         row; the two-phase kernel and the host backend use the first
  *                         chunk_max of each: this rank's chunk), then result [n] of dtype at
- *                         gemv_result_offset
+ *                         gemv_result_offset; at world size 1 the direct kernels write y
+ *                         straight to the caller's output and the balanced split
+ *                         (fused_gemv.hip, ROCMOE_GEMV_BALANCE=1) keeps one uint64 slot a
+ *                         wave at the start of recv (zeroed with the workspace and left
+ *                         zero by every call; at most n slots: 8n bytes of the 12n or more
+ *                         that the two receive buffers hold)
  *                         slots: [0, world) partial from source s is in;
  *                                [world, 2 world) owner s's reduced chunk is in
  *   gemm_all_to_all       recv: [recv_rows, n] of dtype, sources in rank order

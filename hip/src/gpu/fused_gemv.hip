@@ -58,6 +58,10 @@
 //   ROCMOE_GEMV_DIRECT         0: world size 1 runs the protocol kernel too
 //   ROCMOE_GEMV_ROWS           rows per phase-1 task of the protocol kernel (0: automatic)
 //   ROCMOE_GEMV_ONE_SHOT       0: world size > 1 runs the two-phase protocol kernel
+//   ROCMOE_GEMV_BALANCE        1: the register kernel at world size 1 with one row a wave and
+//                              the default unroll splits W's chunks evenly over the waves
+//                              (gemv_balanced_kernel, walk_chunks) instead of its rows;
+//                              off by default until an H200 run has timed it
 // Four workgroups of kThreads fit on a compute unit (64 registers on sm_90, 48 KiB of shared
 // memory at most): the H200 sweep ran the old GEMV at 0.58 of copy bandwidth with three
 // resident, 0.74-0.78 with four.
@@ -114,6 +118,45 @@ struct GroupRange {
 ROCMOE_HD inline GroupRange wave_groups(int64_t groups, int32_t waves, int32_t q) {
     return GroupRange{sched::split_begin(groups, waves, q),
                       sched::split_begin(groups, waves, q + 1)};
+}
+
+// The balanced split (ROCMOE_GEMV_BALANCE=1, world size 1, one row a wave). The row split
+// above hands out whole rows, so the waves' shares differ by a row: at 16384 rows over 4,224
+// waves, 3,712 waves take 4 rows and 512 take 3, and an eighth of the waves idle through the
+// last row while the rest still stream. The balanced split cuts every row into chunks (one
+// wave-wide step: `wave` 16-byte vectors; a row's last chunk may be short), numbers the
+// chunks row after row, and gives every wave the same count of consecutive chunks, to within
+// one. A row cut between two waves is summed through a slot: slot q holds the row that
+// straddles the start of wave q's chunks. Each of its two waves exchanges its part into the
+// slot; the second one in adds the two parts, stores y and clears the slot for the next call
+// (a + b is b + a, so y does not depend on which wave came second).
+ROCMOE_HD inline int64_t chunks_per_row(int64_t nvec, int wave) { return (nvec + wave - 1) / wave; }
+
+// Whether the balanced split applies: every wave has at least a row's chunks, so no row is
+// cut more than once (a wave whose chunks lay inside one row would make a third part).
+ROCMOE_HD inline bool balanced_split_fits(int64_t rows, int64_t per_row, int32_t waves) {
+    return rows > 0 && per_row > 0 && waves > 0 && (rows * per_row) / waves >= per_row;
+}
+
+// Wave q's chunks, row by row: ops.segment(row, from, to) accumulates chunks [from, to) of
+// the row; then ops.store(row) when the row was whole in this wave, else
+// ops.share(row, slot) with the row's slot (1 .. waves - 1). Needs balanced_split_fits.
+template <class Ops>
+ROCMOE_HD inline void walk_chunks(Ops &ops, int64_t rows, int64_t per_row, int32_t waves,
+                                  int32_t q) {
+    const int64_t total = rows * per_row;
+    const int64_t end = sched::split_begin(total, waves, q + 1);
+    for (int64_t c = sched::split_begin(total, waves, q); c < end;) {
+        const int64_t row = c / per_row;
+        const int64_t row_begin = row * per_row, row_end = row_begin + per_row;
+        const int64_t stop = end < row_end ? end : row_end;
+        ops.segment(row, c - row_begin, stop - row_begin);
+        if (c == row_begin && stop == row_end)
+            ops.store(row);
+        else  // begun by wave q - 1 (slot q), or carried on by wave q + 1 (slot q + 1)
+            ops.share(row, c > row_begin ? q : q + 1);
+        c = stop;
+    }
 }
 
 // One wave's software pipeline over its row groups: each group is `steps` steps (a step:
@@ -318,6 +361,93 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
                 if (j < valid) y[r0 + j] = T::store(acc[j]);
         }
     }
+}
+
+// walk_chunks' operations for one lane of gemv_balanced_kernel: chunk c of a row is its
+// vectors [c * wave, (c + 1) * wave), of which this lane loads the one at c * wave + lane
+// (kUnroll chunks in flight, as rows_dot's kUnroll loads)
+template <class T, int kUnroll, int kLoad>
+struct ChunkLane {
+    using S = typename T::storage;
+    const uint4 *w;    // W as vectors
+    const uint4 *x;
+    S *y;
+    unsigned long long *slots;  // the workspace's slots, one a wave (walk_chunks)
+    int64_t nvec;      // vectors a row
+    int64_t whole;     // chunks of a row whose `wave` vectors all exist
+    int lane;
+    float even, odd;
+
+    __device__ __forceinline__ void segment(int64_t row, int64_t from, int64_t to) {
+        const uint4 *wr = w + row * nvec + lane;
+        const uint4 *xl = x + lane;
+        int64_t c = from;
+        const int64_t bulk = to < whole ? to : whole;
+        for (; c + kUnroll <= bulk; c += kUnroll) {
+            uint4 a[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+                a[u] = load_weights<kLoad>(wr + (c + u) * ROCMOE_WAVE_SIZE);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                float fx[vec_elems<T>()];
+                unpack<T>(load_x(xl + (c + u) * ROCMOE_WAVE_SIZE), fx);
+                dot_vector<T>(a[u], fx, even, odd);
+            }
+        }
+        for (; c < to; ++c) {  // fewer than kUnroll chunks left, or the row's short last one
+            if (c * ROCMOE_WAVE_SIZE + lane < nvec) {
+                const uint4 a = load_weights<kLoad>(wr + c * ROCMOE_WAVE_SIZE);
+                float fx[vec_elems<T>()];
+                unpack<T>(load_x(xl + c * ROCMOE_WAVE_SIZE), fx);
+                dot_vector<T>(a, fx, even, odd);
+            }
+        }
+    }
+    __device__ __forceinline__ float take_sum() {
+        const float v = wave_sum(even + odd);
+        even = odd = 0.f;
+        return v;
+    }
+    __device__ __forceinline__ void store(int64_t row) {
+        const float v = take_sum();
+        if (lane == 0) y[row] = T::store(v);
+    }
+    // the part travels in the slot's low word, "a part is in" in its high word: one atomic
+    // exchange both deposits this part and collects the other wave's, if it came first
+    __device__ __forceinline__ void share(int64_t row, int32_t slot) {
+        const float v = take_sum();
+        if (lane == 0) {
+            const unsigned long long mine = (1ull << 32) | __float_as_uint(v);
+            const unsigned long long other = atomicExch(slots + slot, mine);
+            if (other >> 32) {
+                y[row] = T::store(v + __uint_as_float(uint32_t(other)));
+                slots[slot] = 0ull;  // both parts taken: no wave touches the slot again
+            }
+        }
+    }
+};
+
+// World size 1, balanced split (walk_chunks): every wave streams the same count of W's
+// chunks. Needs 16-byte vectors, K > 0, balanced_split_fits and a zeroed slot per wave.
+template <class T, int kUnroll, int kLoad>
+__global__ void __launch_bounds__(kThreads, kGemvMinBlocks)
+    gemv_balanced_kernel(const typename T::storage *W, const typename T::storage *x,
+                         typename T::storage *y, int64_t n, int64_t k,
+                         unsigned long long *slots, uint64_t *epoch_word) {
+    advance_epoch(epoch_word);
+    ChunkLane<T, kUnroll, kLoad> ops;
+    ops.w = reinterpret_cast<const uint4 *>(W);
+    ops.x = reinterpret_cast<const uint4 *>(x);
+    ops.y = y;
+    ops.slots = slots;
+    ops.nvec = k / vec_elems<T>();
+    ops.whole = ops.nvec / ROCMOE_WAVE_SIZE;
+    ops.lane = int(threadIdx.x % ROCMOE_WAVE_SIZE);
+    ops.even = ops.odd = 0.f;
+    const int32_t q = int32_t(blockIdx.x) * kWaves + int32_t(threadIdx.x / ROCMOE_WAVE_SIZE);
+    walk_chunks(ops, n, chunks_per_row(ops.nvec, ROCMOE_WAVE_SIZE), int32_t(gridDim.x) * kWaves,
+                q);
 }
 
 #if defined(ROCMOE_PLATFORM_NVIDIA)
@@ -775,6 +905,7 @@ struct Tuning {
     int direct;         // ROCMOE_GEMV_DIRECT
     int rows_per_task;  // ROCMOE_GEMV_ROWS (<= 0: automatic)
     int one_shot;       // ROCMOE_GEMV_ONE_SHOT
+    int balance;        // ROCMOE_GEMV_BALANCE
 };
 
 const Tuning &tuning() {
@@ -785,7 +916,8 @@ const Tuning &tuning() {
                              env_int("ROCMOE_GEMV_PER_CU", kGemvMinBlocks),
                              env_int("ROCMOE_GEMV_DIRECT", 1),
                              env_int("ROCMOE_GEMV_ROWS", 0),
-                             env_int("ROCMOE_GEMV_ONE_SHOT", 1)};
+                             env_int("ROCMOE_GEMV_ONE_SHOT", 1),
+                             env_int("ROCMOE_GEMV_BALANCE", 0)};
     return t;
 }
 
@@ -811,10 +943,39 @@ uint64_t *epoch_word_of(const Common &c) {
     return reinterpret_cast<uint64_t *>(c.ws + ws::epoch_word(c.layout));
 }
 
+// The balanced split's launch (gemv_balanced_kernel) on the register kernel's grid, or false
+// (nothing launched) where it does not apply: its slots, one uint64 a wave, live in the
+// receive buffers, which nothing else uses at world size 1 (zeroed with the workspace;
+// every call leaves them zero again).
+template <class T, int kUnroll, int kLoad>
+bool launch_balanced(const Common &c, const GemvParams &p, int requested, void *out,
+                     hipStream_t stream, int *rc) {
+    using S = typename T::storage;
+    if (tuning().balance == 0 || !p.vec || p.k <= 0 || c.topo.world != 1) return false;
+    static const int fits =
+        resident_per_cu(gemv_balanced_kernel<T, kUnroll, kLoad>, 0, kGemvMinBlocks);
+    const int workers = direct_workgroups(p, 1, requested, fits);
+    const int64_t waves = int64_t(workers) * kWaves;
+    const int64_t per_row = chunks_per_row(p.k / vec_elems<T>(), ROCMOE_WAVE_SIZE);
+    if (waves > 0x7fffffff || !balanced_split_fits(p.n, per_row, int32_t(waves)) ||
+        uint64_t(waves) * 8u > 2u * c.layout.parity_bytes)
+        return false;
+    auto *slots = reinterpret_cast<unsigned long long *>(c.ws + c.layout.recv);
+    hipLaunchKernelGGL((gemv_balanced_kernel<T, kUnroll, kLoad>), dim3(workers), dim3(kThreads),
+                       0, stream, static_cast<const S *>(p.w), static_cast<const S *>(p.x),
+                       static_cast<S *>(out), p.n, p.k, slots, epoch_word_of(c));
+    *rc = launched();
+    return true;
+}
+
 template <class T, int kRows, int kUnroll, int kLoad>
 int launch_direct(const Common &c, const GemvParams &p, int requested, void *out,
                   hipStream_t stream) {
     using S = typename T::storage;
+    if constexpr (kRows == 1 && kUnroll == kDefaultUnroll) {
+        int rc = ROCMOE_OK;
+        if (launch_balanced<T, kUnroll, kLoad>(c, p, requested, out, stream, &rc)) return rc;
+    }
     static const int fits =
         resident_per_cu(gemv_direct_kernel<T, kRows, kUnroll, kLoad>, 0, kGemvMinBlocks);
     const int workers = direct_workgroups(p, kRows, requested, fits);

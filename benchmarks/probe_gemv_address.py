@@ -1,0 +1,125 @@
+"""Does the world-size-1 GEMV's ratio to torch.mv follow W's address? (GPU machine)
+
+Why this exists: at 16384^2 bf16 the GemvAllReduce handle ran 0.962-0.966 of torch.mv in the
+twenty-first session's `rocmoe bench fused_gpu` run but 0.986-1.003 in the same session's
+three `benchmarks/gemv_variants.py` runs, with the same kernel, grid and inputs made the same
+way; torch.mv took 122.0-122.6 us in all four processes and the handle 122.3-126.4 us. One
+thing that differs between the processes is where W lies (the bench allocates it after the
+GEMM cases' buffers). This probe keeps one process and one W (the same values) and moves it:
+
+* `fresh`: copies of W in new allocations, all kept alive (each at another address);
+* `slab+B`: views at byte offset B into one larger allocation (2 MiB apart and not);
+
+and times the handle against torch.mv on each copy, interleaved, replayed from CUDA graphs
+and as queued eager calls. Run it once as it is and once with ROCMOE_GEMV_BALANCE=1 (the
+balanced split is a per-process knob) to see whether the split changes what the address
+does.
+
+    python3 benchmarks/probe_gemv_address.py [--shape 16384x16384] [--dtype bf16]
+        [--fresh 4] [--offsets 0,4096,1048576,2097152,2101248] [--reps 20]
+    python3 benchmarks/probe_gemv_address.py --device cpu --shape 64x32   # dry run
+
+One JSON line per placement: W's address (and its offset within 2 MiB), rocmoe and torch.mv
+ms replayed from graphs and queued, the ratios torch / rocmoe, TB/s, and the relative error
+of the handle's y against float64; a summary line last (the ratios' spread)."""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def placements(w: torch.Tensor, fresh: int, offsets: list) -> dict:
+    """name -> a tensor equal to `w` at another address (`w` itself is 'first')."""
+    out = {"first": w}
+    for i in range(fresh):
+        out[f"fresh{i}"] = w.clone()
+    if offsets:
+        nbytes = w.numel() * w.element_size()
+        slab = torch.empty(nbytes + max(offsets), dtype=torch.uint8, device=w.device)
+        for off in offsets:
+            if off % w.element_size() or off % 16:
+                raise SystemExit(f"offset {off}: the kernel's vector path needs 16-byte steps")
+            view = slab[off:off + nbytes].view(w.dtype).view(w.shape)
+            view.copy_(w)
+            out[f"slab+{off}"] = view
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="16384x16384")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--fresh", type=int, default=4)
+    ap.add_argument("--offsets", default="0,4096,1048576,2097152,2101248")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a dry run on the host backend")
+    a = ap.parse_args(argv)
+    import rocmoe
+    from rocmoe import ops
+    from rocmoe.bench.timing import captured, interleaved_ms
+    dev = torch.device(a.device)
+    dtype = DTYPES[a.dtype]
+    n, k = (int(v) for v in a.shape.split("x"))
+    ctx = rocmoe.init(backend="ipc" if dev.type == "cuda" else "host", heap_size=256 << 20)
+    g = torch.Generator(device=dev).manual_seed(11)
+    w = torch.randn(n, k, device=dev, generator=g).to(dtype)
+    x = torch.randn(k, device=dev, generator=g).to(dtype)
+    want = w.double() @ x.double()
+    h = ops.GemvAllReduce(ctx, n, k, dtype)
+    offsets = [int(v) for v in a.offsets.split(",") if v != ""]
+    nbytes = (n * k + k + n) * w.element_size()
+    knobs = {key: val for key, val in os.environ.items() if key.startswith("ROCMOE_GEMV_")}
+    ratios = {}
+    with torch.no_grad():
+        for name, wp in placements(w, a.fresh, offsets).items():
+            y = h(wp, x)
+            err = float((y.double() - want).norm() / want.norm())
+            holder = []
+
+            def ours(wp=wp):
+                holder.append(h(wp, x))
+                del holder[:-1]
+
+            def theirs(wp=wp):
+                return torch.mv(wp, x)
+
+            for fn in (ours, theirs):
+                fn()
+            replay_ours, replay_theirs = captured(ours), captured(theirs)
+            nothing = (lambda: None)
+            graph = interleaved_ms({"rocmoe": (nothing, replay_ours),
+                                    "torch": (nothing, replay_theirs)}, rounds=a.reps)
+            queued = interleaved_ms({"rocmoe": (nothing, ours), "torch": (nothing, theirs)},
+                                    rounds=a.reps, queued=True)
+            ptr = wp.data_ptr()
+            rec = dict(probe="gemv_address", shape=dict(n=n, k=k), dtype=a.dtype,
+                       placement=name, address=hex(ptr), offset_in_2mib=ptr % (2 << 20),
+                       knobs=knobs, rel_err=err,
+                       rocmoe_graph_ms=round(graph["rocmoe"], 5),
+                       torch_graph_ms=round(graph["torch"], 5),
+                       ratio_graph=round(graph["torch"] / graph["rocmoe"], 4),
+                       rocmoe_queued_ms=round(queued["rocmoe"], 5),
+                       torch_queued_ms=round(queued["torch"], 5),
+                       ratio_queued=round(queued["torch"] / queued["rocmoe"], 4),
+                       tbps_graph=round(nbytes / (graph["rocmoe"] * 1e-3) / 1e12, 3),
+                       torch_tbps_graph=round(nbytes / (graph["torch"] * 1e-3) / 1e12, 3))
+            ratios[name] = rec["ratio_graph"]
+            print(json.dumps(rec), flush=True)
+            del replay_ours, replay_theirs, holder[:]
+    h.close()
+    print(json.dumps(dict(probe="gemv_address", summary=True, shape=dict(n=n, k=k),
+                          dtype=a.dtype, knobs=knobs, placements=len(ratios),
+                          ratio_graph_min=min(ratios.values()),
+                          ratio_graph_max=max(ratios.values()))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
