@@ -31,9 +31,15 @@
 #   emb_probe    benchmarks/probe_embedding_host.py (the batched embedding call's host time,
 #                layer by layer)
 #   gemv         benchmarks/gemv_variants.py (the GEMV kernel's variants against torch.mv)
+#   gemv_ab      the GEMV's balanced split against its row split: gemv_variants.py
+#                --variants default,balance on the bf16 shapes (the edge shapes checked
+#                first; $GEMV_AB_ARGS adds or overrides), then benchmarks/probe_gemv_address.py
+#                (W moved between addresses in one process) with the row split and with
+#                ROCMOE_GEMV_BALANCE=1
 # Files under $OUT (at most eight come back): session.log, build.log, fused.jsonl,
-# layer.jsonl, gemv.jsonl, vexpert.json, probe_embedding_host.json. Exits 1 when a stage failed (after running the
-# others), 4 when the build failed.
+# layer.jsonl, gemv.jsonl (gemv and gemv_ab), vexpert.json, probe_embedding_host.json,
+# gemv_address.jsonl. Exits 1 when a stage failed (after running the others), 4 when the
+# build failed.
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 STAGES=${1:-build,fused_tests,fused_bench,layer_bench}
@@ -129,6 +135,16 @@ fi
 if has gemv; then
   stamp gemv
   TAIL=40 run timeout ${GEMV_S:-200} python3 benchmarks/gemv_variants.py --out "$OUT/gemv.jsonl"
+fi
+if has gemv_ab; then
+  stamp gemv_ab
+  TAIL=30 run timeout ${GEMV_AB_S:-300} python3 benchmarks/gemv_variants.py \
+    --variants default,balance --shapes 16384x16384,28672x8192,8192x8192,8192x28672 \
+    --dtypes bf16 ${GEMV_AB_ARGS:-} --out "$OUT/gemv.jsonl"
+  for balance in 0 1; do
+    TAIL=3 run env ROCMOE_GEMV_BALANCE=$balance timeout ${GEMV_ADDRESS_S:-150} \
+      python3 benchmarks/probe_gemv_address.py >> "$OUT/gemv_address.jsonl"
+  done
 fi
 stamp "done (failed=$failed)"
 exit $failed

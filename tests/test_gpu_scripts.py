@@ -141,6 +141,19 @@ def test_host_time_session_passes_when_every_stage_passes(machine):
     assert proc.returncode == 0, proc.stdout
 
 
+def test_host_time_gemv_ab_stage_times_both_splits_and_probes_w_addresses_twice(machine):
+    proc, calls = machine("benchmarks/gpu_host_time.sh", "build,gemv_ab")
+    assert proc.returncode == 0, proc.stdout
+    variants = [c for c in calls.splitlines() if "gemv_variants.py" in c]
+    assert len(variants) == 1 and "--variants default,balance" in variants[0], calls
+    assert calls.count("probe_gemv_address.py") == 2, calls  # row split, then balanced
+
+
+def test_host_time_gemv_ab_stage_fails_when_its_steps_fail(machine):
+    proc, _ = machine("benchmarks/gpu_host_time.sh", "build,gemv_ab", python3=1)
+    assert proc.returncode == 1, proc.stdout
+
+
 def test_gemv_protocol_sweep_stops_when_the_build_fails(machine):
     proc, calls = machine("benchmarks/gpu_gemv_protocol.sh", cmake=1)
     assert proc.returncode == 4, proc.stdout
