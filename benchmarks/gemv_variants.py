@@ -85,12 +85,34 @@ def rel_err(got, want) -> float:
     return float((got - want).norm() / max(float(want.norm()), 1e-30))
 
 
+def time_against_mv(ours, replay_ours, theirs, replay_theirs, reps: int, calls: int,
+                    nbytes: int) -> dict:
+    """The record's timing fields: the handle (`ours`) against torch.mv (`theirs`), both
+    warmed up, timed interleaved and queued (rocmoe.bench.timing.interleaved_ms), replayed
+    from their CUDA graphs and as eager calls; ratio = torch ms / rocmoe ms; TB/s of
+    `nbytes` (W, x and y) under graphs."""
+    from rocmoe.bench.timing import interleaved_ms
+    nothing = (lambda: None)
+    graph = interleaved_ms({"rocmoe": (nothing, replay_ours), "torch": (nothing, replay_theirs)},
+                           rounds=reps, calls=calls, queued=True)
+    eager = interleaved_ms({"rocmoe": (nothing, ours), "torch": (nothing, theirs)},
+                           rounds=reps, calls=calls, queued=True)
+    return dict(rocmoe_graph_ms=round(graph["rocmoe"], 5),
+                torch_graph_ms=round(graph["torch"], 5),
+                ratio_graph=round(graph["torch"] / graph["rocmoe"], 4),
+                rocmoe_queued_ms=round(eager["rocmoe"], 5),
+                torch_queued_ms=round(eager["torch"], 5),
+                ratio_queued=round(eager["torch"] / eager["rocmoe"], 4),
+                tbps_graph=round(nbytes / (graph["rocmoe"] * 1e-3) / 1e12, 3),
+                torch_tbps_graph=round(nbytes / (graph["torch"] * 1e-3) / 1e12, 3))
+
+
 def child(args) -> int:
     import torch
 
     import rocmoe
     from rocmoe import ops
-    from rocmoe.bench.timing import captured, interleaved_ms
+    from rocmoe.bench.timing import captured
 
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
     ctx = rocmoe.init(heap_size=256 << 20)
@@ -187,24 +209,11 @@ def child(args) -> int:
                     for _ in range(3):
                         ours()
                         theirs()
-                    nothing = (lambda: None)
-                    graph = interleaved_ms({"rocmoe": (nothing, replay_ours),
-                                            "torch": (nothing, replay_theirs)},
-                                           rounds=args.reps, calls=args.calls, queued=True)
-                    eager = interleaved_ms({"rocmoe": (nothing, ours), "torch": (nothing, theirs)},
-                                           rounds=args.reps, calls=args.calls, queued=True)
+                    nbytes = (n * k + k + n) * w.element_size()
+                    rec.update(time_against_mv(ours, replay_ours, theirs, replay_theirs,
+                                               args.reps, args.calls, nbytes))
                     # still right after the timed replays
                     rec["graph_rel_err_after"] = rel_err(replayed(), want)
-                nbytes = (n * k + k + n) * w.element_size()
-                rec.update(
-                    rocmoe_graph_ms=round(graph["rocmoe"], 5),
-                    torch_graph_ms=round(graph["torch"], 5),
-                    ratio_graph=round(graph["torch"] / graph["rocmoe"], 4),
-                    rocmoe_queued_ms=round(eager["rocmoe"], 5),
-                    torch_queued_ms=round(eager["torch"], 5),
-                    ratio_queued=round(eager["torch"] / eager["rocmoe"], 4),
-                    tbps_graph=round(nbytes / (graph["rocmoe"] * 1e-3) / 1e12, 3),
-                    torch_tbps_graph=round(nbytes / (graph["torch"] * 1e-3) / 1e12, 3))
                 errs = (rec["rel_err"], rec["graph_rel_err"], rec["graph_rel_err_after"])
                 rec["ok"] = all(e < TOL[dname] for e in errs)
                 del replay_ours, replay_theirs, replayed, graph_out, holder[:]

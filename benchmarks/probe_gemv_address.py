@@ -10,8 +10,8 @@ GEMM cases' buffers). This probe keeps one process and one W (the same values) a
 * `fresh`: copies of W in new allocations, all kept alive (each at another address);
 * `slab+B`: views at byte offset B into one larger allocation (2 MiB apart and not);
 
-and times the handle against torch.mv on each copy, interleaved, replayed from CUDA graphs
-and as queued eager calls. Run it once as it is and once with ROCMOE_GEMV_BALANCE=1 (the
+and times the handle against torch.mv on each copy as benchmarks/gemv_variants.py does
+(time_against_mv: interleaved, queued, replayed from CUDA graphs and as eager calls). Run it once as it is and once with ROCMOE_GEMV_BALANCE=1 (the
 balanced split is a per-process knob) to see whether the split changes what the address
 does.
 
@@ -31,6 +31,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gemv_variants import time_against_mv  # noqa: E402  (timed as the variants are)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -58,13 +61,14 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--fresh", type=int, default=4)
     ap.add_argument("--offsets", default="0,4096,1048576,2097152,2101248")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=20, help="interleaved rounds (medians)")
+    ap.add_argument("--calls", type=int, default=5, help="calls between two events")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a dry run on the host backend")
     a = ap.parse_args(argv)
     import rocmoe
     from rocmoe import ops
-    from rocmoe.bench.timing import captured, interleaved_ms
+    from rocmoe.bench.timing import captured
     dev = torch.device(a.device)
     dtype = DTYPES[a.dtype]
     n, k = (int(v) for v in a.shape.split("x"))
@@ -91,26 +95,16 @@ def main(argv=None):
             def theirs(wp=wp):
                 return torch.mv(wp, x)
 
-            for fn in (ours, theirs):
-                fn()
             replay_ours, replay_theirs = captured(ours), captured(theirs)
-            nothing = (lambda: None)
-            graph = interleaved_ms({"rocmoe": (nothing, replay_ours),
-                                    "torch": (nothing, replay_theirs)}, rounds=a.reps)
-            queued = interleaved_ms({"rocmoe": (nothing, ours), "torch": (nothing, theirs)},
-                                    rounds=a.reps, queued=True)
+            for _ in range(3):
+                ours()
+                theirs()
             ptr = wp.data_ptr()
             rec = dict(probe="gemv_address", shape=dict(n=n, k=k), dtype=a.dtype,
                        placement=name, address=hex(ptr), offset_in_2mib=ptr % (2 << 20),
-                       knobs=knobs, rel_err=err,
-                       rocmoe_graph_ms=round(graph["rocmoe"], 5),
-                       torch_graph_ms=round(graph["torch"], 5),
-                       ratio_graph=round(graph["torch"] / graph["rocmoe"], 4),
-                       rocmoe_queued_ms=round(queued["rocmoe"], 5),
-                       torch_queued_ms=round(queued["torch"], 5),
-                       ratio_queued=round(queued["torch"] / queued["rocmoe"], 4),
-                       tbps_graph=round(nbytes / (graph["rocmoe"] * 1e-3) / 1e12, 3),
-                       torch_tbps_graph=round(nbytes / (graph["torch"] * 1e-3) / 1e12, 3))
+                       knobs=knobs, rel_err=err)
+            rec.update(time_against_mv(ours, replay_ours, theirs, replay_theirs, a.reps,
+                                       a.calls, nbytes))
             ratios[name] = rec["ratio_graph"]
             print(json.dumps(rec), flush=True)
             del replay_ours, replay_theirs, holder[:]

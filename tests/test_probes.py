@@ -84,3 +84,25 @@ def test_gemv_address_probe_dry_run_reports_every_placement_of_w_equal_to_float6
         assert r["rel_err"] < 1e-2 and r["ratio_graph"] > 0 and r["ratio_queued"] > 0, r
     summary = [r for r in records if r.get("summary")]
     assert len(summary) == 1 and summary[0]["placements"] == 5, summary
+
+
+def test_gemv_variants_host_smoke_reports_each_named_variant_checked_and_timed():
+    # benchmarks/gemv_variants.py runs each variant in a child with its knobs; on the host
+    # backend (--host-smoke) the same records: right against float64, eager and replayed,
+    # with the timing fields of time_against_mv, which probe_gemv_address.py shares
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gemv_variants.py"), "--host-smoke",
+         "--variants", "default,balance", "--shapes", "64x32", "--dtypes", "bf16,fp32",
+         "--no-edge", "--reps", "1", "--calls", "1"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    timed = [r for r in records if r.get("kind") == "timed"]
+    assert sorted((r["variant"], r["dtype"]) for r in timed) == [
+        ("balance", "bf16"), ("balance", "fp32"), ("default", "bf16"), ("default", "fp32")]
+    for r in timed:
+        assert r["ok"] and r["ratio_graph"] > 0 and r["ratio_queued"] > 0, r
+    assert [r["env"] for r in timed if r["variant"] == "balance"] == [
+        {"ROCMOE_GEMV_BALANCE": "1"}] * 2
