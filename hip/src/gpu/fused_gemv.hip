@@ -92,6 +92,9 @@ constexpr int kDefaultRows = 1;
 constexpr int kDefaultUnroll = 4;
 constexpr int kDefaultStages = 0;
 constexpr int kDefaultLoad = 0;
+// the balanced split (walk_chunks) stays off until an H200 run has timed it against the row
+// split (benchmarks/gpu_host_time.sh gemv_ab)
+constexpr int kDefaultBalance = 0;
 constexpr int kProtocolRows = 2;
 constexpr int kProtocolUnroll = 4;
 
@@ -917,7 +920,7 @@ const Tuning &tuning() {
                              env_int("ROCMOE_GEMV_DIRECT", 1),
                              env_int("ROCMOE_GEMV_ROWS", 0),
                              env_int("ROCMOE_GEMV_ONE_SHOT", 1),
-                             env_int("ROCMOE_GEMV_BALANCE", 0)};
+                             env_int("ROCMOE_GEMV_BALANCE", kDefaultBalance)};
     return t;
 }
 
