@@ -106,3 +106,14 @@ def test_gemv_variants_host_smoke_reports_each_named_variant_checked_and_timed()
         assert r["ok"] and r["ratio_graph"] > 0 and r["ratio_queued"] > 0, r
     assert [r["env"] for r in timed if r["variant"] == "balance"] == [
         {"ROCMOE_GEMV_BALANCE": "1"}] * 2
+
+
+def test_functional_host_probe_reports_each_path_of_each_op_with_equal_results():
+    # benchmarks/probe_functional_host.py times a functional op call three ways (the direct
+    # path with grad off, the custom op with grad off, the function with grad on); every
+    # path gives the first path's result
+    records = _dry_run("probe_functional_host.py", "--calls", "20")
+    paths = {(r["op"], r["path"]) for r in records}
+    assert len(paths) == len(records) == 3 * 3, records
+    for r in records:
+        assert r["equal_to_first_path"] and r["host_us"] > 0, r

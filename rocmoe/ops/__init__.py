@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch.overrides import has_torch_function
 
 from .. import errors
 from . import _kernels, _ops  # noqa: F401  (registers torch.ops.rocmoe.*)
@@ -61,6 +62,25 @@ def _anchor(ctx) -> torch.Tensor:
     return anchor
 
 
+# how many torch-dispatch modes are active (None where torch does not say: then every call
+# goes through the dispatcher)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+
+
+def _direct(tensors) -> bool:
+    """An eager call that neither autograd nor a tracer takes part in: grad mode off, not
+    compiling, plain tensors, no torch-function or torch-dispatch mode active. Such a call
+    runs the op's eager implementation (rocmoe.ops._kernels) itself: going through the custom
+    op (torch.library's autograd wrapper and the dispatcher) cost 23-45 us of host time a call
+    on this project's CI host (benchmarks/probe_functional_host.py), half a GEMV call. Every
+    other call takes the custom op, so autograd, torch.compile, fake tensors and modes see
+    the op as before."""
+    return (not torch.is_grad_enabled() and _dispatch_modes is not None
+            and not torch.compiler.is_compiling() and _dispatch_modes() == 0
+            and all(type(t) is torch.Tensor for t in tensors)
+            and not has_torch_function(tensors))
+
+
 def _off_device(ctx, tensors) -> bool:
     """A real (not traced) call with a tensor off the context's device. Such a call must not
     go through the dispatcher: a meta tensor would select the fake kernel and the other ranks
@@ -83,7 +103,8 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
     ctx = resolve_context(ctx)
     weights, indices, offsets = list(weights), list(indices), list(offsets)
     psw = None if per_sample_weights is None else list(per_sample_weights)
-    if _off_device(ctx, weights + indices + offsets + (psw or [])):
+    tensors = weights + indices + offsets + (psw or [])
+    if _direct(tensors) or _off_device(ctx, tensors):
         return _kernels.embedding_forward(ctx, weights, indices, offsets, mode, psw)[0]
     layout = ""
     if torch.compiler.is_compiling():
@@ -107,7 +128,7 @@ def gemv_all_reduce(W_local: torch.Tensor, x_local: torch.Tensor, ctx=None) -> t
     x_local [K_r]. Two-phase direct all-reduce: reduce-scatter by stores into each chunk's
     owner, then all-gather by stores."""
     ctx = resolve_context(ctx)
-    if _off_device(ctx, (W_local, x_local)):
+    if _direct((W_local, x_local)) or _off_device(ctx, (W_local, x_local)):
         return _kernels.gemv_forward(ctx, W_local, x_local)
     return torch.ops.rocmoe.gemv_all_reduce(W_local, x_local, context_id(ctx))
 
@@ -138,7 +159,7 @@ def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> 
                 send_counts = [int(c) for c in send_counts]
         except (TypeError, ValueError):
             send_counts = list(BAD_COUNTS)
-    if _off_device(ctx, (X, W)):
+    if _direct((X, W)) or _off_device(ctx, (X, W)):
         return _kernels.rows_exchange(ctx, "gemm_all_to_all", X, W, send_counts)[0]
     anchor = _anchor(ctx)
     y, _ = torch.ops.rocmoe.gemm_all_to_all(X, W, send_counts, context_id(ctx), anchor)

@@ -429,5 +429,11 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     if groups == 1:  # one group is the plain product
         w, groups, group_counts = w[0], 0, None
     flat = [c for row in group_counts for c in row] if group_counts is not None else counts
-    out, _ = handle._exchange(x, w, flat, None, groups)
+    # a GPU handle's lean call (rocmoe/ops/gpu.py: lean_gemm_call) once it has one: the
+    # checks above already passed, and it launches without the general path's layers; it
+    # declines (None) what it does not take (grouped products, another K, grad), which then
+    # takes the general path
+    lean = handle.__dict__.get("_lean") if w is not None and not groups else None
+    taken = lean(x, w, flat) if lean is not None else None
+    out = taken[0] if taken is not None else handle._exchange(x, w, flat, None, groups)[0]
     return out[:recv_rows], recv_counts

@@ -2,7 +2,7 @@
 
     mpiexec -n N python tests/ops/fused_script.py [GROUP ...]
 
-GROUPS: forward backward repeat errors compile (default: all). Prints one line per check
+GROUPS: forward backward repeat errors compile nograd (default: all). Prints one line per check
 ("ok ..." or "FAIL ..."), exits 1 if any check failed. Every rank runs every check; the
 fused op and its reference run in the same process on the same inputs.
 """
@@ -491,8 +491,17 @@ def check_compile():
            "torch.compile(aot_eager) embedding_all_to_all forward+backward")
 
 
+def check_nograd():
+    """forward and errors again with grad mode off, where the functions run their
+    implementation without the custom op (rocmoe/ops/__init__.py: _direct): the same
+    results, and bad input on one rank raising on every rank."""
+    with torch.no_grad():
+        check_forward()
+        check_errors()
+
+
 GROUPS = {"forward": check_forward, "backward": check_backward, "repeat": check_repeat,
-          "errors": check_errors, "compile": check_compile}
+          "errors": check_errors, "compile": check_compile, "nograd": check_nograd}
 
 
 def main() -> int:

@@ -1,0 +1,92 @@
+"""Host time of a functional fused op call (rocmoe.ops.gemm_all_to_all, gemv_all_reduce,
+embedding_all_to_all) by the path it takes, in one process.
+
+Why this exists: the functions run on cached handles after agreeing on every call's shapes,
+and until the twenty-second session every call also went through the custom op
+(torch.ops.rocmoe.*, for autograd and torch.compile), whose dispatch cost about 55 us of host
+time a call on the CI host: more than the rest of a GEMV call. A call with grad mode off
+now runs the op's implementation itself (rocmoe/ops/__init__.py: _direct). Three paths of
+the same call on the same inputs:
+
+* `function, grad off`: rocmoe.ops.<op>(...) under torch.no_grad() (the direct path);
+* `custom op, grad off`: torch.ops.rocmoe.<op>(...) under torch.no_grad(), what the
+  function called before;
+* `function, grad on`: rocmoe.ops.<op>(...) with grad mode on (the custom op and its
+  autograd node; no input requires grad).
+
+    python3 benchmarks/probe_functional_host.py [--device cpu|cuda] [--calls 1000]
+        [--rounds 5]
+
+One JSON line per op and path: host us a call (the median of `rounds` rounds of `calls`
+calls back to back; on a GPU the GPU runs behind, rocmoe.bench.timing.host_ms_per_call) and
+whether its result equals the first path's. On the CPU (the host backend) a call's time
+includes the host backend's own compute, the same in every path."""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def cases(ctx, dev):
+    """op -> (function call, custom-op call) on small inputs: host time is the point."""
+    from rocmoe import ops
+    from rocmoe.ops import _ops  # noqa: F401  (torch.ops.rocmoe.*)
+    from rocmoe.ops._common import context_id
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 32, generator=g).to(dev), torch.randn(32, 48, generator=g).to(dev)
+    wv, xv = torch.randn(96, 32, generator=g).to(dev), torch.randn(32, generator=g).to(dev)
+    tables = [torch.randn(40, 16, generator=g).to(dev) for _ in range(4)]
+    idx = [torch.randint(0, 40, (24,), generator=g).to(dev) for _ in range(4)]
+    off = [torch.arange(0, 24, 3).to(dev) for _ in range(4)]
+    cid, anchor = context_id(ctx), torch.empty(0, device=dev)
+    rocmoe_ops = torch.ops.rocmoe
+    return {
+        "gemm_all_to_all": (lambda: ops.gemm_all_to_all(x, w, [64]),
+                            lambda: rocmoe_ops.gemm_all_to_all(x, w, [64], cid, anchor)[0]),
+        "gemv_all_reduce": (lambda: ops.gemv_all_reduce(wv, xv),
+                            lambda: rocmoe_ops.gemv_all_reduce(wv, xv, cid)),
+        "embedding_all_to_all (4 tables)": (
+            lambda: ops.embedding_all_to_all(tables, idx, off),
+            lambda: rocmoe_ops.embedding_all_to_all(tables, idx, off, [], False, "sum", "", cid,
+                                                    anchor)[0]),
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=None, help="(the probes' dry-run flag: rounds)")
+    a = ap.parse_args(argv)
+    rounds = a.reps or a.rounds
+    import rocmoe
+    from rocmoe.bench.timing import host_ms_per_call
+    dev = torch.device(a.device)
+    ctx = rocmoe.init(backend="ipc" if dev.type == "cuda" else "host", heap_size=256 << 20)
+    for op, (function, custom_op) in cases(ctx, dev).items():
+        paths = {"function, grad off": (False, function), "custom op, grad off": (False, custom_op),
+                 "function, grad on": (True, function)}
+        first = None
+        for path, (grad, fn) in paths.items():
+            with torch.set_grad_enabled(grad):
+                got = fn().detach()
+                for _ in range(min(a.calls, 100)):  # warm-up
+                    fn()
+                samples = sorted(host_ms_per_call(fn, a.calls) * 1e3 for _ in range(rounds))
+            first = got if first is None else first
+            print(json.dumps(dict(probe="functional_host", device=a.device, op=op, path=path,
+                                  host_us=round(samples[len(samples) // 2], 2),
+                                  host_us_samples=[round(s, 2) for s in samples],
+                                  equal_to_first_path=bool(torch.equal(got, first)))),
+                  flush=True)
+    ctx.finalize()
+
+
+if __name__ == "__main__":
+    main()

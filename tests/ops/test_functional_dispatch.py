@@ -1,0 +1,140 @@
+"""rocmoe.ops' functions take the custom op (torch.ops.rocmoe.*) only where autograd or a
+tracer needs it. An eager call with grad mode off runs the op's implementation itself
+(rocmoe.ops._kernels; the custom op's dispatch cost 23-45 us of host time a call on the CI
+host), with the same result and the same errors; with grad mode on, or under a
+torch-dispatch mode, the call takes the custom op as before. The GEMM's implementation
+launches through its cached handle's lean call where the handle has one (GPU handles after
+their first call), and through the general path where that declines. One host rank (world
+size 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import rocmoe
+from rocmoe import errors, ops
+from rocmoe.ops import _kernels
+
+OPS = ("gemm_all_to_all", "gemv_all_reduce", "embedding_all_to_all")
+
+
+@pytest.fixture
+def ctx():
+    with rocmoe.init(backend="host", heap_size=64 << 20) as c:
+        yield c
+        ops.release_workspaces(c)
+
+
+@pytest.fixture
+def dispatched(monkeypatch):
+    """How often each torch.ops.rocmoe.<op> was called (the op still runs)."""
+    counts = dict.fromkeys(OPS, 0)
+    for name in OPS:
+        op = getattr(torch.ops.rocmoe, name)
+
+        def counted(*args, _op=op, _name=name, **kwargs):
+            counts[_name] += 1
+            return _op(*args, **kwargs)
+        monkeypatch.setattr(torch.ops.rocmoe, name, counted)
+    return counts
+
+
+def _call(name: str):
+    """One call of the function `name` and what torch computes for it."""
+    g = torch.Generator().manual_seed(3)
+    if name == "gemm_all_to_all":
+        x, w = torch.randn(6, 8, generator=g), torch.randn(8, 5, generator=g)
+        return ops.gemm_all_to_all(x, w, [6]), x @ w
+    if name == "gemv_all_reduce":
+        w, x = torch.randn(7, 4, generator=g), torch.randn(4, generator=g)
+        return ops.gemv_all_reduce(w, x), w @ x
+    tables = [torch.randn(9, 4, generator=g), torch.randn(5, 4, generator=g)]
+    idx = [torch.tensor([0, 3, 8, 1]), torch.tensor([4, 2, 2])]
+    off = [torch.tensor([0, 2]), torch.tensor([0, 1])]
+    want = torch.stack([torch.nn.functional.embedding_bag(i, t, o, mode="sum")
+                        for t, i, o in zip(tables, idx, off)], dim=1)
+    return ops.embedding_all_to_all(tables, idx, off), want
+
+
+class _Recorder(TorchDispatchMode):
+    """Records the name of every op that reaches the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_a_no_grad_call_runs_the_implementation_without_the_custom_op(ctx, dispatched, name):
+    with torch.no_grad():
+        got, want = _call(name)
+    assert dispatched[name] == 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_a_call_with_grad_mode_on_takes_the_custom_op(ctx, dispatched, name):
+    _call(name)
+    assert dispatched[name] == 1
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_a_no_grad_call_under_a_dispatch_mode_takes_the_custom_op(ctx, name):
+    mode = _Recorder()
+    with torch.no_grad(), mode:
+        got, want = _call(name)
+    assert f"rocmoe::{name}" in mode.seen, mode.seen
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_a_no_grad_call_gives_what_the_custom_op_gives(ctx, name):
+    with torch.no_grad():
+        direct, _ = _call(name)
+    through_op, _ = _call(name)
+    assert torch.equal(direct, through_op.detach())
+
+
+def test_bad_input_raises_the_same_error_with_grad_mode_on_or_off(ctx):
+    x, w = torch.randn(6, 8), torch.randn(8, 5)
+    with pytest.raises(errors.InvalidArgumentError, match="sum to 7"):
+        ops.gemm_all_to_all(x, w, [7])
+    with torch.no_grad(), pytest.raises(errors.InvalidArgumentError, match="sum to 7"):
+        ops.gemm_all_to_all(x, w, [7])
+    with torch.no_grad():  # and the next call is right
+        torch.testing.assert_close(ops.gemm_all_to_all(x, w, [6]), x @ w)
+
+
+def _gemm_handle(ctx):
+    (handle,) = [h for key, h in _kernels._CACHE[ctx].items() if key[0] == "gemm"]
+    return handle
+
+
+def test_the_gemm_launches_through_its_handles_lean_call_when_it_has_one(ctx):
+    x, w = torch.randn(6, 8), torch.randn(8, 5)
+    with torch.no_grad():
+        ops.gemm_all_to_all(x, w, [6])
+        handle = _gemm_handle(ctx)
+        rows = torch.arange(float(handle.capacity_rows * 5)).view(-1, 5)
+        seen = []
+        handle._lean = lambda *args: seen.append(args) or (rows, torch.tensor([6]))
+        got = ops.gemm_all_to_all(x, w, [6])
+    assert len(seen) == 1 and seen[0][0] is x and seen[0][1] is w and seen[0][2] == [6]
+    assert torch.equal(got, rows[:6])  # the lean call's rows, cut to the rows received
+
+
+def test_the_gemm_takes_the_general_path_where_the_lean_call_declines(ctx):
+    x, w = torch.randn(6, 8), torch.randn(8, 5)
+    with torch.no_grad():
+        ops.gemm_all_to_all(x, w, [6])
+        declined = []
+        _gemm_handle(ctx)._lean = lambda *args: declined.append(args)  # None: declined
+        got = ops.gemm_all_to_all(x, w, [6])
+    assert len(declined) == 1
+    torch.testing.assert_close(got, x @ w)
