@@ -35,6 +35,11 @@ def test_public_ops_forward_and_backward_on_gpu_equal_the_reference(ranks):
                 for call in range(CALLS):
                     assert f"RANK {rank} {dtype}/{check}#{call} OK" in out, \
                         f"rank {rank} did not report {dtype}/{check}#{call}:\n{out}"
+        # grad mode off: the functions without the custom op, the GEMM's lean launches
+        for dtype in DTYPES:
+            for check in ("gemm", "gemv", "embedding"):
+                for call in range(4):
+                    assert f"RANK {rank} {dtype}/nograd/{check}#{call} OK" in out, out
         # bad input on the last rank only: every rank raised, none hung
         assert f"RANK {rank} bad_counts_raise_everywhere OK" in out, out
         assert f"RANK {rank} bad_index_raises_everywhere_at_the_next_call OK" in out, out
