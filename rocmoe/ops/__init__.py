@@ -62,21 +62,24 @@ def _anchor(ctx) -> torch.Tensor:
     return anchor
 
 
-# how many torch-dispatch modes are active (None where torch does not say: then every call
-# goes through the dispatcher)
+# how many torch-dispatch modes are active, and whether a torch.func transform (vmap, grad,
+# ...) is (None where torch does not say: then every call goes through the dispatcher)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
 def _direct(tensors) -> bool:
     """An eager call that neither autograd nor a tracer takes part in: grad mode off, not
-    compiling, plain tensors, no torch-function or torch-dispatch mode active. Such a call
-    runs the op's eager implementation (rocmoe.ops._kernels) itself: going through the custom
-    op (torch.library's autograd wrapper and the dispatcher) cost 23-45 us of host time a call
-    on this project's CI host (benchmarks/probe_functional_host.py), half a GEMV call. Every
-    other call takes the custom op, so autograd, torch.compile, fake tensors and modes see
-    the op as before."""
+    compiling, plain tensors, no torch-function or torch-dispatch mode and no torch.func
+    transform active. Such a call runs the op's eager implementation (rocmoe.ops._kernels)
+    itself: going through the custom op (torch.library's autograd wrapper and the
+    dispatcher) cost 23-44 us of host time a call on this project's CI host
+    (benchmarks/probe_functional_host.py), half a GEMV call. Every other call takes the
+    custom op, so autograd, torch.compile, torch.func, fake tensors and modes see the op as
+    before."""
     return (not torch.is_grad_enabled() and _dispatch_modes is not None
-            and not torch.compiler.is_compiling() and _dispatch_modes() == 0
+            and _transforms_active is not None and not torch.compiler.is_compiling()
+            and _dispatch_modes() == 0 and not _transforms_active()
             and all(type(t) is torch.Tensor for t in tensors)
             and not has_torch_function(tensors))
 

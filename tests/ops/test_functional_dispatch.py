@@ -1,8 +1,8 @@
 """rocmoe.ops' functions take the custom op (torch.ops.rocmoe.*) only where autograd or a
 tracer needs it. An eager call with grad mode off runs the op's implementation itself
 (rocmoe.ops._kernels; the custom op's dispatch cost 23-45 us of host time a call on the CI
-host), with the same result and the same errors; with grad mode on, or under a
-torch-dispatch mode, the call takes the custom op as before. The GEMM's implementation
+host), with the same result and the same errors; with grad mode on, under a torch-dispatch
+mode or inside a torch.func transform, the call takes the custom op as before. The GEMM's implementation
 launches through its cached handle's lean call where the handle has one (GPU handles after
 their first call), and through the general path where that declines. One host rank (world
 size 1)."""
@@ -137,4 +137,15 @@ def test_the_gemm_takes_the_general_path_where_the_lean_call_declines(ctx):
         _gemm_handle(ctx)._lean = lambda *args: declined.append(args)  # None: declined
         got = ops.gemm_all_to_all(x, w, [6])
     assert len(declined) == 1
+    torch.testing.assert_close(got, x @ w)
+
+
+def test_a_no_grad_call_inside_vmap_takes_the_custom_op(ctx, dispatched):
+    # vmap's batched tensors are plain torch.Tensor objects: the transform, not the type,
+    # says the call is not a plain eager one; the custom op runs through vmap's fallback (one
+    # call a batch element), where the implementation itself could not read their storage
+    x, w = torch.randn(2, 6, 8), torch.randn(8, 5)
+    with torch.no_grad():
+        got = torch.vmap(lambda xi: ops.gemm_all_to_all(xi, w, [6]))(x)
+    assert dispatched["gemm_all_to_all"] == 1
     torch.testing.assert_close(got, x @ w)
