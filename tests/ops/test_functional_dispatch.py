@@ -1,11 +1,11 @@
 """rocmoe.ops' functions take the custom op (torch.ops.rocmoe.*) only where autograd or a
 tracer needs it. An eager call with grad mode off runs the op's implementation itself
-(rocmoe.ops._kernels; the custom op's dispatch cost 23-45 us of host time a call on the CI
+(rocmoe.ops._kernels; the custom op's dispatch cost 23-44 us of host time a call on the CI
 host), with the same result and the same errors; with grad mode on, under a torch-dispatch
-mode or inside a torch.func transform, the call takes the custom op as before. The GEMM's implementation
-launches through its cached handle's lean call where the handle has one (GPU handles after
-their first call), and through the general path where that declines. One host rank (world
-size 1)."""
+mode or inside a torch.func transform, the call takes the custom op as before. The GEMM's
+implementation launches through its cached handle's lean call where the handle has one (GPU
+handles after their first call), and through the general path where that declines. One
+host rank (world size 1)."""
 
 from __future__ import annotations
 
