@@ -17,7 +17,8 @@ the same call on the same inputs:
     python3 benchmarks/probe_functional_host.py [--device cpu|cuda] [--calls 1000]
         [--rounds 5]
 
-One JSON line per op and path: host us a call (the median of `rounds` rounds of `calls`
+On the CPU, two more lines: the embedding's local checks at 4 and 26 tables with the value
+checks off, as on a GPU. One JSON line per op and path: host us a call (the median of `rounds` rounds of `calls`
 calls back to back; on a GPU the GPU runs behind, rocmoe.bench.timing.host_ms_per_call) and
 whether its result equals the first path's. On the CPU (the host backend) a call's time
 includes the host backend's own compute, the same in every path."""
@@ -85,7 +86,42 @@ def main(argv=None):
                                   host_us_samples=[round(s, 2) for s in samples],
                                   equal_to_first_path=bool(torch.equal(got, first)))),
                   flush=True)
+    if dev.type == "cpu":
+        checks_as_on_a_gpu(ctx, a.calls, rounds)
     ctx.finalize()
+
+
+def checks_as_on_a_gpu(ctx, calls: int, rounds: int) -> None:
+    """The functional embedding's local checks (_kernels._check_embedding) at 4 and 26
+    tables, with the value checks off as on a GPU (the host backend reads the indices'
+    values on the host; a GPU's kernel checks them): the per-table part of a GPU call's host
+    time that a CPU can measure. `_on_gpu` is replaced inside this process only."""
+    import time
+
+    from rocmoe.ops import _kernels
+    g = torch.Generator().manual_seed(1)
+    real = _kernels._on_gpu
+    _kernels._on_gpu = lambda c: True
+    try:
+        for nt in (4, 26):
+            tables = [torch.randn(40, 16, generator=g) for _ in range(nt)]
+            idx = [torch.randint(0, 40, (24,), generator=g) for _ in range(nt)]
+            off = [torch.arange(0, 24, 3) for _ in range(nt)]
+            samples = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    _kernels._check_embedding(ctx, tables, idx, off, "sum", None)
+                samples.append((time.perf_counter() - t0) / calls * 1e6)
+            samples.sort()
+            print(json.dumps(dict(probe="functional_host", device="cpu",
+                                  op=f"embedding local checks, {nt} tables",
+                                  path="value checks off (as on a GPU)",
+                                  host_us=round(samples[len(samples) // 2], 2),
+                                  host_us_samples=[round(s, 2) for s in samples],
+                                  equal_to_first_path=True)), flush=True)
+    finally:
+        _kernels._on_gpu = real
 
 
 if __name__ == "__main__":
