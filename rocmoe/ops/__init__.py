@@ -14,7 +14,8 @@ Alltoallv / Allreduce) are `rocmoe.ops.reference.*`.
 The fast path is the persistent handles (rocmoe/ops/handles.py): `GemmAllToAll`,
 `AllToAllRows`, `EmbeddingAllToAll`, `GemvAllReduce`, created once and then called with no
 host collective, no host synchronisation, and capturable in CUDA/HIP graphs. The functions
-above run on cached handles after agreeing on every call's shapes on the host.
+above run on cached handles after agreeing on every call's shapes on the host; a call that
+neither autograd nor a tracer takes part in skips the custom op's dispatch (`_direct`).
 """
 
 from __future__ import annotations
