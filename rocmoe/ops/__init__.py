@@ -67,11 +67,14 @@ def _anchor(ctx) -> torch.Tensor:
 # ...) is (None where torch does not say: then every call goes through the dispatcher)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+# tensor types a direct call takes: a model's weights are Parameters (a subclass that changes
+# nothing here); any other subclass may override what the op does with it
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _direct(tensors) -> bool:
     """An eager call that neither autograd nor a tracer takes part in: grad mode off, not
-    compiling, plain tensors, no torch-function or torch-dispatch mode and no torch.func
+    compiling, plain tensors or Parameters, no torch-function or torch-dispatch mode and no torch.func
     transform active. Such a call runs the op's eager implementation (rocmoe.ops._kernels)
     itself: going through the custom op (torch.library's autograd wrapper and the
     dispatcher) cost 23-44 us of host time a call on this project's CI host
@@ -81,7 +84,7 @@ def _direct(tensors) -> bool:
     return (not torch.is_grad_enabled() and _dispatch_modes is not None
             and _transforms_active is not None and not torch.compiler.is_compiling()
             and _dispatch_modes() == 0 and not _transforms_active()
-            and all(type(t) is torch.Tensor for t in tensors)
+            and all(type(t) in _PLAIN for t in tensors)
             and not has_torch_function(tensors))
 
 

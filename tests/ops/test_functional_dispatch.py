@@ -149,3 +149,24 @@ def test_a_no_grad_call_inside_vmap_takes_the_custom_op(ctx, dispatched):
         got = torch.vmap(lambda xi: ops.gemm_all_to_all(xi, w, [6]))(x)
     assert dispatched["gemm_all_to_all"] == 1
     torch.testing.assert_close(got, x @ w)
+
+
+def test_a_no_grad_call_with_parameters_runs_the_implementation_directly(ctx, dispatched):
+    # a model's weights are nn.Parameters: under no_grad (inference) they take the direct path
+    x = torch.randn(6, 8)
+    w = torch.nn.Parameter(torch.randn(8, 5))
+    with torch.no_grad():
+        got = ops.gemm_all_to_all(x, w, [6])
+    assert dispatched["gemm_all_to_all"] == 0
+    torch.testing.assert_close(got, x @ w)
+
+
+def test_a_no_grad_call_with_another_tensor_subclass_takes_the_custom_op(ctx, dispatched):
+    # a subclass that turns __torch_function__ off (as __torch_dispatch__ subclasses such as
+    # FakeTensor do) is not seen by has_torch_function: its type alone sends it to the op
+    class Quiet(torch.Tensor):
+        __torch_function__ = torch._C._disabled_torch_function_impl
+    x, w = torch.randn(6, 8), torch.randn(8, 5).as_subclass(Quiet)
+    with torch.no_grad():
+        ops.gemm_all_to_all(x, w, [6])
+    assert dispatched["gemm_all_to_all"] == 1
