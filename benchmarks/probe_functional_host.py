@@ -18,10 +18,11 @@ the same call on the same inputs:
         [--rounds 5]
 
 On the CPU, two more lines: the embedding's local checks at 4 and 26 tables with the value
-checks off, as on a GPU. One JSON line per op and path: host us a call (the median of `rounds` rounds of `calls`
-calls back to back; on a GPU the GPU runs behind, rocmoe.bench.timing.host_ms_per_call) and
-whether its result equals the first path's. On the CPU (the host backend) a call's time
-includes the host backend's own compute, the same in every path."""
+checks off, as on a GPU. One JSON line per op and path: host us a call (the median of
+`rounds` rounds of `calls` calls back to back; on a GPU the GPU runs behind,
+rocmoe.bench.timing.host_ms_per_call) and whether its result equals the first path's. On
+the CPU (the host backend) a call's time includes the host backend's own compute, the same
+in every path."""
 
 import argparse
 import json

@@ -11,9 +11,9 @@ GEMM cases' buffers). This probe keeps one process and one W (the same values) a
 * `slab+B`: views at byte offset B into one larger allocation (2 MiB apart and not);
 
 and times the handle against torch.mv on each copy as benchmarks/gemv_variants.py does
-(time_against_mv: interleaved, queued, replayed from CUDA graphs and as eager calls). Run it once as it is and once with ROCMOE_GEMV_BALANCE=1 (the
-balanced split is a per-process knob) to see whether the split changes what the address
-does.
+(time_against_mv: interleaved, queued, replayed from CUDA graphs and as eager calls). Run it
+once as it is and once with ROCMOE_GEMV_BALANCE=1 (the balanced split is a per-process
+knob) to see whether the split changes what the address does.
 
     python3 benchmarks/probe_gemv_address.py [--shape 16384x16384] [--dtype bf16]
         [--fresh 4] [--offsets 0,4096,1048576,2097152,2101248] [--reps 20]

@@ -74,9 +74,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _direct(tensors) -> bool:
     """An eager call that neither autograd nor a tracer takes part in: grad mode off, not
-    compiling, plain tensors or Parameters, no torch-function or torch-dispatch mode and no torch.func
-    transform active. Such a call runs the op's eager implementation (rocmoe.ops._kernels)
-    itself: going through the custom op (torch.library's autograd wrapper and the
+    compiling, plain tensors or Parameters, no torch-function or torch-dispatch mode and no
+    torch.func transform active. Such a call runs the op's eager implementation
+    (rocmoe.ops._kernels) itself: going through the custom op (torch.library's autograd wrapper and the
     dispatcher) cost 23-44 us of host time a call on this project's CI host
     (benchmarks/probe_functional_host.py), half a GEMV call. Every other call takes the
     custom op, so autograd, torch.compile, torch.func, fake tensors and modes see the op as

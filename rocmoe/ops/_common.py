@@ -76,8 +76,12 @@ def check_device(ctx, t: torch.Tensor, what: str) -> None:
             f"{ctx.device}; move it there first")
 
 
+# what the fused ops take as indices, offsets and counts
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def check_index_dtype(t: torch.Tensor, what: str) -> None:
-    if t.dtype not in (torch.int32, torch.int64):
+    if t.dtype not in INDEX_DTYPES:
         raise errors.DTypeError(f"{what} has dtype {t.dtype}; indices are int32 or int64")
 
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from .. import errors
-from ._common import (CODE_DTYPES, DTYPE_CODES, agree, check_device, check_float_dtype,
-                      check_index_dtype)
+from ._common import (CODE_DTYPES, DTYPE_CODES, INDEX_DTYPES, agree, check_device,
+                      check_float_dtype, check_index_dtype)
 from .handles import MODES, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, _on_gpu, rows_handle
 from .products import split_groups
 
@@ -138,12 +138,12 @@ def _check_embedding(ctx, weights, indices, offsets, mode, psw):
         return 0, -1, -1, -1
     batch = dim = dtype = None
     bounds = []  # per table: values that must all be <= 0 (read together: one sync on GPUs)
-    device, index_dtypes = ctx.device, (torch.int32, torch.int64)
+    device = ctx.device
     for t, (w, idx, off) in enumerate(zip(weights, indices, offsets)):
         # the checks' messages are formatted only for a table that fails one (a message
         # formatted for every table cost about a microsecond a table: 26 a DLRM step)
-        if (w.dtype not in DTYPE_CODES or idx.dtype not in index_dtypes
-                or off.dtype not in index_dtypes):
+        if (w.dtype not in DTYPE_CODES or idx.dtype not in INDEX_DTYPES
+                or off.dtype not in INDEX_DTYPES):
             check_float_dtype(w, f"{op}: table {t}")
             check_index_dtype(idx, f"{op}: indices of table {t}")
             check_index_dtype(off, f"{op}: offsets of table {t}")

@@ -37,7 +37,7 @@ import torch
 from .. import errors
 from .._native import check, ffi, lib
 from ..collective import KIND_HANDLE
-from ._common import DTYPE_CODES, MODES, resolve_context
+from ._common import DTYPE_CODES, INDEX_DTYPES, MODES, resolve_context
 from .layout import Layout, OP_CODES, make_layout
 from .outputs import OutputRing, capturing
 
@@ -763,7 +763,7 @@ class EmbeddingAllToAll(FusedHandle):
                 f"{list(self._packed_shape)}")
         for what, x in (("indices", indices), ("offsets", offsets)):
             self._check_tensor(x, what, None, 1)
-            if x.dtype not in _INDEX_DTYPES:
+            if x.dtype not in INDEX_DTYPES:
                 raise errors.DTypeError(f"{name}: {what} are {x.dtype}; use int32 or int64")
         if indices.numel() > self._packed_lookups:
             raise errors.InvalidArgumentError(
@@ -835,7 +835,7 @@ class EmbeddingAllToAll(FusedHandle):
         shapes = self.__dict__.get("_table_shapes")
         if shapes is None:
             shapes = self._table_shapes = [torch.Size((r, self.dim)) for r in self.table_rows]
-        dtype, ok, most = self.dtype, _INDEX_DTYPES, self.max_lookups
+        dtype, ok, most = self.dtype, INDEX_DTYPES, self.max_lookups
         if batch is None:
             batch = offsets[0].numel() if nt and isinstance(offsets[0], torch.Tensor) else None
         for w, idx, off, shape in zip(weights, indices, offsets, shapes):
@@ -869,7 +869,7 @@ class EmbeddingAllToAll(FusedHandle):
                     f"{name}: table {t} is {tuple(w.shape)}; the handle was made for "
                     f"[{self.table_rows[t]}, {self.dim}]")
             for what, x in (("indices", idx), ("offsets", off)):
-                if x.dtype not in (torch.int32, torch.int64):
+                if x.dtype not in INDEX_DTYPES:
                     raise errors.DTypeError(f"{name}: {what} of table {t} are {x.dtype}; use "
                                             "int32 or int64")
             if idx.numel() > self.max_lookups:
@@ -952,7 +952,6 @@ class EmbeddingAllToAll(FusedHandle):
         return out
 
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
 _I64 = torch.int64
 
 
