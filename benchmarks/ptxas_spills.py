@@ -57,8 +57,7 @@ def gemm_builds():
     base = gemm_kernels.default_config("cuda")
     tiles = [("default", {}, mode) for mode in ("direct", "local", "exchange")]
     tiles += [("tuner", extra, "direct" if extra.get("SPLIT_K", 1) == 1 else "local")
-              for extra in
-              gpu_ops._TUNE_CANDIDATES + gpu_ops._TUNE_SKINNY]
+              for extra in gpu_ops.tune_candidates("cuda", rows=1)]
     for kind, extra, mode in tiles:
         cfg = dict(base, **extra)
         cfg.pop("PROGRAMS_PER_SM", None)  # (the grid, not the kernel)

@@ -41,6 +41,9 @@ ENV_KNOBS = (
                                      '{"tma": false, "dstd": {"block_n": 256, "num_warps": 8}}'),
     ("ROCMOE_GEMM_CONFIG", "", "JSON overrides of the GEMM+A2A tile config, e.g. "
                                '{"BLOCK_N": 128, "USE_TMA": false, "PROGRAMS_PER_SM": 1}'),
+    ("ROCMOE_GEMM_TUNE", "1", "GEMM+A2A on a GPU (CUDA or ROCm): 0 skips the first call's "
+                              "timing of the platform's tile candidates (gpu.tune_candidates) "
+                              "and runs the default tile; ROCMOE_GEMM_CONFIG skips it too"),
     ("ROCMOE_GROUPED_CONFIG", "", "JSON overrides of the expert-parallel grouped products' "
                                   'tiles (gpu.grouped_local), e.g. {"BLOCK_N": 128, '
                                   '"FLATTEN": false}'),

@@ -1,4 +1,5 @@
-"""Reading AMD CDNA assembly for the release sequence a signal needs (tests' helper).
+"""Reading AMD CDNA assembly (tests' helper): the release sequence a signal needs, and what a
+kernel holds of a compute unit (resources()).
 
 A signal is a flag store that a peer GPU, or the host, may read: the data stored before it
 must be visible at system scope first. On CDNA the L2 cache of a GPU is not coherent with
@@ -86,3 +87,32 @@ def release_problems(asm: str, arch: str, flag_pattern: str, wait: bool = True) 
         if arch == "gfx942" and " sc1" not in f" {code[i]}":
             problems.append(f"{where}: not a system-scope (sc1) access")
     return problems
+
+
+# the register and scratch figures LLVM's AMDGPU back end writes into a kernel's listing:
+# its comment block ("; NumVgprs: 153") and the code object's metadata (".vgpr_spill_count:")
+_COMMENT_FIGURES = {"vgprs": "NumVgprs", "agprs": "NumAgprs", "scratch_bytes": "ScratchSize",
+                    "occupancy": "Occupancy"}
+_METADATA_FIGURES = {"sgprs": ".sgpr_count", "vgpr_spills": ".vgpr_spill_count",
+                     "sgpr_spills": ".sgpr_spill_count"}
+
+
+def resources(asm: str) -> dict:
+    """A kernel's registers (VGPRs and AGPRs a lane, SGPRs a wave), its spills (VGPRs go to
+    scratch memory, SGPRs into lanes of VGPRs), its scratch bytes a lane and the waves a SIMD
+    it allows, read from an AMDGPU listing of one kernel. A figure missing from the listing
+    raises KeyError: a check on it must not pass for want of the figure."""
+    found = {}
+    for key, name in _COMMENT_FIGURES.items():
+        m = re.search(rf"^\s*; {name}: (\d+)\s*$", asm, re.M)
+        if m:
+            found[key] = int(m.group(1))
+    for key, name in _METADATA_FIGURES.items():
+        m = re.search(rf"^\s*{re.escape(name)}:\s+(\d+)\s*$", asm, re.M)
+        if m:
+            found[key] = int(m.group(1))
+    missing = sorted((set(_COMMENT_FIGURES) | set(_METADATA_FIGURES)) - set(found))
+    if missing:
+        raise KeyError(f"the listing has no {missing}")
+    return found
+

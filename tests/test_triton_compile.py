@@ -317,7 +317,7 @@ def _local_tma_source(extra, divisible=()):
     return src, options
 
 
-@pytest.mark.parametrize("extra", [c for c in gpu_ops._TUNE_CANDIDATES + gpu_ops._TUNE_SKINNY
+@pytest.mark.parametrize("extra", [c for c in gpu_ops.tune_candidates("cuda", rows=1)
                                    if "BLOCK_M" in c or "SPLIT_K" in c], ids=_tile_id)
 def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
     # the first call of a GemmAllToAll shape times these tiles on the GPU; each must build
@@ -355,3 +355,110 @@ def test_direct_path_stores_its_tile_in_16_byte_vectors_on_sm90(tile):
     stores = re.findall(r"st\.global[.\w]*", ptx)
     assert stores.count("st.global.v4.b32") >= 16, stores
     assert not [s for s in stores if s.endswith(".b16")], stores
+
+
+# --- CDNA: what a kernel holds of a compute unit ------------------------------------------
+# On CDNA a workgroup of 8 waves puts two waves on each SIMD, so a wave has 256 VGPRs and no
+# AGPRs; what does not fit goes to scratch memory, through the vector memory path, inside
+# the K loop. The tiles the GEMM runs on AMD GPUs (its default and every tuner candidate)
+# must build for gfx942 and gfx90a without spilling, in every mode a handle runs them:
+# world size 1 (the direct path; a grouped W plans its tiles), and the exchange epilogue
+# (one W, grouped). The 256 x 256 tile these replaced spilled 85-194 VGPRs a lane.
+CDNA = ["gfx942", "gfx90a"]
+GEMM_MODES = {"direct": (kernels.MODE_LOCAL, True, 1),
+              "local_grouped": (kernels.MODE_LOCAL, False, 8),
+              "exchange": (kernels.MODE_EXCHANGE, False, 1),
+              "exchange_grouped": (kernels.MODE_EXCHANGE, False, 8)}
+CDNA_LDS = 64 * 1024  # a CU's local data share
+
+
+def _cdna_gemm(arch, extra, mode, dtype):
+    """gemm_a2a_kernel built for `arch` at CDNA's default tile updated by `extra` (a tuner
+    candidate), compiled with the options the handle's launch passes (gpu.launch_options),
+    with the edge masks on (N and K not multiples of the tile)."""
+    cfg = dict(kernels.default_config("hip", dtype == "fp32"), **extra)
+    options = gpu_ops.launch_options(cfg)
+    kmode, direct, groups_p2 = GEMM_MODES[mode]
+    constexprs = {k: v for k, v in cfg.items()
+                  if k not in options and k != "PROGRAMS_PER_SM"}  # (the grid's, not a constexpr)
+    constexprs.update(WORLD_P2=8, GROUPS_P2=groups_p2, MODE=kmode, COPY=False,
+                      FP32_IEEE=dtype == "fp32", EVEN_N=False, EVEN_K=False, USE_TMA=False,
+                      SPLIT_K=1, DIRECT=direct, CLOCK=kernels.device_clock("hip"))
+    src = ASTSource(fn=kernels.get("gemm_a2a_kernel"),
+                    signature=kernels.aot_signatures(dtype)["gemm_a2a_kernel"],
+                    constexprs=constexprs)
+    return triton.compile(src, target=TARGETS[arch][0], options=options)
+
+
+def _cdna_problems(compiled, what) -> list[str]:
+    """What of a CDNA build breaks the rule above: a spill, scratch, LDS past a CU's, or (16-bit
+    types) no MFMA instruction."""
+    asm = compiled.asm["amdgcn"]
+    r = amd_isa.resources(asm)
+    problems = []
+    if r["vgpr_spills"] or r["scratch_bytes"]:
+        problems.append(f"{what}: {r['vgpr_spills']} VGPRs spilled, {r['scratch_bytes']} bytes "
+                        f"of scratch a lane ({r})")
+    if compiled.metadata.shared > CDNA_LDS:
+        problems.append(f"{what}: {compiled.metadata.shared} bytes of LDS")
+    if "fp32" not in what and "v_mfma" not in asm:
+        problems.append(f"{what}: no v_mfma")
+    return problems
+
+
+@pytest.mark.parametrize("arch", CDNA)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("mode", sorted(GEMM_MODES))
+def test_gemm_a2a_cdna_default_tile_keeps_to_registers_and_lds(arch, dtype, mode):
+    problems = _cdna_problems(_cdna_gemm(arch, {}, mode, dtype), f"{dtype} default tile")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", CDNA)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("mode", sorted(GEMM_MODES))
+def test_every_cdna_tuning_tile_keeps_to_registers_and_lds(arch, dtype, mode):
+    # the first call of a GemmAllToAll shape on an AMD GPU times these (skinny X: all of
+    # them), and the handle then runs the fastest in every call, also at world size > 1
+    problems = []
+    for extra in gpu_ops.tune_candidates("hip", rows=1, fp32=dtype == "fp32"):
+        if extra:
+            problems += _cdna_problems(_cdna_gemm(arch, extra, mode, dtype),
+                                       f"{dtype} {extra}")
+    assert not problems, "\n".join(problems)
+
+
+def test_cdna_tuning_tiles_pass_amd_options_to_the_compiler():
+    # a candidate's HIP options (16 x 16 MFMA) go to Triton as options, not constexprs: the
+    # build must change (a key the compiler ignored would time the default twice)
+    extra = next(c for c in gpu_ops.tune_candidates("hip", rows=1) if "matrix_instr_nonkdim" in c)
+    assert gpu_ops.launch_options(dict(kernels.default_config("hip"), **extra))[
+        "matrix_instr_nonkdim"] == 16
+    default = _cdna_gemm("gfx942", {}, "direct", "bf16").asm["amdgcn"]
+    narrow = _cdna_gemm("gfx942", extra, "direct", "bf16").asm["amdgcn"]
+    assert "v_mfma_f32_32x32" in default and "v_mfma_f32_32x32" not in narrow
+    assert "v_mfma_f32_16x16" in narrow
+
+
+@pytest.mark.parametrize("arch", CDNA)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_grouped_products_cdna_default_tile_keeps_to_registers_and_lds(arch, dtype):
+    src, options = _grouped_tiles_source("hip", dtype)
+    compiled = triton.compile(src, target=TARGETS[arch][0], options=options)
+    problems = _cdna_problems(compiled, f"grouped {dtype}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("arch", CDNA)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_weight_gradient_cdna_default_tile_keeps_to_registers_and_lds(arch, dtype):
+    cfg = kernels.weight_grad_config("hip", dtype == "fp32")
+    options = gpu_ops.launch_options(cfg)
+    src = ASTSource(fn=kernels.get("grouped_weight_grad_kernel"),
+                    signature=kernels.aot_signatures(dtype)["grouped_weight_grad_kernel"],
+                    constexprs=dict({k: v for k, v in cfg.items() if k not in options},
+                                    WORLD_P2=2, GROUPS_P2=32))
+    compiled = triton.compile(src, target=TARGETS[arch][0], options=options)
+    problems = _cdna_problems(compiled, f"weight gradient {dtype}")
+    assert not problems, "\n".join(problems)
+

@@ -187,12 +187,14 @@ KERNEL_CONFIG = dict(block_n=128, block_k=64, num_warps=4, num_stages=3,
                      dstd_long=dict(num_stages=2))
 LONG_EXPERT_ROWS = 2048
 DEEP_K = 2048
+# CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
+# (Untested on MI-series hardware so far: a starting point, not a tuned choice. Its kernels
+# build for gfx942 and gfx90a with no spill to scratch: tests/moe/test_aot_compile.py.)
+CDNA_OVERRIDES = dict(block_n=128, num_warps=8, num_stages=2, dsd={}, dstd_long={},
+                      dsd_long=dict(group_m=16), dsd_wt_long=dict(group_m=8),
+                      sdd_deep=dict(group_m=16))
 if torch.version.hip:
-    # CDNA has 64 KiB of LDS per CU: a 128x256 tile with 3 stages (144 KiB) cannot launch.
-    # (Untested on MI-series hardware so far: a starting point, not a tuned choice.)
-    KERNEL_CONFIG.update(block_n=128, num_warps=8, num_stages=2, dsd={}, dstd_long={},
-                         dsd_long=dict(group_m=16), dsd_wt_long=dict(group_m=8),
-                         sdd_deep=dict(group_m=16))
+    KERNEL_CONFIG.update(CDNA_OVERRIDES)
 # "tma": load tiles with the Tensor Memory Accelerator through tensor descriptors where the
 # GPU has one (Hopper and later) and the operands' layout allows (16-byte aligned rows, K and
 # ffn multiples of the tile); elsewhere, and always on AMD, the kernels use pointer loads.

@@ -374,9 +374,10 @@ def _offsets_gemm(layout) -> tuple:
             layout.recv, layout.parity_bytes, layout.source_bytes)
 
 
-# tile configurations the GEMM tries on its first call with a shape (CUDA only; the fastest
-# on this GPU is kept for the handle): the default, a narrower tile for skinny inputs and
-# fewer tiles, and the default run persistent (one program per SM)
+# tile configurations the GEMM tries on its first call with a shape (the fastest on this GPU
+# is kept for the handle; tune_candidates picks the platform's): the default, a narrower
+# tile for skinny inputs and fewer tiles, and the default run persistent (one program per
+# SM). Hopper's first:
 _TUNE_CANDIDATES = (
     {},
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4),
@@ -405,6 +406,49 @@ _TUNE_SKINNY = (
 # 1.5-2.0 x the kept tile's time at 128-512 x 4096^2, within 1 % at 512 x 8192^2
 # (benchmarks/results/fused_gpu_h200_*.jsonl, "candidates"); the path stays, for a config
 # that asks for it through ROCMOE_GEMM_CONFIG, and its tests with it)
+# CDNA's (gfx942, gfx90a; none timed on AMD hardware yet): the default 128 x 128 tile
+# (triton_gemm_a2a.default_config) with 16 x 16 MFMA instructions instead of the compiler's
+# 32 x 32, with a third stage, as 64 x 128 tiles (twice the tiles: 4096^3 makes 2048, about
+# 7 a CU of an MI300X's 304) and persistent; for skinny X 64 x 64 and 32 x 64 tiles (512 x
+# 4096 times 4096 x 4096 makes 512 and 1024 tiles where the default makes 128, fewer than
+# the CUs). float32 keeps the default's K step of 16 (LDS is 64 KiB a CU). Every one builds
+# for gfx942 and gfx90a with no spill to scratch in every mode the handle runs
+# (tests/test_triton_compile.py); the 256 x 256 and 128 x 256 tiles, which spill, are not
+# candidates (see default_config).
+_TUNE_CANDIDATES_CDNA = (
+    {},
+    dict(matrix_instr_nonkdim=16),
+    dict(num_stages=3),
+    dict(BLOCK_M=64, BLOCK_N=128),
+    dict(PROGRAMS_PER_SM=1),
+)
+_TUNE_SKINNY_CDNA = (
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4),
+)
+_TUNE_SKINNY_CDNA_FP32 = (
+    dict(BLOCK_M=64, BLOCK_N=64, num_warps=4),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4),
+)
+# the kernel options a tile config may set (CDNA's waves_per_eu and matrix_instr_nonkdim are
+# Triton's HIP backend options; the CUDA backend takes the first two only)
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim")
+
+
+def launch_options(cfg: dict) -> dict:
+    """The compile options of a tile config (the rest of it is the kernel's constexprs)."""
+    return {k: cfg[k] for k in _LAUNCH_OPTIONS if k in cfg}
+
+
+def tune_candidates(platform: str, rows: int, fp32: bool = False) -> tuple:
+    """The tile configs (overrides of the platform's default) the GEMM tuner times for X
+    with `rows` rows."""
+    skinny = rows <= _SKINNY_ROWS
+    if platform == "hip":
+        return _TUNE_CANDIDATES_CDNA + ((_TUNE_SKINNY_CDNA_FP32 if fp32 else _TUNE_SKINNY_CDNA)
+                                        if skinny else ())
+    return _TUNE_CANDIDATES + (_TUNE_SKINNY if skinny else ())
 
 
 class _GemmLaunch:
@@ -444,8 +488,7 @@ class _GemmLaunch:
                           else (tasks if tasks <= 8 * sms else min(tasks, 4 * sms)))
         else:
             self.nprog = _num_programs(dev, tasks, cfg.get("PROGRAMS_PER_SM"))
-        self.options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages")
-                        if k2 in cfg and dev.type != "cpu"}
+        self.options = launch_options(cfg) if dev.type != "cpu" else {}
         self.use_tma_wanted = bool(cfg.get("USE_TMA")) and not self.copy
         self.fixed_spec = None
         # use_tma -> NativeLaunch (None: refused, see native_launch.last_refusal); made from
@@ -621,9 +664,10 @@ def _kernel_ms(run, calls: int = _TUNE_CALLS, rounds: int = _TUNE_ROUNDS) -> flo
 
 def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
     """The fastest of _TUNE_CANDIDATES for this shape, timed in local mode (no protocol:
-    the compute alone) on scratch outputs; CUDA only, ROCMOE_GEMM_TUNE=0 turns it off."""
+    the compute alone) on scratch outputs; on CUDA and ROCm GPUs (tune_candidates has each
+    platform's), ROCMOE_GEMM_TUNE=0 turns it off."""
     base = gemm_config(x.device, x.dtype)
-    if (w is None or x.device.type != "cuda" or _PLATFORM != "cuda"
+    if (w is None or x.device.type != "cuda"
             or os.environ.get("ROCMOE_GEMM_TUNE", "1") == "0" or os.environ.get("ROCMOE_GEMM_CONFIG")):
         return _GemmLaunch(handle, team, x, w, groups, base)
     scratch_team = _LocalTeam(team)
@@ -631,7 +675,7 @@ def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
     scratch_status = torch.zeros(3 * team.world + 2, dtype=torch.int32, device=x.device)
     scratch_recv = torch.empty(1, dtype=torch.int64, device=x.device)
     best, best_ms, timed = None, float("inf"), []
-    candidates = _TUNE_CANDIDATES + (_TUNE_SKINNY if x.shape[0] <= _SKINNY_ROWS else ())
+    candidates = tune_candidates(_PLATFORM, x.shape[0], x.dtype == torch.float32)
     local_counts = counts.reshape(team.world, -1).sum(0) if counts.numel() else counts
     for extra in candidates:
         cfg = dict(base, **extra)
@@ -957,8 +1001,7 @@ class _GroupedLaunch:
         self.nprog = _num_programs(dev, max_tasks, cfg.get("PROGRAMS_PER_SM", 1))
         self.constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_N=n_out % bn == 0,
                                EVEN_K=k_in % bk == 0, FP32_IEEE=x.dtype == torch.float32)
-        self.options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages")
-                        if k2 in cfg and dev.type != "cpu"}
+        self.options = launch_options(cfg) if dev.type != "cpu" else {}
         self.tiles_fixed = (max_tasks, n_out, k_in, self.nprog, x.stride(0), *w.stride())
         # NativeLaunch of each kernel: None until the JIT compiled it, False when refused
         self.plan_native = None
@@ -1062,7 +1105,7 @@ class _WeightGradLaunch:
         self.const = dict(WORLD_P2=max(2, 1 << (world - 1).bit_length()),
                           GROUPS_P2=max(1, 1 << (g - 1).bit_length()), BLOCK_K=bk, BLOCK_N=bn,
                           BLOCK_M=cfg["BLOCK_M"], TILES_FIRST=tiles_first)
-        self.options = {k2: cfg[k2] for k2 in ("num_warps", "num_stages") if k2 in cfg}
+        self.options = launch_options(cfg)
         self.key = ("dw", tuple(sorted(self.const.items())), tuple(sorted(self.options.items())))
         self.fixed = (world, g, k_out, n_in, k_out, n_in, min(int(x.shape[0]), int(gy.shape[0])))
         self.device = dev

@@ -814,11 +814,24 @@ def grouped_config(platform: str, fp32: bool = False, block_n: int = 0) -> dict:
 
 def default_config(platform: str, fp32: bool = False) -> dict:
     """Tile shape and launch options per platform (Hopper wgmma / CDNA MFMA). float32 tiles
-    are 4 bytes an element: a shorter K step keeps the pipeline inside shared memory."""
+    are 4 bytes an element: a shorter K step keeps the pipeline inside shared memory.
+
+    CDNA (gfx942, gfx90a): 128 x 128 tiles, BLOCK_K 64 (float32: 16), 8 waves, 2 stages, the
+    largest tile the kernel keeps in registers in every mode. Two waves share a SIMD at 8
+    waves a workgroup, so each has 256 VGPRs and no AGPRs; the 256 x 256 tile this replaced
+    needed more and spilled to scratch inside its K loop: 85 VGPRs (344 bytes a lane) at
+    world size 1, 186-194 (748-780 bytes) with the exchange epilogue on gfx942, 70-181 on
+    gfx90a; 128 x 256 spilled 48-69 (gfx942) and 26-42 (gfx90a) outside the direct path, and
+    float32's 128 x 128 x 32 9-27 on gfx942 (Triton 3.9's builds: benchmarks/
+    amdgcn_resources.py, results/amdgcn_resources_twentythird_session.jsonl;
+    tests/test_triton_compile.py keeps the tiles here spill-free). Not timed on AMD hardware:
+    the GEMM tuner (gpu._tuned_launch) times these and its CDNA candidates on the first call
+    of a shape."""
+    if platform == "hip":
+        return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16 if fp32 else 64, GROUP_M=8,
+                    num_warps=8, num_stages=2)
     if fp32:
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=2)
-    if platform == "hip":
-        return dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=2)
     # USE_TMA: on an H200 the copy-engine loads took the 4096^3 GEMM from 0.75 to 0.85 of
     # torch.matmul and 8192^3 from 0.85 to 0.96 (benchmarks/results/gemm_tma_h200.json);
     # gemm_operands() falls back to plain loads before Hopper and for unaligned operands.

@@ -10,7 +10,8 @@ triton = require_module("triton", "ahead-of-time builds of the MoE kernels")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from rocmoe.moe import kernels  # noqa: E402
+import amd_isa  # noqa: E402
+from rocmoe.moe import blocksparse, kernels  # noqa: E402
 
 TARGETS = [
     (GPUTarget("hip", "gfx942", 64), "amdgcn", "v_mfma"),
@@ -40,6 +41,23 @@ def test_kernel_compiles_with_matrix_instructions(name, fused, target, asm_key, 
     src = ASTSource(fn=kernels.get(name), signature=signature, constexprs=constexprs)
     compiled = triton.compile(src, target=target, options={"num_warps": 8, "num_stages": 3})
     assert instruction in compiled.asm[asm_key], f"{name} for {target} has no {instruction}"
+
+
+@pytest.mark.parametrize("target", [t for t, _, _ in TARGETS[:2]], ids=["gfx942", "gfx90a"])
+@pytest.mark.parametrize("name", ["sdd_kernel", "dsd_kernel", "dstd_kernel"])
+def test_kernel_keeps_to_registers_at_the_cdna_config(name, target):
+    # what the layer launches on AMD GPUs (pointer loads; blocksparse.CDNA_OVERRIDES' waves
+    # and stages, plain and with the activation fused): with 8 waves a workgroup a wave has
+    # 256 VGPRs, and a spill would go to scratch memory inside the K loop
+    gelu = kernels.ACT_GELU_TANH
+    options = {k: blocksparse.CDNA_OVERRIDES[k] for k in ("num_warps", "num_stages")}
+    for act in ({}, dict(ACT=gelu, EPILOGUE_ACT_GRAD=gelu, EPILOGUE_STORE_ACT=gelu)):
+        src = ASTSource(fn=kernels.get(name), signature=kernels.aot_signatures("bf16")[name],
+                        constexprs=kernels.aot_constexprs(name, **act))
+        compiled = triton.compile(src, target=target, options=options)
+        r = amd_isa.resources(compiled.asm["amdgcn"])
+        assert r["vgpr_spills"] == 0 and r["scratch_bytes"] == 0, (act, r)
+        assert compiled.metadata.shared <= 64 * 1024, (act, compiled.metadata.shared)
 
 
 @pytest.mark.parametrize("target,asm_key,instruction", TARGETS,

@@ -1,0 +1,120 @@
+"""What the Triton kernels hold of a CDNA compute unit, at the tiles they run on AMD GPUs:
+registers, spills, scratch, LDS and occupancy, read from the AMDGPU listing (no GPU needed).
+The AMD counterpart of ptxas_spills.py. On CDNA a workgroup of 8 waves leaves each wave 256
+VGPRs and no AGPRs; what does not fit spills to scratch memory, inside the K loop where the
+tile's accumulator lives. tests/test_triton_compile.py and tests/moe/test_aot_compile.py
+keep every build listed here spill-free; this prints the figures.
+
+    python3 benchmarks/amdgcn_resources.py [--arch gfx942 gfx90a] [--output FILE]
+        [--gemm-tile '{"BLOCK_M": 256, "BLOCK_N": 256}']
+
+One JSON line per build: arch, kernel, what was built (tile, mode, dtype), VGPRs, AGPRs,
+SGPRs, VGPR and SGPR spills, scratch bytes a lane, waves a SIMD, LDS bytes. --gemm-tile
+adds builds of gemm_a2a_kernel at another tile (a candidate before it joins the tuner, or
+the 256 x 256 tile that was the default until the twenty-third session)."""
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="amdgcn_resources_")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import amd_isa  # noqa: E402  (tests' AMD listing reader)
+
+from rocmoe.moe import blocksparse  # noqa: E402
+from rocmoe.moe import kernels as moe_kernels  # noqa: E402
+from rocmoe.ops import gpu as gpu_ops  # noqa: E402
+from rocmoe.ops import triton_gemm_a2a as gk  # noqa: E402
+
+# the modes a GemmAllToAll handle runs a tile in: (kernel mode, direct path, GROUPS_P2)
+GEMM_MODES = {"direct": (gk.MODE_LOCAL, True, 1), "local_grouped": (gk.MODE_LOCAL, False, 8),
+              "exchange": (gk.MODE_EXCHANGE, False, 1),
+              "exchange_grouped": (gk.MODE_EXCHANGE, False, 8)}
+
+
+def gemm_build(extra: dict, mode: str, dtype: str):
+    """gemm_a2a_kernel at CDNA's default tile updated by `extra`, edge masks on."""
+    cfg = dict(gk.default_config("hip", dtype == "fp32"), **extra)
+    options = gpu_ops.launch_options(cfg)
+    kmode, direct, groups_p2 = GEMM_MODES[mode]
+    constexprs = {k: v for k, v in cfg.items() if k not in options and k != "PROGRAMS_PER_SM"}
+    constexprs.update(WORLD_P2=8, GROUPS_P2=groups_p2, MODE=kmode, COPY=False,
+                      FP32_IEEE=dtype == "fp32", EVEN_N=False, EVEN_K=False, USE_TMA=False,
+                      SPLIT_K=1, DIRECT=direct, CLOCK=gk.device_clock("hip"))
+    src = ASTSource(fn=gk.get("gemm_a2a_kernel"),
+                    signature=gk.aot_signatures(dtype)["gemm_a2a_kernel"], constexprs=constexprs)
+    tile = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
+    return src, options, dict(tile=tile, mode=mode, dtype=dtype, extra=extra)
+
+
+def builds(extra_tiles):
+    for dtype in ("bf16", "fp32"):
+        tiles = [("default", {})] + [("tuner", c) for c in
+                                     gpu_ops.tune_candidates("hip", 1, dtype == "fp32") if c]
+        tiles += [("asked", t) for t in extra_tiles]
+        for origin, extra in tiles:
+            for mode in GEMM_MODES:
+                src, options, what = gemm_build(extra, mode, dtype)
+                yield "gemm_a2a_kernel", src, options, dict(what, origin=origin)
+        cfg = gk.grouped_config("hip", dtype == "fp32")
+        options = gpu_ops.launch_options(cfg)
+        src = ASTSource(fn=gk.get("grouped_tiles_kernel"),
+                        signature=gk.aot_signatures(dtype)["grouped_tiles_kernel"],
+                        constexprs=dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                                        BLOCK_K=cfg["BLOCK_K"], USE_TMA=False, TRANS_W=False,
+                                        EVEN_N=False, EVEN_K=False, FP32_IEEE=dtype == "fp32",
+                                        FLATTEN=cfg["FLATTEN"]))
+        yield "grouped_tiles_kernel", src, options, dict(dtype=dtype, origin="default")
+        cfg = gk.weight_grad_config("hip", dtype == "fp32")
+        options = gpu_ops.launch_options(cfg)
+        src = ASTSource(fn=gk.get("grouped_weight_grad_kernel"),
+                        signature=gk.aot_signatures(dtype)["grouped_weight_grad_kernel"],
+                        constexprs=dict({k: v for k, v in cfg.items() if k not in options},
+                                        WORLD_P2=2, GROUPS_P2=32))
+        yield "grouped_weight_grad_kernel", src, options, dict(dtype=dtype, origin="default")
+    gelu = moe_kernels.ACT_GELU_TANH
+    options = {k: blocksparse.CDNA_OVERRIDES[k] for k in ("num_warps", "num_stages")}
+    for name in ("sdd_kernel", "dsd_kernel", "dstd_kernel"):
+        for fused in (False, True):
+            act = dict(ACT=gelu, EPILOGUE_ACT_GRAD=gelu, EPILOGUE_STORE_ACT=gelu) if fused else {}
+            src = ASTSource(fn=moe_kernels.get(name),
+                            signature=moe_kernels.aot_signatures("bf16")[name],
+                            constexprs=moe_kernels.aot_constexprs(name, **act))
+            yield name, src, options, dict(dtype="bf16", fused_activation=fused,
+                                           origin="CDNA_OVERRIDES")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", nargs="+", default=["gfx942", "gfx90a"])
+    ap.add_argument("--gemm-tile", action="append", default=[], type=json.loads,
+                    help="JSON overrides of CDNA's default GEMM tile to build as well")
+    ap.add_argument("--output", default=None, help="also write the JSON lines here")
+    args = ap.parse_args()
+    out = open(args.output, "w") if args.output else None
+    for arch in args.arch:
+        target = GPUTarget("hip", arch, 64)
+        for kernel, src, options, what in builds(args.gemm_tile):
+            compiled = triton.compile(src, target=target, options=options)
+            rec = dict(bench="amdgcn_resources", arch=arch, triton=triton.__version__,
+                       kernel=kernel, **what, **options,
+                       **amd_isa.resources(compiled.asm["amdgcn"]),
+                       lds_bytes=compiled.metadata.shared)
+            line = json.dumps(rec)
+            print(line, flush=True)
+            if out:
+                out.write(line + "\n")
+    if out:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
