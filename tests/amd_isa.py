@@ -116,3 +116,19 @@ def resources(asm: str) -> dict:
         raise KeyError(f"the listing has no {missing}")
     return found
 
+
+def kernel_metadata(asm: str) -> dict:
+    """{kernel symbol: {field: int}} from the code object metadata of an AMDGPU listing with
+    several kernels (the `amdhsa.kernels` list: ".private_segment_fixed_size" is the scratch
+    bytes a lane, ".vgpr_count", ".vgpr_spill_count", ...); integer fields only."""
+    if "amdhsa.kernels:" not in asm:
+        raise KeyError("the listing has no amdhsa.kernels metadata")
+    section = asm.split("amdhsa.kernels:", 1)[1]
+    kernels = {}
+    for entry in re.split(r"\n  - (?=\.)", "\n" + section)[1:]:
+        fields = dict(re.findall(r"^\s{0,4}(\.[a-z_]+):\s+(\d+)\s*$", "    " + entry, re.M))
+        name = re.search(r"^\s{0,4}\.name:\s+(\S+)", "    " + entry, re.M)
+        if name:
+            kernels[name.group(1)] = {k: int(v) for k, v in fields.items()}
+    return kernels
+

@@ -428,6 +428,50 @@ def _ptxas_usage(source: Path) -> dict:
     return usage
 
 
+def _amdgpu_kernels(source: Path, arch: str, tmp_path: Path) -> dict:
+    """amd_isa.kernel_metadata of `source` built for `arch` by clang-19 with the Release
+    build's optimisation (-O3; the per-source compiles above use -O1 to stay quick)."""
+    clang = require_tool("clang-19", "clang-19 builds the AMD device code")
+    out = tmp_path / f"{source.stem}.{arch}.s"
+    cmd = [clang, "-std=c++17", "-x", "hip", f"--offload-arch={arch}", "-nogpulib",
+           "--cuda-device-only", "-S", "-O3", "-DNDEBUG", "-D__HIP_PLATFORM_AMD__",
+           f"-I{INCLUDE}", f"-I{SRC}", "-DROCMOE_HAVE_GPU", "-DROCMOE_PLATFORM_IS_HIP",
+           str(source), "-o", str(out)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return amd_isa.kernel_metadata(out.read_text())
+
+
+# the GEMV kernels that need no scratch on CDNA: what a call launches by default (world size
+# 1: one row a wave, four loads in flight, plain loads; the one-shot kernel above it; the
+# balanced split). The protocol kernel (gemv_all_reduce_kernel: ROCMOE_GEMV_ONE_SHOT=0 or more
+# than 64 ranks) spills on CDNA and on sm_90 alike, as do some ROCMOE_GEMV_ROWS_PER_WARP /
+# ROCMOE_GEMV_UNROLL instantiations
+DEFAULT_GEMV_KERNELS = ("gemv_direct_kernel", "gemv_one_shot_kernel", "gemv_balanced_kernel")
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+@pytest.mark.parametrize("source", ["fused_embedding.hip", "fused_gemv.hip", "fused_common.hip",
+                                    "ipc_backend.hip"])
+def test_hip_kernels_use_no_scratch_memory_on_cdna(source, arch, tmp_path):
+    # Scratch is per-lane memory reached through the vector memory path. The embedding
+    # kernels read their table records from the launch's arguments at a table index known
+    # only at run time; while one pointer could point either there or to the device array of
+    # records, the compiler copied all of the arguments (1.6 KB of inline records) into
+    # scratch in every lane before the kernel began (1664-1696 bytes a lane, every embedding
+    # kernel, clang-19 -O3 for gfx942)
+    kernels = _amdgpu_kernels(SRC / "gpu" / source, arch, tmp_path)
+    checked = {name: meta for name, meta in kernels.items()
+               if source != "fused_gemv.hip"
+               or (any(k in name for k in DEFAULT_GEMV_KERNELS) and "Li1ELi4E" in name)
+               or "gemv_balanced_kernel" in name}
+    assert checked, sorted(kernels)
+    scratch = {name: meta[".private_segment_fixed_size"] for name, meta in checked.items()
+               if meta[".private_segment_fixed_size"]}
+    assert not scratch, scratch
+
+
 def test_embedding_protocol_kernels_vector_path_keeps_four_workgroups_an_sm_on_sm90():
     # the protocol kernel (world size > 1) gathered 17-42 % slower than the direct kernel at
     # world size 1 while it held 80-98 registers a thread (three workgroups of 256 an SM

@@ -57,10 +57,6 @@ struct EmbeddingParams {
     int num_tables, table_base, total_tables, mode;
     uint32_t items_per_slice;  // batch_local * num_tables
     uint32_t items_per_tile;   // items a task covers (tile_items)
-
-    __device__ const rocmoe_gpu_table &table(int t) const {
-        return device_tables != nullptr ? device_tables[t] : inline_tables[t];
-    }
 };
 
 // Where bag `b` of local table `t` reads: its table's rows and its range of indices, from
@@ -74,6 +70,18 @@ struct BagSpan {
     int64_t rows, begin, end;
     bool ok;
 };
+
+template <class S>
+__device__ __forceinline__ void table_span(const rocmoe_gpu_table &tab, int64_t b, int64_t batch,
+                                           BagSpan<S> &s, int64_t &nidx) {
+    s.weights = static_cast<const S *>(tab.weights);
+    s.rows = tab.rows;
+    s.indices = tab.indices;
+    s.psw = tab.per_sample_weights;
+    nidx = tab.num_indices;
+    s.begin = tab.offsets[b];
+    s.end = b + 1 < batch ? tab.offsets[b + 1] : nidx;
+}
 
 template <class S>
 __device__ __forceinline__ BagSpan<S> bag_span(const EmbeddingParams &p, int t, int64_t b) {
@@ -93,14 +101,14 @@ __device__ __forceinline__ BagSpan<S> bag_span(const EmbeddingParams &p, int t, 
         s.end = k.offsets[at + 1];
         first = at == 0;
     } else {
-        const rocmoe_gpu_table &tab = p.table(t);
-        s.weights = static_cast<const S *>(tab.weights);
-        s.rows = tab.rows;
-        s.indices = tab.indices;
-        s.psw = tab.per_sample_weights;
-        nidx = tab.num_indices;
-        s.begin = tab.offsets[b];
-        s.end = b + 1 < p.batch ? tab.offsets[b + 1] : nidx;
+        // each source read in its own branch: a pointer that may point into `p` (the inline
+        // records) or to device memory makes the AMDGPU compiler copy all of `p` into scratch
+        // memory, 1.6 KB a lane, before the kernel does anything
+        // (tests/test_compile.py::test_hip_kernels_use_no_scratch_memory_on_cdna)
+        if (p.device_tables != nullptr)
+            table_span(p.device_tables[t], b, p.batch, s, nidx);
+        else
+            table_span(p.inline_tables[t], b, p.batch, s, nidx);
         first = b == 0;
     }
     s.ok = !(s.begin < 0 || s.end < s.begin || s.end > nidx || (first && s.begin != 0));
