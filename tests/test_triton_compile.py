@@ -391,8 +391,8 @@ def _cdna_gemm(arch, extra, mode, dtype):
 
 
 def _cdna_problems(compiled, what) -> list[str]:
-    """What of a CDNA build breaks the rule above: a spill, scratch, LDS past a CU's, or (16-bit
-    types) no MFMA instruction."""
+    """What of a CDNA build breaks the rule above: a spill, scratch, LDS past a CU's, or no
+    MFMA instruction (float32 too: CDNA's v_mfma_f32_*_f32, IEEE products)."""
     asm = compiled.asm["amdgcn"]
     r = amd_isa.resources(asm)
     problems = []
@@ -401,7 +401,7 @@ def _cdna_problems(compiled, what) -> list[str]:
                         f"of scratch a lane ({r})")
     if compiled.metadata.shared > CDNA_LDS:
         problems.append(f"{what}: {compiled.metadata.shared} bytes of LDS")
-    if "fp32" not in what and "v_mfma" not in asm:
+    if "v_mfma" not in asm:
         problems.append(f"{what}: no v_mfma")
     return problems
 
