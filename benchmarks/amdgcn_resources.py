@@ -1,20 +1,26 @@
-"""What the Triton kernels hold of a CDNA compute unit, at the tiles they run on AMD GPUs:
-registers, spills, scratch, LDS and occupancy, read from the AMDGPU listing (no GPU needed).
+"""What rocmoe's kernels hold of a CDNA compute unit (the Triton kernels at the tiles they run
+on AMD GPUs, and the HIP sources' kernels): registers, spills, scratch, LDS and occupancy,
+read from the AMDGPU listing (no GPU needed).
 The AMD counterpart of ptxas_spills.py. On CDNA a workgroup of 8 waves leaves each wave 256
 VGPRs and no AGPRs; what does not fit spills to scratch memory, inside the K loop where the
 tile's accumulator lives. tests/test_triton_compile.py and tests/moe/test_aot_compile.py
 keep every build listed here spill-free; this prints the figures.
 
     python3 benchmarks/amdgcn_resources.py [--arch gfx942 gfx90a] [--output FILE]
-        [--gemm-tile '{"BLOCK_M": 256, "BLOCK_N": 256}']
+        [--gemm-tile '{"BLOCK_M": 256, "BLOCK_N": 256}'] [--kernels triton hip]
 
 One JSON line per build: arch, kernel, what was built (tile, mode, dtype), VGPRs, AGPRs,
 SGPRs, VGPR and SGPR spills, scratch bytes a lane, waves a SIMD, LDS bytes. --gemm-tile
 adds builds of gemm_a2a_kernel at another tile (a candidate before it joins the tuner, or
-the 256 x 256 tile that was the default until the twenty-third session)."""
+the 256 x 256 tile that was the default until the twenty-third session). --kernels hip gives
+one line per kernel of the HIP sources (hip/src/gpu/*.hip, clang-19 -O3, as tests/test_compile.py
+builds them): VGPRs, AGPRs, VGPR spills, scratch bytes a lane, LDS bytes."""
 import argparse
+import glob
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -91,15 +97,51 @@ def builds(extra_tiles):
                                            origin="CDNA_OVERRIDES")
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def hip_kernels(arch: str):
+    """(source, kernel symbol, code object metadata) of every kernel of hip/src/gpu/*.hip
+    built for `arch` with the Release build's optimisation."""
+    clang = shutil.which("clang-19")
+    if clang is None:
+        raise SystemExit("--kernels hip needs clang-19 (apt-get install clang-19)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for source in sorted(glob.glob(os.path.join(REPO, "hip", "src", "gpu", "*.hip"))):
+            if "nvshmem" in source:
+                continue  # NVIDIA only
+            out = os.path.join(tmp, os.path.basename(source) + ".s")
+            subprocess.run([clang, "-std=c++17", "-x", "hip", f"--offload-arch={arch}",
+                            "-nogpulib", "--cuda-device-only", "-S", "-O3", "-DNDEBUG",
+                            "-D__HIP_PLATFORM_AMD__", f"-I{REPO}/hip/include", f"-I{REPO}/hip/src",
+                            "-DROCMOE_HAVE_GPU", "-DROCMOE_PLATFORM_IS_HIP", source, "-o", out],
+                           check=True)
+            with open(out) as f:
+                for name, meta in amd_isa.kernel_metadata(f.read()).items():
+                    yield os.path.basename(source), name, meta
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", nargs="+", default=["gfx942", "gfx90a"])
     ap.add_argument("--gemm-tile", action="append", default=[], type=json.loads,
                     help="JSON overrides of CDNA's default GEMM tile to build as well")
+    ap.add_argument("--kernels", nargs="+", choices=("triton", "hip"), default=["triton"],
+                    help="the Triton kernels (default) and/or the HIP sources' kernels")
     ap.add_argument("--output", default=None, help="also write the JSON lines here")
     args = ap.parse_args()
     out = open(args.output, "w") if args.output else None
-    for arch in args.arch:
+    for arch in args.arch if "hip" in args.kernels else ():
+        for source, name, meta in hip_kernels(arch):
+            rec = dict(bench="amdgcn_resources", arch=arch, compiler="clang-19 -O3",
+                       source=source, kernel=name, vgprs=meta[".vgpr_count"],
+                       agprs=meta[".agpr_count"], vgpr_spills=meta[".vgpr_spill_count"],
+                       scratch_bytes=meta[".private_segment_fixed_size"],
+                       lds_bytes=meta[".group_segment_fixed_size"])
+            print(json.dumps(rec), flush=True)
+            if out:
+                out.write(json.dumps(rec) + "\n")
+    for arch in args.arch if "triton" in args.kernels else ():
         target = GPUTarget("hip", arch, 64)
         for kernel, src, options, what in builds(args.gemm_tile):
             compiled = triton.compile(src, target=target, options=options)

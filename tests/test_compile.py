@@ -19,6 +19,7 @@ variant is skipped with the reason whenever its header is absent.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -470,6 +471,25 @@ def test_hip_kernels_use_no_scratch_memory_on_cdna(source, arch, tmp_path):
     scratch = {name: meta[".private_segment_fixed_size"] for name, meta in checked.items()
                if meta[".private_segment_fixed_size"]}
     assert not scratch, scratch
+
+
+def test_amdgcn_resources_tool_reports_every_kernel_of_the_hip_sources():
+    # benchmarks/amdgcn_resources.py --kernels hip: the figures behind the check above, one
+    # JSON line a kernel, read from the same metadata
+    require_tool("clang-19", "clang-19 builds the AMD device code")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
+                                                                    os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "amdgcn_resources.py"),
+                           "--kernels", "hip", "--arch", "gfx942"], env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    sources = {r["source"] for r in rows}
+    assert sources == {"fused_common.hip", "fused_embedding.hip", "fused_gemv.hip",
+                       "ipc_backend.hip"}, sources
+    embedding = [r for r in rows if r["source"] == "fused_embedding.hip"]
+    assert len(embedding) == 12  # direct and a2a kernels, three types, vector path or not
+    assert all(r["scratch_bytes"] == 0 and r["vgprs"] > 0 for r in embedding), embedding
 
 
 def test_embedding_protocol_kernels_vector_path_keeps_four_workgroups_an_sm_on_sm90():
