@@ -409,18 +409,21 @@ _TUNE_SKINNY = (
 # CDNA's (gfx942, gfx90a; none timed on AMD hardware yet): the default 128 x 128 tile
 # (triton_gemm_a2a.default_config) with 16 x 16 MFMA instructions instead of the compiler's
 # 32 x 32, with a third stage, as 64 x 128 tiles (twice the tiles: 4096^3 makes 2048, about
-# 7 a CU of an MI300X's 304) and persistent; for skinny X 64 x 64 and 32 x 64 tiles (512 x
+# 7 a CU of an MI300X's 304), persistent, and 128 x 256 at 4 waves (one wave a SIMD, so a
+# wave has 512 registers and keeps its accumulator in AGPRs: the largest tile that does not
+# spill; at 8 waves it spills 26-69 VGPRs); for skinny X 64 x 64 and 32 x 64 tiles (512 x
 # 4096 times 4096 x 4096 makes 512 and 1024 tiles where the default makes 128, fewer than
 # the CUs). float32 keeps the default's K step of 16 (LDS is 64 KiB a CU). Every one builds
 # for gfx942 and gfx90a with no spill to scratch in every mode the handle runs
-# (tests/test_triton_compile.py); the 256 x 256 and 128 x 256 tiles, which spill, are not
-# candidates (see default_config).
+# (tests/test_triton_compile.py); the 256 x 256 tile, which spills at 4 waves as at 8, is
+# not a candidate (see default_config).
 _TUNE_CANDIDATES_CDNA = (
     {},
     dict(matrix_instr_nonkdim=16),
     dict(num_stages=3),
     dict(BLOCK_M=64, BLOCK_N=128),
     dict(PROGRAMS_PER_SM=1),
+    dict(BLOCK_M=128, BLOCK_N=256, num_warps=4),
 )
 _TUNE_SKINNY_CDNA = (
     dict(BLOCK_M=64, BLOCK_N=64, num_warps=4),
