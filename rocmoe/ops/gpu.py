@@ -666,9 +666,9 @@ def _kernel_ms(run, calls: int = _TUNE_CALLS, rounds: int = _TUNE_ROUNDS) -> flo
 
 
 def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
-    """The fastest of _TUNE_CANDIDATES for this shape, timed in local mode (no protocol:
-    the compute alone) on scratch outputs; on CUDA and ROCm GPUs (tune_candidates has each
-    platform's), ROCMOE_GEMM_TUNE=0 turns it off."""
+    """The fastest of the platform's tile configs (tune_candidates) for this shape, timed in
+    local mode (no protocol: the compute alone) on scratch outputs; on CUDA and ROCm GPUs,
+    ROCMOE_GEMM_TUNE=0 turns it off."""
     base = gemm_config(x.device, x.dtype)
     if (w is None or x.device.type != "cuda"
             or os.environ.get("ROCMOE_GEMM_TUNE", "1") == "0" or os.environ.get("ROCMOE_GEMM_CONFIG")):
