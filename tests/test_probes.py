@@ -72,14 +72,15 @@ def test_combine_product_probe_dry_run_reports_the_handle_equal_to_the_segment_p
 def test_gemv_address_probe_dry_run_reports_every_placement_of_w_equal_to_float64():
     # benchmarks/probe_gemv_address.py times the GEMV handle against torch.mv on copies of
     # one W at other addresses (fresh allocations, offsets into a slab); each copy's y is
-    # checked against float64, and every placement is at an address of its own
+    # checked against float64, and every placement is at an address of its own. The slab's
+    # views overlap (16 bytes apart): each must hold W when it is timed
     records = _dry_run("probe_gemv_address.py", "--shape", "64x32",
-                       "--fresh", "2", "--offsets", "0,4096")
+                       "--fresh", "2", "--offsets", "0,16")
     placed = [r for r in records if not r.get("summary")]
     assert [r["placement"] for r in placed] == ["first", "fresh0", "fresh1", "slab+0",
-                                                "slab+4096"], placed
+                                                "slab+16"], placed
     assert len({r["address"] for r in placed}) == len(placed), placed
-    assert int(placed[4]["address"], 16) - int(placed[3]["address"], 16) == 4096, placed
+    assert int(placed[4]["address"], 16) - int(placed[3]["address"], 16) == 16, placed
     for r in placed:
         assert r["rel_err"] < 1e-2 and r["ratio_graph"] > 0 and r["ratio_queued"] > 0, r
     summary = [r for r in records if r.get("summary")]

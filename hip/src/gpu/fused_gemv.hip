@@ -61,7 +61,7 @@
 //   ROCMOE_GEMV_BALANCE        1: the register kernel at world size 1 with one row a wave and
 //                              the default unroll splits W's chunks evenly over the waves
 //                              (gemv_balanced_kernel, walk_chunks) instead of its rows;
-//                              off by default until an H200 run has timed it
+//                              off by default (it lost on three of four H200 shapes)
 // Four workgroups of kThreads fit on a compute unit (64 registers on sm_90, 48 KiB of shared
 // memory at most): the H200 sweep ran the old GEMV at 0.58 of copy bandwidth with three
 // resident, 0.74-0.78 with four.
@@ -92,8 +92,14 @@ constexpr int kDefaultRows = 1;
 constexpr int kDefaultUnroll = 4;
 constexpr int kDefaultStages = 0;
 constexpr int kDefaultLoad = 0;
-// the balanced split (walk_chunks) stays off until an H200 run has timed it against the row
-// split (benchmarks/gpu_host_time.sh gemv_ab)
+// the balanced split (walk_chunks) stays off: timed against the row split on the H200
+// (twenty-third session, benchmarks/gpu_host_time.sh gemv_ab, results/
+// gemv_balance_ab_h200_twentythird_session.jsonl; torch.mv / rocmoe under CUDA graphs, bf16)
+// it ran 1.012 against 0.997 at 16384^2 but lost at 28672 x 8192 (1.056 against 1.074),
+// 8192^2 (0.969 against 1.015) and 8192 x 28672 (0.994 against 1.059). At 16384^2 the row
+// split ranges 0.980-1.029 over ten placements of W in one process, the balanced split
+// 0.991-1.021 (probe_gemv_address_h200_twentythird_session.jsonl): the shape's misses
+// follow W's address more than the schedule.
 constexpr int kDefaultBalance = 0;
 constexpr int kProtocolRows = 2;
 constexpr int kProtocolUnroll = 4;
