@@ -101,14 +101,29 @@ __device__ __forceinline__ BagSpan<S> bag_span(const EmbeddingParams &p, int t, 
         s.end = k.offsets[at + 1];
         first = at == 0;
     } else {
-        // each source read in its own branch: a pointer that may point into `p` (the inline
-        // records) or to device memory makes the AMDGPU compiler copy all of `p` into scratch
-        // memory, 1.6 KB a lane, before the kernel does anything
-        // (tests/test_compile.py::test_hip_kernels_use_no_scratch_memory_on_cdna)
-        if (p.device_tables != nullptr)
-            table_span(p.device_tables[t], b, p.batch, s, nidx);
-        else
-            table_span(p.inline_tables[t], b, p.batch, s, nidx);
+        // On AMD each source is read in its own branch: a pointer that may point into `p` (the
+        // inline records) or to device memory makes the AMDGPU compiler copy all of `p` into
+        // scratch memory, 1.6 KB a lane, before the kernel does anything
+        // (tests/test_compile.py::test_hip_kernels_use_no_scratch_memory_on_cdna). NVIDIA
+        // makes no such copy, but the two forms schedule differently: on an H200, the two
+        // branches against one reference, alternated in one session (results/
+        // embedding_record_reads_ab_h200_twentythird_session.log), ran float32 9-10 % faster
+        // and bf16 6-10 % slower, so there each element size keeps its faster form.
+#if defined(ROCMOE_PLATFORM_NVIDIA)
+        constexpr bool kBranches = sizeof(S) == 4;
+#else
+        constexpr bool kBranches = true;
+#endif
+        if (kBranches) {
+            if (p.device_tables != nullptr)
+                table_span(p.device_tables[t], b, p.batch, s, nidx);
+            else
+                table_span(p.inline_tables[t], b, p.batch, s, nidx);
+        } else {
+            const rocmoe_gpu_table &tab =
+                p.device_tables != nullptr ? p.device_tables[t] : p.inline_tables[t];
+            table_span(tab, b, p.batch, s, nidx);
+        }
         first = b == 0;
     }
     s.ok = !(s.begin < 0 || s.end < s.begin || s.end > nidx || (first && s.begin != 0));
