@@ -37,27 +37,7 @@ import amd_isa  # noqa: E402  (tests' AMD listing reader)
 from rocmoe.moe import blocksparse  # noqa: E402
 from rocmoe.moe import kernels as moe_kernels  # noqa: E402
 from rocmoe.ops import gpu as gpu_ops  # noqa: E402
-from rocmoe.ops import triton_gemm_a2a as gk  # noqa: E402
-
-# the modes a GemmAllToAll handle runs a tile in: (kernel mode, direct path, GROUPS_P2)
-GEMM_MODES = {"direct": (gk.MODE_LOCAL, True, 1), "local_grouped": (gk.MODE_LOCAL, False, 8),
-              "exchange": (gk.MODE_EXCHANGE, False, 1),
-              "exchange_grouped": (gk.MODE_EXCHANGE, False, 8)}
-
-
-def gemm_build(extra: dict, mode: str, dtype: str):
-    """gemm_a2a_kernel at CDNA's default tile updated by `extra`, edge masks on."""
-    cfg = dict(gk.default_config("hip", dtype == "fp32"), **extra)
-    options = gpu_ops.launch_options(cfg)
-    kmode, direct, groups_p2 = GEMM_MODES[mode]
-    constexprs = {k: v for k, v in cfg.items() if k not in options and k != "PROGRAMS_PER_SM"}
-    constexprs.update(WORLD_P2=8, GROUPS_P2=groups_p2, MODE=kmode, COPY=False,
-                      FP32_IEEE=dtype == "fp32", EVEN_N=False, EVEN_K=False, USE_TMA=False,
-                      SPLIT_K=1, DIRECT=direct, CLOCK=gk.device_clock("hip"))
-    src = ASTSource(fn=gk.get("gemm_a2a_kernel"),
-                    signature=gk.aot_signatures(dtype)["gemm_a2a_kernel"], constexprs=constexprs)
-    tile = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']}"
-    return src, options, dict(tile=tile, mode=mode, dtype=dtype, extra=extra)
+from rocmoe.ops import triton_aot as aot  # noqa: E402
 
 
 def builds(extra_tiles):
@@ -66,25 +46,15 @@ def builds(extra_tiles):
                                      gpu_ops.tune_candidates("hip", 1, dtype == "fp32") if c]
         tiles += [("asked", t) for t in extra_tiles]
         for origin, extra in tiles:
-            for mode in GEMM_MODES:
-                src, options, what = gemm_build(extra, mode, dtype)
-                yield "gemm_a2a_kernel", src, options, dict(what, origin=origin)
-        cfg = gk.grouped_config("hip", dtype == "fp32")
-        options = gpu_ops.launch_options(cfg)
-        src = ASTSource(fn=gk.get("grouped_tiles_kernel"),
-                        signature=gk.aot_signatures(dtype)["grouped_tiles_kernel"],
-                        constexprs=dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                                        BLOCK_K=cfg["BLOCK_K"], USE_TMA=False, TRANS_W=False,
-                                        EVEN_N=False, EVEN_K=False, FP32_IEEE=dtype == "fp32",
-                                        FLATTEN=cfg["FLATTEN"]))
-        yield "grouped_tiles_kernel", src, options, dict(dtype=dtype, origin="default")
-        cfg = gk.weight_grad_config("hip", dtype == "fp32")
-        options = gpu_ops.launch_options(cfg)
-        src = ASTSource(fn=gk.get("grouped_weight_grad_kernel"),
-                        signature=gk.aot_signatures(dtype)["grouped_weight_grad_kernel"],
-                        constexprs=dict({k: v for k, v in cfg.items() if k not in options},
-                                        WORLD_P2=2, GROUPS_P2=32))
-        yield "grouped_weight_grad_kernel", src, options, dict(dtype=dtype, origin="default")
+            for mode in aot.UNSPLIT_MODES:  # (no CDNA tile splits K)
+                b = aot.gemm_source("hip", dtype, mode, extra)
+                yield "gemm_a2a_kernel", b.source, b.options, dict(
+                    tile=b.tile(), mode=mode, dtype=dtype, extra=extra, origin=origin)
+        b = aot.grouped_tiles_source("hip", dtype)
+        yield "grouped_tiles_kernel", b.source, b.options, dict(dtype=dtype, origin="default")
+        b = aot.weight_grad_source("hip", dtype)
+        yield "grouped_weight_grad_kernel", b.source, b.options, dict(dtype=dtype,
+                                                                      origin="default")
     gelu = moe_kernels.ACT_GELU_TANH
     options = {k: blocksparse.CDNA_OVERRIDES[k] for k in ("num_warps", "num_stages")}
     for name in ("sdd_kernel", "dsd_kernel", "dstd_kernel"):

@@ -30,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from rocmoe.moe import kernels as moe_kernels  # noqa: E402
 from rocmoe.ops import gpu as gpu_ops  # noqa: E402
-from rocmoe.ops import triton_gemm_a2a as gemm_kernels  # noqa: E402
+from rocmoe.ops import triton_aot as aot  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -54,28 +54,14 @@ def _key(constexprs: dict, options: dict) -> str:
 
 
 def gemm_builds():
-    base = gemm_kernels.default_config("cuda")
     tiles = [("default", {}, mode) for mode in ("direct", "local", "exchange")]
     tiles += [("tuner", extra, "direct" if extra.get("SPLIT_K", 1) == 1 else "local")
               for extra in gpu_ops.tune_candidates("cuda", rows=1)]
     for kind, extra, mode in tiles:
-        cfg = dict(base, **extra)
-        cfg.pop("PROGRAMS_PER_SM", None)  # (the grid, not the kernel)
-        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        sig = dict(gemm_kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
-                   x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
-        options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-        cfg.pop("USE_TMA", None)
-        split = cfg.pop("SPLIT_K", 1)
-        constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=1, COPY=False, FP32_IEEE=False,
-                          EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=split,
-                          MODE=gemm_kernels.MODE_EXCHANGE if mode == "exchange"
-                          else gemm_kernels.MODE_LOCAL, DIRECT=mode == "direct",
-                          CLOCK=gemm_kernels.CLOCK_CUDA)
-        src = ASTSource(fn=gemm_kernels.get("gemm_a2a_kernel"), signature=sig,
-                        constexprs=constexprs)
-        what = dict(tile=f"{bm}x{bn}x{bk}", split_k=split, mode=mode, origin=kind, **options)
-        yield "gemm_a2a_kernel", what, src, options, _key(constexprs, options)
+        b = aot.gemm_source("cuda", "bf16", mode, extra, tma=True, even=True)
+        what = dict(tile=b.tile(), split_k=b.constexprs["SPLIT_K"], mode=mode, origin=kind,
+                    **b.options)
+        yield "gemm_a2a_kernel", what, b.source, b.options, _key(b.constexprs, b.options)
 
 
 # (kernel, fused): "all" is the GELU prologue (DSD, DSᵀD) or the act' and store-act

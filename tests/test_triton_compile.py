@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from rocmoe.ops import gpu as gpu_ops  # noqa: E402
+from rocmoe.ops import triton_aot as aot  # noqa: E402
 from rocmoe.ops import triton_gemm_a2a as kernels  # noqa: E402
 
 TARGETS = {
@@ -34,18 +35,14 @@ def compiled_not_interpreted(monkeypatch):
 
 def _compile(name, target_key, dtype="bf16", exchange=True, groups_p2=1, split_k=1):
     target, _, _, platform = TARGETS[target_key]
+    if name == "gemm_a2a_kernel":
+        build = aot.gemm_source(platform, dtype, "exchange" if exchange else "local",
+                                {"SPLIT_K": split_k}, groups_p2=groups_p2)
+        return triton.compile(build.source, target=target, options=build.options)
     signature = kernels.aot_signatures(dtype)[name]
     options = {}
     constexprs = {}
-    if name == "gemm_a2a_kernel":
-        cfg = kernels.default_config(platform, dtype == "fp32")
-        options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-        cfg.pop("USE_TMA", None)
-        constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2,
-                          MODE=kernels.MODE_EXCHANGE if exchange else kernels.MODE_LOCAL,
-                          COPY=False, FP32_IEEE=dtype == "fp32", EVEN_N=False, EVEN_K=False,
-                          USE_TMA=False, SPLIT_K=split_k, CLOCK=kernels.device_clock(platform))
-    elif name == "collect_kernel":
+    if name == "collect_kernel":
         constexprs = dict(WORLD_P2=8, ROWS=64, BLOCK_N=128)
     elif name == "abort_kernel":
         constexprs = dict(WORLD_P2=8, CLOCK=kernels.device_clock(platform))
@@ -172,20 +169,11 @@ def test_gemm_a2a_main_loop_is_pipelined_on_sm90():
     assert "st.global.v4" in ptx and "st.global.b16" not in ptx
 
 
-def _tma_default_tile(mode, groups_p2, direct=False):
+def _tma_default_tile(mode, groups_p2=None):
     """(source, options) of gemm_a2a_kernel at the CUDA default tile with TMA loads (X and W
-    as tensor descriptors) and divisible shapes; `direct`: the world-size-1 path."""
-    cfg = dict(kernels.default_config("cuda"))
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
-               x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
-    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-    cfg.pop("USE_TMA", None)
-    constexprs = dict(cfg, WORLD_P2=8, GROUPS_P2=groups_p2, MODE=mode, COPY=False,
-                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True, SPLIT_K=1,
-                      DIRECT=direct, CLOCK=kernels.CLOCK_CUDA)
-    return ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig,
-                     constexprs=constexprs), options
+    as tensor descriptors) and divisible shapes, in one of triton_aot.GEMM_MODES."""
+    build = aot.gemm_source("cuda", "bf16", mode, tma=True, even=True, groups_p2=groups_p2)
+    return build.source, build.options
 
 
 @pytest.mark.parametrize("mode", ["direct", "local", "exchange"])
@@ -197,9 +185,7 @@ def test_gemm_a2a_default_tile_does_not_spill_registers_on_sm90(mode, monkeypatc
     # thread (ptxas' log, Triton 3.6 and 3.9)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a cached build runs no ptxas
     monkeypatch.setenv("TRITON_DUMP_PTXAS_LOG", "1")
-    src, options = _tma_default_tile(
-        kernels.MODE_EXCHANGE if mode == "exchange" else kernels.MODE_LOCAL, groups_p2=1,
-        direct=mode == "direct")
+    src, options = _tma_default_tile(mode)
     capsys.readouterr()
     triton.compile(src, target=TARGETS["sm90"][0], options=options)
     log = capsys.readouterr().out
@@ -224,12 +210,8 @@ def test_weight_gradient_default_tiles_build_with_matrix_instructions(target_key
     # (No spill check: on sm_90 the measured-fastest 128 x 128 tile at 4 warps spills, see
     # weight_grad_config)
     target, asm_key, instruction, platform = TARGETS[target_key]
-    cfg = kernels.weight_grad_config(platform, dtype == "fp32")
-    options = {k: cfg.pop(k) for k in ("num_warps", "num_stages") if k in cfg}
-    src = ASTSource(fn=kernels.get("grouped_weight_grad_kernel"),
-                    signature=kernels.aot_signatures(dtype)["grouped_weight_grad_kernel"],
-                    constexprs=dict(cfg, WORLD_P2=2, GROUPS_P2=32))
-    compiled = triton.compile(src, target=target, options=options)
+    build = aot.weight_grad_source(platform, dtype)
+    compiled = triton.compile(build.source, target=target, options=build.options)
     if dtype == "bf16":
         assert instruction in compiled.asm[asm_key], f"no {instruction} for {target_key}"
 
@@ -237,19 +219,8 @@ def test_weight_gradient_default_tiles_build_with_matrix_instructions(target_key
 def _grouped_tiles_source(platform, dtype, block_n=0, tma=False, trans_w=False):
     """(source, options) of grouped_tiles_kernel at the platform's default grouped tile
     (triton_gemm_a2a.grouped_config), pointer loads or (tma) tensor descriptors."""
-    cfg = kernels.grouped_config(platform, dtype == "fp32", block_n)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    sig = dict(kernels.aot_signatures(dtype)["grouped_tiles_kernel"])
-    if tma:
-        sig.update(x_ptr=f"tensordesc<{dtype}[{bm}, {bk}]>",
-                   w_ptr=f"tensordesc<{dtype}[{bn}, {bk}]>" if trans_w
-                   else f"tensordesc<{dtype}[{bk}, {bn}]>")
-    options = {k: cfg[k] for k in ("num_warps", "num_stages") if k in cfg}
-    constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=tma, TRANS_W=trans_w,
-                      EVEN_N=False, EVEN_K=False, FP32_IEEE=dtype == "fp32",
-                      FLATTEN=cfg["FLATTEN"])
-    return ASTSource(fn=kernels.get("grouped_tiles_kernel"), signature=sig,
-                     constexprs=constexprs), options
+    build = aot.grouped_tiles_source(platform, dtype, block_n, tma=tma, trans_w=trans_w)
+    return build.source, build.options
 
 
 @pytest.mark.parametrize("target_key", sorted(TARGETS))
@@ -284,7 +255,7 @@ def test_grouped_products_load_by_the_copy_engine_on_sm90(trans_w, block_n):
 def test_gemm_a2a_tma_variant_loads_tiles_with_the_copy_engine_on_sm90(groups_p2):
     # USE_TMA: X and W arrive as tensor descriptors; the K loop must fetch them with bulk
     # tensor copies (TMA) feeding wgmma, and the epilogue still stores into the peer's heap
-    src, options = _tma_default_tile(kernels.MODE_EXCHANGE, groups_p2)
+    src, options = _tma_default_tile("exchange", groups_p2)
     ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
     assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"
@@ -300,21 +271,9 @@ def _local_tma_source(extra, divisible=()):
     shapes, at the CUDA default tile updated by `extra`, as the tuner runs it: the direct
     path unless K is split. `divisible`: arguments marked divisible by 16, as the JIT
     specialises a 16-byte aligned pointer or an integer multiple of 16."""
-    cfg = dict(kernels.default_config("cuda"), **extra)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    sig = dict(kernels.aot_signatures("bf16")["gemm_a2a_kernel"],
-               x_ptr=f"tensordesc<bf16[{bm}, {bk}]>", w_ptr=f"tensordesc<bf16[{bk}, {bn}]>")
-    options = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
-    cfg.pop("USE_TMA", None)
-    constexprs = dict(cfg, WORLD_P2=2, GROUPS_P2=1, MODE=kernels.MODE_LOCAL, COPY=False,
-                      FP32_IEEE=False, EVEN_N=True, EVEN_K=True, USE_TMA=True,
-                      SPLIT_K=cfg.get("SPLIT_K", 1), DIRECT=cfg.get("SPLIT_K", 1) == 1,
-                      CLOCK=kernels.CLOCK_CUDA)
-    names = list(sig)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in divisible}
-    src = ASTSource(fn=kernels.get("gemm_a2a_kernel"), signature=sig, constexprs=constexprs,
-                    attrs=attrs)
-    return src, options
+    build = aot.gemm_source("cuda", "bf16", "direct", extra, tma=True, even=True, world_p2=2,
+                            divisible=divisible)
+    return build.source, build.options
 
 
 @pytest.mark.parametrize("extra", [c for c in gpu_ops.tune_candidates("cuda", rows=1)
@@ -365,10 +324,6 @@ def test_direct_path_stores_its_tile_in_16_byte_vectors_on_sm90(tile):
 # world size 1 (the direct path; a grouped W plans its tiles), and the exchange epilogue
 # (one W, grouped). The 256 x 256 tile these replaced spilled 85-194 VGPRs a lane.
 CDNA = ["gfx942", "gfx90a"]
-GEMM_MODES = {"direct": (kernels.MODE_LOCAL, True, 1),
-              "local_grouped": (kernels.MODE_LOCAL, False, 8),
-              "exchange": (kernels.MODE_EXCHANGE, False, 1),
-              "exchange_grouped": (kernels.MODE_EXCHANGE, False, 8)}
 CDNA_LDS = 64 * 1024  # a CU's local data share
 
 
@@ -376,18 +331,8 @@ def _cdna_gemm(arch, extra, mode, dtype):
     """gemm_a2a_kernel built for `arch` at CDNA's default tile updated by `extra` (a tuner
     candidate), compiled with the options the handle's launch passes (gpu.launch_options),
     with the edge masks on (N and K not multiples of the tile)."""
-    cfg = dict(kernels.default_config("hip", dtype == "fp32"), **extra)
-    options = gpu_ops.launch_options(cfg)
-    kmode, direct, groups_p2 = GEMM_MODES[mode]
-    constexprs = {k: v for k, v in cfg.items()
-                  if k not in options and k != "PROGRAMS_PER_SM"}  # (the grid's, not a constexpr)
-    constexprs.update(WORLD_P2=8, GROUPS_P2=groups_p2, MODE=kmode, COPY=False,
-                      FP32_IEEE=dtype == "fp32", EVEN_N=False, EVEN_K=False, USE_TMA=False,
-                      SPLIT_K=1, DIRECT=direct, CLOCK=kernels.device_clock("hip"))
-    src = ASTSource(fn=kernels.get("gemm_a2a_kernel"),
-                    signature=kernels.aot_signatures(dtype)["gemm_a2a_kernel"],
-                    constexprs=constexprs)
-    return triton.compile(src, target=TARGETS[arch][0], options=options)
+    build = aot.gemm_source("hip", dtype, mode, extra)
+    return triton.compile(build.source, target=TARGETS[arch][0], options=build.options)
 
 
 def _cdna_problems(compiled, what) -> list[str]:
@@ -408,7 +353,7 @@ def _cdna_problems(compiled, what) -> list[str]:
 
 @pytest.mark.parametrize("arch", CDNA)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("mode", sorted(GEMM_MODES))
+@pytest.mark.parametrize("mode", aot.UNSPLIT_MODES)
 def test_gemm_a2a_cdna_default_tile_keeps_to_registers_and_lds(arch, dtype, mode):
     problems = _cdna_problems(_cdna_gemm(arch, {}, mode, dtype), f"{dtype} default tile")
     assert not problems, "\n".join(problems)
@@ -416,7 +361,7 @@ def test_gemm_a2a_cdna_default_tile_keeps_to_registers_and_lds(arch, dtype, mode
 
 @pytest.mark.parametrize("arch", CDNA)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-@pytest.mark.parametrize("mode", sorted(GEMM_MODES))
+@pytest.mark.parametrize("mode", aot.UNSPLIT_MODES)
 def test_every_cdna_tuning_tile_keeps_to_registers_and_lds(arch, dtype, mode):
     # the first call of a GemmAllToAll shape on an AMD GPU times these (skinny X: all of
     # them), and the handle then runs the fastest in every call, also at world size > 1
@@ -452,13 +397,8 @@ def test_grouped_products_cdna_default_tile_keeps_to_registers_and_lds(arch, dty
 @pytest.mark.parametrize("arch", CDNA)
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_weight_gradient_cdna_default_tile_keeps_to_registers_and_lds(arch, dtype):
-    cfg = kernels.weight_grad_config("hip", dtype == "fp32")
-    options = gpu_ops.launch_options(cfg)
-    src = ASTSource(fn=kernels.get("grouped_weight_grad_kernel"),
-                    signature=kernels.aot_signatures(dtype)["grouped_weight_grad_kernel"],
-                    constexprs=dict({k: v for k, v in cfg.items() if k not in options},
-                                    WORLD_P2=2, GROUPS_P2=32))
-    compiled = triton.compile(src, target=TARGETS[arch][0], options=options)
+    build = aot.weight_grad_source("hip", dtype)
+    compiled = triton.compile(build.source, target=TARGETS[arch][0], options=build.options)
     problems = _cdna_problems(compiled, f"weight gradient {dtype}")
     assert not problems, "\n".join(problems)
 
