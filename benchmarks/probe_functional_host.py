@@ -34,17 +34,19 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def cases(ctx, dev):
-    """op -> (function call, custom-op call) on small inputs: host time is the point."""
+def cases(ctx, dev, embedding=(4, 40, 16, 8, 3)):
+    """op -> (function call, custom-op call) on small inputs: host time is the point.
+    `embedding`: the embedding case's (tables, rows, dim, global batch, lookups a bag)."""
     from rocmoe import ops
     from rocmoe.ops import _ops  # noqa: F401  (torch.ops.rocmoe.*)
     from rocmoe.ops._common import context_id
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(64, 32, generator=g).to(dev), torch.randn(32, 48, generator=g).to(dev)
     wv, xv = torch.randn(96, 32, generator=g).to(dev), torch.randn(32, generator=g).to(dev)
-    tables = [torch.randn(40, 16, generator=g).to(dev) for _ in range(4)]
-    idx = [torch.randint(0, 40, (24,), generator=g).to(dev) for _ in range(4)]
-    off = [torch.arange(0, 24, 3).to(dev) for _ in range(4)]
+    nt, rows, dim, batch, lookups = embedding
+    tables = [torch.randn(rows, dim, generator=g).to(dev) for _ in range(nt)]
+    idx = [torch.randint(0, rows, (batch * lookups,), generator=g).to(dev) for _ in range(nt)]
+    off = [torch.arange(0, batch * lookups, lookups).to(dev) for _ in range(nt)]
     cid, anchor = context_id(ctx), torch.empty(0, device=dev)
     rocmoe_ops = torch.ops.rocmoe
     return {
@@ -52,7 +54,7 @@ def cases(ctx, dev):
                             lambda: rocmoe_ops.gemm_all_to_all(x, w, [64], cid, anchor)[0]),
         "gemv_all_reduce": (lambda: ops.gemv_all_reduce(wv, xv),
                             lambda: rocmoe_ops.gemv_all_reduce(wv, xv, cid)),
-        "embedding_all_to_all (4 tables)": (
+        f"embedding_all_to_all ({nt} tables)": (
             lambda: ops.embedding_all_to_all(tables, idx, off),
             lambda: rocmoe_ops.embedding_all_to_all(tables, idx, off, [], False, "sum", "", cid,
                                                     anchor)[0]),
@@ -65,13 +67,24 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=None, help="(the probes' dry-run flag: rounds)")
+    ap.add_argument("--embedding", default="4,40,16,8,3",
+                    help="the embedding case: tables,rows,dim,global batch,lookups a bag")
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="also print cProfile's costliest functions over CALLS calls of each "
+                         "op's function path with grad off (where the host time goes)")
     a = ap.parse_args(argv)
+    embedding = tuple(int(v) for v in a.embedding.split(","))
+    if len(embedding) != 5 or min(embedding) < 1:
+        ap.error("--embedding takes five positive ints: tables,rows,dim,batch,lookups")
     rounds = a.reps or a.rounds
     import rocmoe
     from rocmoe.bench.timing import host_ms_per_call
     dev = torch.device(a.device)
-    ctx = rocmoe.init(backend="ipc" if dev.type == "cuda" else "host", heap_size=256 << 20)
-    for op, (function, custom_op) in cases(ctx, dev).items():
+    # the heap holds the embedding handle's reverse exchange at the --embedding shape too
+    nt, _, dim, batch, _ = embedding
+    heap = max(256 << 20, 4 * _round_up_pow2(nt * batch * dim * 4))
+    ctx = rocmoe.init(backend="ipc" if dev.type == "cuda" else "host", heap_size=heap)
+    for op, (function, custom_op) in cases(ctx, dev, embedding).items():
         paths = {"function, grad off": (False, function), "custom op, grad off": (False, custom_op),
                  "function, grad on": (True, function)}
         first = None
@@ -87,9 +100,37 @@ def main(argv=None):
                                   host_us_samples=[round(s, 2) for s in samples],
                                   equal_to_first_path=bool(torch.equal(got, first)))),
                   flush=True)
+        if a.profile:
+            profile(op, function, a.profile)
     if dev.type == "cpu":
         checks_as_on_a_gpu(ctx, a.calls, rounds)
     ctx.finalize()
+
+
+def _round_up_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def profile(op: str, fn, calls: int) -> None:
+    """cProfile over `calls` calls of fn with grad off, the 30 costliest functions by their
+    own time and by their cumulative time (text, after the op's JSON lines; a GPU runs
+    behind, as in the timing)."""
+    import cProfile
+    import io
+    import pstats
+    with torch.no_grad():
+        fn()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(30)
+        print(f"# profile of {op}, function path, grad off, {calls} calls, by {order}",
+              flush=True)
+        print(text.getvalue(), flush=True)
 
 
 def checks_as_on_a_gpu(ctx, calls: int, rounds: int) -> None:
