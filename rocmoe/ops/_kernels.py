@@ -11,10 +11,10 @@ The handles are the fast path: no host collective at all per call.
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 from .. import errors
@@ -85,6 +85,8 @@ def _forget_recorded(ctx, kind: str) -> None:
 
 def release_handles(ctx) -> None:
     """Collective: close every cached handle of `ctx` (they are made again on next use)."""
+    for last in (_EMBEDDING_LAST, _GEMV_LAST, _GEMM_LAST):
+        last.pop(ctx, None)
     for handle in _CACHE.pop(ctx, {}).values():
         handle.close()
     from .handles import release_rows_handles
@@ -258,9 +260,57 @@ def table_signature(weights, offsets, mode, psw):
             tuple(o.shape[0] if o.dim() == 1 else -1 for o in offsets), mode, psw is None)
 
 
+# context -> (handle, mode, batch, layout) of its last functional embedding call that the
+# general path below ran at world size 1 on a GPU: what _embedding_repeat may run again
+_EMBEDDING_LAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# ROCMOE_REPEAT_CALLS=0: every functional call takes the general path (the A/B of
+# benchmarks/probe_functional_host.py; read once, like the kernels' knobs)
+_REPEAT = os.environ.get("ROCMOE_REPEAT_CALLS", "1") != "0"
+
+
+def _embedding_repeat(ctx, weights, indices, offsets, mode):
+    """A functional call at world size 1 on a GPU that repeats the last one's tables (the
+    same tensors, or ones of their shapes and dtype), mode and batch, run by its handle's
+    per-table launch writer (gpu.TableEmbeddingLaunch, the EmbeddingAllToAll handle's own
+    fast path), which checks every table's tensors as it writes their records: (output,
+    layout), or None when anything differs or any cached embedding handle holds a recorded
+    error, and then the general path checks, agrees and names what is wrong.
+
+    Why: with 26 tables the general path's host time was 262-343 us a call on the H200's
+    host (checks, agreement, signature, the general writer; results/
+    fused_gpu_h200_twentythird_session.jsonl), against 51-77 us for the handle. At world
+    size 1 there is nothing to agree with, and a repeat needs nothing the handle's writer
+    does not check; a new batch, mode or table shape goes through the general path once,
+    which records the layout torch.compile traces with. The output is a new tensor, as on
+    the general path (the handle's own call may hand out a ring's buffer)."""
+    last = _EMBEDDING_LAST.get(ctx)
+    if last is None:
+        return None
+    handle, last_mode, batch, layout = last
+    if (mode != last_mode or not handle._clean()
+            or not all(h._clean() for h in _usable_cached(ctx, "embedding"))):
+        return None
+    launch = handle._table_launch
+    if launch is None:
+        from . import gpu
+        launch = handle._table_launch = gpu.TableEmbeddingLaunch(handle)
+    if launch.prepare(weights, indices, offsets, None) != batch:
+        return None
+    handle.epoch += 1
+    out = torch.empty((batch, handle.total_tables, handle.dim), dtype=handle.dtype,
+                      device=ctx.device)
+    launch.fire(batch, out)
+    return out, layout
+
+
 def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
                       expect: Optional[Sequence[int]] = None) -> torch.Tensor:
     op = "embedding_all_to_all"
+    if (ctx.world_size == 1 and psw is None and expect is None and ctx in _EMBEDDING_LAST
+            and _REPEAT):
+        repeat = _embedding_repeat(ctx, weights, indices, offsets, mode)
+        if repeat is not None:
+            return repeat
     problem, info = None, (0, -1, -1, -1)
     try:
         info = _check_embedding(ctx, weights, indices, offsets, mode, psw)
@@ -309,12 +359,42 @@ def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
                      lambda h: h.max_batch >= batch and h.max_lookups >= nmax, make)
     out = handle._lookup(weights, indices, offsets, psw, batch, mode) if batch else torch.empty(
         (0, total, dim), dtype=CODE_DTYPES[dcode], device=ctx.device)
+    if (ctx.world_size == 1 and psw is None and expect is None and batch and problem is None
+            and handle.mode == mode and _on_gpu(ctx)):
+        _EMBEDDING_LAST[ctx] = (handle, mode, batch, layout)
     return out, layout
 
 
 # ---- GEMV + all-reduce -------------------------------------------------------------------------
+# context -> the GemvAllReduce handle of its last functional call at world size 1 on a GPU
+_GEMV_LAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _gemv_repeat(ctx, w_local, x_local) -> Optional[torch.Tensor]:
+    """A functional GEMV at world size 1 on a GPU with the shapes, dtype and device of the
+    last one, run by its handle after the handle's own quick checks (identity and integer
+    comparisons), without the general path's checks, agreement and lookup (about 20 of
+    37 us of host time a call on an H100's host, benchmarks/probe_functional_host.py);
+    None for anything else, which the general path then checks. A new output, as there."""
+    handle = _GEMV_LAST.get(ctx)
+    if (handle is None or not isinstance(w_local, torch.Tensor)
+            or not isinstance(x_local, torch.Tensor)):
+        return None
+    dtype, index = handle.dtype, handle._device_index
+    if (w_local.dtype is dtype and x_local.dtype is dtype and index >= 0
+            and w_local.get_device() == index and x_local.get_device() == index
+            and w_local.shape == handle._w_shape and x_local.shape == handle._x_shape
+            and handle._clean()):
+        return handle._reduce(w_local, x_local)
+    return None
+
+
 def gemv_forward(ctx, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Tensor:
     op = "gemv_all_reduce"
+    if ctx.world_size == 1 and _REPEAT and ctx in _GEMV_LAST:
+        y = _gemv_repeat(ctx, w_local, x_local)
+        if y is not None:
+            return y
     problem, n, k, dcode = None, -1, -1, -1
     try:
         for name, t in (("W_local", w_local), ("x_local", x_local)):
@@ -342,6 +422,8 @@ def gemv_forward(ctx, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Ten
         return torch.empty(0, dtype=w_local.dtype, device=ctx.device)
     handle = _cached(ctx, ("gemv", n, dcode), lambda h: True,
                      lambda: GemvAllReduce(ctx, n, k, w_local.dtype))
+    if ctx.world_size == 1 and _on_gpu(ctx):
+        _GEMV_LAST[ctx] = handle
     return handle._reduce(w_local, x_local)
 
 
@@ -374,6 +456,31 @@ def _counts_list(send_counts, world: int, op: str, groups: int = 0) -> list[int]
     return counts
 
 
+# context -> the GemmAllToAll handle of its last functional call with one W at world size 1
+# on a GPU
+_GEMM_LAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _gemm_repeat(ctx, x, w, send_counts):
+    """A functional GEMM at world size 1 on a GPU whose X, W and counts the last call's
+    handle's lean call (gpu.lean_gemm_call: dtype, device, K, W's shape, X's layout, the
+    count against max_rows) takes, and whose one count is X's rows: (rows, [rows]) without
+    the general path's checks, agreement and lookup (about 25 of 53 us of host time a call
+    on an H100's host, benchmarks/probe_functional_host.py); None for anything else, which
+    the general path then checks."""
+    handle = _GEMM_LAST.get(ctx)
+    if (handle is None or handle.workspace is None or type(send_counts) is not list
+            or len(send_counts) != 1 or not isinstance(x, torch.Tensor) or x.dim() != 2
+            or send_counts[0] != x.shape[0]):
+        return None
+    lean = handle.__dict__.get("_lean")
+    taken = lean(x, w, send_counts) if lean is not None else None
+    if taken is None:
+        return None
+    rows = x.shape[0]
+    return taken[0][:rows], [rows]
+
+
 def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send_counts,
                   ) -> tuple[torch.Tensor, list[int]]:
     """Y = x @ w (or Y = x when w is None), rows split by `send_counts`, delivered like
@@ -382,6 +489,10 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     Grouped products: with w [G, K, N], send_counts holds world x G counts (rank-major): the
     rows for destination d are G consecutive segments, segment (d, g) multiplied by w[g]."""
     world = ctx.world_size
+    if world == 1 and w is not None and _REPEAT and ctx in _GEMM_LAST:
+        repeat = _gemm_repeat(ctx, x, w, send_counts)
+        if repeat is not None:
+            return repeat
     problem, n, dcode, counts, group_counts, groups = None, -1, -1, [0] * world, None, 0
     try:
         check_float_dtype(x, f"{op}: X")
@@ -434,6 +545,8 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
                                               groups=max(groups, 1)))
     if groups == 1:  # one group is the plain product
         w, groups, group_counts = w[0], 0, None
+    if world == 1 and w is not None and not groups and _on_gpu(ctx):
+        _GEMM_LAST[ctx] = handle
     flat = [c for row in group_counts for c in row] if group_counts is not None else counts
     # a GPU handle's lean call (rocmoe/ops/gpu.py: lean_gemm_call) once it has one: the
     # checks above already passed, and it launches without the general path's layers; it

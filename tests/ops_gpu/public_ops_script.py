@@ -143,6 +143,135 @@ with torch.no_grad():
             report(f"{dname}/nograd/embedding#{call}",
                    *close(e, reference.embedding_all_to_all(tabs, idx, offs, ctx=ctx), dtype))
 
+# A functional embedding call at world size 1 that repeats the last one's table shapes, mode
+# and batch runs through its handle's per-table writer, without the general path's checks
+# and agreement (_kernels._embedding_repeat). Each call below changes one thing against the
+# one before it, and every result must equal the reference; at world size 1 the repeats (and
+# only they) skip the general path's checks, counted by wrapping them.
+from rocmoe.ops import _kernels  # noqa: E402
+
+general_calls = [0]
+_checks = _kernels._check_embedding
+
+
+def _counted(*args, **kwargs):
+    general_calls[0] += 1
+    return _checks(*args, **kwargs)
+
+
+_kernels._check_embedding = _counted
+B = 4 * world
+A, R = (30, 20, 40), (31, 20, 40)
+variants = [  # (name, tables' rows, dtype, mode, lookups a bag, index dtype, a repeat at 1 rank)
+    ("first", A, torch.float32, "sum", 3, torch.int64, False),
+    ("same_shapes_new_tensors", A, torch.float32, "sum", 3, torch.int64, True),
+    ("int32_indices", A, torch.float32, "sum", 3, torch.int32, False),
+    ("int64_again", A, torch.float32, "sum", 3, torch.int64, True),
+    ("other_rows", R, torch.float32, "sum", 3, torch.int64, False),
+    # (the cached handle keeps the rows it was made with: only those repeat)
+    ("other_rows_again", R, torch.float32, "sum", 3, torch.int64, False),
+    ("first_rows_again", A, torch.float32, "sum", 3, torch.int64, True),
+    ("more_lookups", A, torch.float32, "sum", 5, torch.int64, False),  # a bigger handle
+    ("more_lookups_again", A, torch.float32, "sum", 5, torch.int64, True),
+    ("mode_mean", A, torch.float32, "mean", 3, torch.int64, False),
+    # (the handle was made for sums; another mode runs the general path)
+    ("mode_mean_again", A, torch.float32, "mean", 3, torch.int64, False),
+    ("bf16", A, torch.bfloat16, "mean", 3, torch.int64, False),
+    ("bf16_again", A, torch.bfloat16, "mean", 3, torch.int64, True),
+    ("fewer_tables", A[:2], torch.bfloat16, "mean", 3, torch.int64, False),
+    ("fewer_tables_again", A[:2], torch.bfloat16, "mean", 3, torch.int64, True),
+]
+with torch.no_grad():
+    for k, (name, rows, dtype, mode, per_bag, index_dtype, repeat) in enumerate(variants):
+        dim = 24  # (no other call of this script has: its own cached handles)
+        g = torch.Generator().manual_seed(500 + k + 10 * rank)
+        tabs = [torch.randn(r, dim, generator=g).to(dtype) for r in rows]
+        idx = [torch.randint(0, r, (per_bag * B,), generator=g) for r in rows]
+        offs = [torch.arange(0, per_bag * B, per_bag) for _ in rows]
+        before = general_calls[0]
+        got = rocmoe.ops.embedding_all_to_all(
+            [t.to(dev) for t in tabs], [i.to(dev).to(index_dtype) for i in idx],
+            [o.to(dev).to(index_dtype) for o in offs], mode=mode, ctx=ctx)
+        want = reference.embedding_all_to_all(tabs, idx, offs, mode=mode, ctx=ctx)
+        ok, detail = close(got, want, dtype) if got.shape == want.shape else \
+            (False, f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
+        took_repeat = general_calls[0] == before
+        if world == 1 and took_repeat != repeat:
+            ok, detail = False, f"repeat path taken: {took_repeat}, expected {repeat}"
+        report(f"embedding_repeat/{name}", ok, detail)
+    # a bad index in a repeated call: checked on the device, raised at the next call, and
+    # the call after that computes again
+    tabs = [torch.randn(30, 24, generator=torch.Generator().manual_seed(rank))]
+    offs = [torch.arange(0, 3 * B, 3)]
+    idx = torch.arange(3 * B) % 30
+    bad = idx.clone()
+    bad[-1] = 30
+    run = lambda i: rocmoe.ops.embedding_all_to_all(  # noqa: E731
+        [tabs[0].to(dev)], [i.to(dev)], [offs[0].to(dev)], ctx=ctx)
+    run(idx)
+    run(bad if rank == world - 1 else idx)
+    torch.cuda.synchronize()
+    try:
+        run(idx)
+        report("embedding_repeat/bad_index_raises_at_the_next_call", False, "no error")
+    except rocmoe.RocmoeError as exc:
+        report("embedding_repeat/bad_index_raises_at_the_next_call",
+               isinstance(exc, rocmoe.errors.InvalidArgumentError), type(exc).__name__)
+    report("embedding_repeat/after_the_bad_index_it_computes",
+           *close(run(idx), reference.embedding_all_to_all(tabs, [idx], offs, ctx=ctx),
+                  torch.float32))
+_kernels._check_embedding = _checks
+
+# The same for the GEMV and the GEMM (one W): at world size 1 a call the last call's handle
+# takes runs by that handle's own checks and launch; the general path's agreement (counted)
+# runs for the rest. After the grad-off calls above, the last handles are bf16 80 x 32
+# (GEMV) and N 48, K 64 (GEMM).
+_agree = _kernels.agree
+agreements = [0]
+
+
+def _counted_agree(*args, **kwargs):
+    agreements[0] += 1
+    return _agree(*args, **kwargs)
+
+
+_kernels.agree = _counted_agree
+bf16, fp32 = torch.bfloat16, torch.float32
+with torch.no_grad():
+    for k, (name, n, kk, dtype, repeat) in enumerate([
+            ("same", 80, 32, bf16, True), ("other_k", 80, 48, bf16, False),
+            ("other_k_again", 80, 48, bf16, False),  # (the handle keeps its K)
+            ("fp32", 80, 32, fp32, False), ("fp32_again", 80, 32, fp32, True),
+            ("other_n", 96, 32, fp32, False), ("other_n_again", 96, 32, fp32, True)]):
+        g = torch.Generator().manual_seed(700 + k + 10 * rank)
+        W, x = torch.randn(n, kk, generator=g).to(dtype), torch.randn(kk, generator=g).to(dtype)
+        before = agreements[0]
+        ok, detail = close(rocmoe.ops.gemv_all_reduce(W.to(dev), x.to(dev), ctx=ctx),
+                           reference.gemv_all_reduce(W, x, ctx=ctx), dtype)
+        if world == 1 and (agreements[0] == before) != repeat:
+            ok, detail = False, f"repeat path taken: {agreements[0] == before}, expected {repeat}"
+        report(f"gemv_repeat/{name}", ok, detail)
+    for k, (name, m, kk, n, dtype, repeat) in enumerate([
+            ("same", 12 * world, 64, 48, bf16, True), ("other_rows", 7 * world, 64, 48, bf16, True),
+            ("other_k", 12 * world, 32, 48, bf16, False),
+            ("other_k_again", 12 * world, 32, 48, bf16, False),  # (the handle keeps its K)
+            ("fp32", 12 * world, 64, 48, fp32, False), ("fp32_again", 12 * world, 64, 48, fp32, True),
+            ("other_n", 12 * world, 64, 40, fp32, False),
+            ("other_n_again", 12 * world, 64, 40, fp32, True)]):
+        g = torch.Generator().manual_seed(800 + k + 10 * rank)
+        X = torch.randn(m, kk, generator=g).to(dtype)
+        Wm = (torch.randn(kk, n, generator=g) / 8).to(dtype)
+        counts = [m // world] * world
+        before = agreements[0]
+        got = rocmoe.ops.gemm_all_to_all(X.to(dev), Wm.to(dev), counts, ctx=ctx)
+        want = reference.gemm_all_to_all(X, Wm, counts, ctx=ctx)
+        ok, detail = close(got, want, dtype) if got.shape == want.shape else \
+            (False, f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
+        if world == 1 and (agreements[0] == before) != repeat:
+            ok, detail = False, f"repeat path taken: {agreements[0] == before}, expected {repeat}"
+        report(f"gemm_repeat/{name}", ok, detail)
+_kernels.agree = _agree
+
 # bad input on the last rank only: every rank raises, nobody hangs
 counts = [4] * world
 if rank == world - 1:

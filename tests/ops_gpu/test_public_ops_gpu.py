@@ -14,6 +14,11 @@ CHECKS = ["gemv/fwd", "gemv/dW", "gemv/dx", "gemm/fwd", "gemm/dX", "gemm/dW",
           "gemm_grouped/fwd", "gemm_grouped/dX", "gemm_grouped/dW", "embedding/fwd",
           "embedding/dtables"]
 DTYPES = ["fp32", "bf16"]
+REPEAT_CHECKS = ["first", "same_shapes_new_tensors", "int32_indices", "int64_again",
+                 "other_rows", "other_rows_again", "first_rows_again", "more_lookups",
+                 "more_lookups_again", "mode_mean", "mode_mean_again", "bf16", "bf16_again",
+                 "fewer_tables", "fewer_tables_again", "bad_index_raises_at_the_next_call",
+                 "after_the_bad_index_it_computes"]
 CALLS = 3
 
 
@@ -40,6 +45,15 @@ def test_public_ops_forward_and_backward_on_gpu_equal_the_reference(ranks):
             for check in ("gemm", "gemv", "embedding"):
                 for call in range(4):
                     assert f"RANK {rank} {dtype}/nograd/{check}#{call} OK" in out, out
+        # the functional embedding's repeat path and what makes it step aside
+        for check in REPEAT_CHECKS:
+            assert f"RANK {rank} embedding_repeat/{check} OK" in out, out
+        for check in ("same", "other_k", "other_k_again", "fp32", "fp32_again", "other_n",
+                      "other_n_again"):
+            assert f"RANK {rank} gemv_repeat/{check} OK" in out, out
+        for check in ("same", "other_rows", "other_k", "other_k_again", "fp32", "fp32_again",
+                      "other_n", "other_n_again"):
+            assert f"RANK {rank} gemm_repeat/{check} OK" in out, out
         # bad input on the last rank only: every rank raised, none hung
         assert f"RANK {rank} bad_counts_raise_everywhere OK" in out, out
         assert f"RANK {rank} bad_index_raises_everywhere_at_the_next_call OK" in out, out
