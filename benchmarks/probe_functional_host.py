@@ -15,7 +15,11 @@ the same call on the same inputs:
   autograd node; no input requires grad).
 
     python3 benchmarks/probe_functional_host.py [--device cpu|cuda] [--calls 1000]
-        [--rounds 5]
+        [--rounds 5] [--embedding T,R,D,B,L] [--profile N]
+
+On a GPU at world size 1, ROCMOE_REPEAT_CALLS=1 in the environment times the functions'
+repeat paths (a call its last call's handle takes skips the general path; off by default),
+ROCMOE_REPEAT_CALLS=0 the general path: the A/B of that change.
 
 On the CPU, two more lines: the embedding's local checks at 4 and 26 tables with the value
 checks off, as on a GPU. One JSON line per op and path: host us a call (the median of

@@ -263,9 +263,11 @@ def table_signature(weights, offsets, mode, psw):
 # context -> (handle, mode, batch, layout) of its last functional embedding call that the
 # general path below ran at world size 1 on a GPU: what _embedding_repeat may run again
 _EMBEDDING_LAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# ROCMOE_REPEAT_CALLS=0: every functional call takes the general path (the A/B of
-# benchmarks/probe_functional_host.py; read once, like the kernels' knobs)
-_REPEAT = os.environ.get("ROCMOE_REPEAT_CALLS", "1") != "0"
+# ROCMOE_REPEAT_CALLS=1 turns the repeat paths below on (read once, like the kernels'
+# knobs). Off by default until they have run on a GPU: they were written in a session that
+# got no device (tests/ops_gpu/public_ops_script.py turns them on and checks them; the A/B
+# is benchmarks/probe_functional_host.py with the knob 0 and 1)
+_REPEAT = os.environ.get("ROCMOE_REPEAT_CALLS", "0") == "1"
 
 
 def _embedding_repeat(ctx, weights, indices, offsets, mode):
