@@ -86,7 +86,8 @@ def main(argv=None):
     dev = torch.device(a.device)
     # the heap holds the embedding handle's reverse exchange at the --embedding shape too
     nt, _, dim, batch, _ = embedding
-    heap = max(256 << 20, 4 * _round_up_pow2(nt * batch * dim * 4))
+    from rocmoe._triton import pow2_at_least
+    heap = max(256 << 20, 4 * pow2_at_least(nt * batch * dim * 4))
     ctx = rocmoe.init(backend="ipc" if dev.type == "cuda" else "host", heap_size=heap)
     for op, (function, custom_op) in cases(ctx, dev, embedding).items():
         paths = {"function, grad off": (False, function), "custom op, grad off": (False, custom_op),
@@ -109,10 +110,6 @@ def main(argv=None):
     if dev.type == "cpu":
         checks_as_on_a_gpu(ctx, a.calls, rounds)
     ctx.finalize()
-
-
-def _round_up_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def profile(op: str, fn, calls: int) -> None:

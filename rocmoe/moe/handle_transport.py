@@ -31,16 +31,13 @@ from __future__ import annotations
 
 import torch
 
+from .._triton import pow2_at_least as _round_up
 from ..errors import InvalidArgumentError
 from .activations import ACTIVATIONS
 from .grouped_ffn import source_major_ffn
 
 
 _HANDLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _round_up(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 class HandleTransport:

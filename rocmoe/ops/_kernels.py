@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import errors
+from .._triton import pow2_at_least as _round_up
 from ._common import (CODE_DTYPES, DTYPE_CODES, INDEX_DTYPES, agree, check_device,
                       check_float_dtype, check_index_dtype)
 from .handles import MODES, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, _on_gpu, rows_handle
@@ -91,10 +92,6 @@ def release_handles(ctx) -> None:
         handle.close()
     from .handles import release_rows_handles
     release_rows_handles(ctx)
-
-
-def _round_up(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 _CALLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
