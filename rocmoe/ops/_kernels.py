@@ -305,8 +305,8 @@ def _embedding_repeat(ctx, weights, indices, offsets, mode):
 def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
                       expect: Optional[Sequence[int]] = None) -> torch.Tensor:
     op = "embedding_all_to_all"
-    if (ctx.world_size == 1 and psw is None and expect is None and ctx in _EMBEDDING_LAST
-            and _REPEAT):
+    if (_REPEAT and ctx.world_size == 1 and psw is None and expect is None
+            and ctx in _EMBEDDING_LAST):
         repeat = _embedding_repeat(ctx, weights, indices, offsets, mode)
         if repeat is not None:
             return repeat
@@ -358,8 +358,8 @@ def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
                      lambda h: h.max_batch >= batch and h.max_lookups >= nmax, make)
     out = handle._lookup(weights, indices, offsets, psw, batch, mode) if batch else torch.empty(
         (0, total, dim), dtype=CODE_DTYPES[dcode], device=ctx.device)
-    if (ctx.world_size == 1 and psw is None and expect is None and batch and problem is None
-            and handle.mode == mode and _on_gpu(ctx)):
+    if (_REPEAT and ctx.world_size == 1 and psw is None and expect is None and batch
+            and problem is None and handle.mode == mode and _on_gpu(ctx)):
         _EMBEDDING_LAST[ctx] = (handle, mode, batch, layout)
     return out, layout
 
@@ -390,7 +390,7 @@ def _gemv_repeat(ctx, w_local, x_local) -> Optional[torch.Tensor]:
 
 def gemv_forward(ctx, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Tensor:
     op = "gemv_all_reduce"
-    if ctx.world_size == 1 and _REPEAT and ctx in _GEMV_LAST:
+    if _REPEAT and ctx.world_size == 1 and ctx in _GEMV_LAST:
         y = _gemv_repeat(ctx, w_local, x_local)
         if y is not None:
             return y
@@ -421,7 +421,7 @@ def gemv_forward(ctx, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Ten
         return torch.empty(0, dtype=w_local.dtype, device=ctx.device)
     handle = _cached(ctx, ("gemv", n, dcode), lambda h: True,
                      lambda: GemvAllReduce(ctx, n, k, w_local.dtype))
-    if ctx.world_size == 1 and _on_gpu(ctx):
+    if _REPEAT and ctx.world_size == 1 and _on_gpu(ctx):
         _GEMV_LAST[ctx] = handle
     return handle._reduce(w_local, x_local)
 
@@ -488,7 +488,7 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     Grouped products: with w [G, K, N], send_counts holds world x G counts (rank-major): the
     rows for destination d are G consecutive segments, segment (d, g) multiplied by w[g]."""
     world = ctx.world_size
-    if world == 1 and w is not None and _REPEAT and ctx in _GEMM_LAST:
+    if _REPEAT and world == 1 and w is not None and ctx in _GEMM_LAST:
         repeat = _gemm_repeat(ctx, x, w, send_counts)
         if repeat is not None:
             return repeat
@@ -544,7 +544,7 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
                                               groups=max(groups, 1)))
     if groups == 1:  # one group is the plain product
         w, groups, group_counts = w[0], 0, None
-    if world == 1 and w is not None and not groups and _on_gpu(ctx):
+    if _REPEAT and world == 1 and w is not None and not groups and _on_gpu(ctx):
         _GEMM_LAST[ctx] = handle
     flat = [c for row in group_counts for c in row] if group_counts is not None else counts
     # a GPU handle's lean call (rocmoe/ops/gpu.py: lean_gemm_call) once it has one: the
