@@ -203,27 +203,6 @@ with torch.no_grad():
         if world == 1 and took_repeat != repeat:
             ok, detail = False, f"repeat path taken: {took_repeat}, expected {repeat}"
         report(f"embedding_repeat/{name}", ok, detail)
-    # a bad index in a repeated call: checked on the device, raised at the next call, and
-    # the call after that computes again
-    tabs = [torch.randn(30, 24, generator=torch.Generator().manual_seed(rank))]
-    offs = [torch.arange(0, 3 * B, 3)]
-    idx = torch.arange(3 * B) % 30
-    bad = idx.clone()
-    bad[-1] = 30
-    run = lambda i: rocmoe.ops.embedding_all_to_all(  # noqa: E731
-        [tabs[0].to(dev)], [i.to(dev)], [offs[0].to(dev)], ctx=ctx)
-    run(idx)
-    run(bad if rank == world - 1 else idx)
-    torch.cuda.synchronize()
-    try:
-        run(idx)
-        report("embedding_repeat/bad_index_raises_at_the_next_call", False, "no error")
-    except rocmoe.RocmoeError as exc:
-        report("embedding_repeat/bad_index_raises_at_the_next_call",
-               isinstance(exc, rocmoe.errors.InvalidArgumentError), type(exc).__name__)
-    report("embedding_repeat/after_the_bad_index_it_computes",
-           *close(run(idx), reference.embedding_all_to_all(tabs, [idx], offs, ctx=ctx),
-                  torch.float32))
 _kernels._check_embedding = _checks
 
 # The same for the GEMV and the GEMM (one W): at world size 1 a call the last call's handle
@@ -302,20 +281,31 @@ def lookup(bad):
                                            ctx=ctx), idx
 
 
-lookup(rank == world - 1)
-torch.cuda.synchronize()
-try:
-    lookup(False)
-    report("bad_index_raises_everywhere_at_the_next_call", False, "no error")
-except rocmoe.RocmoeError as exc:
-    report("bad_index_raises_everywhere_at_the_next_call",
-           isinstance(exc, rocmoe.errors.InvalidArgumentError), f"{type(exc).__name__}: {exc}")
-try:
-    got, idx = lookup(False)
-    want = reference.embedding_all_to_all(tab, [idx], offs, ctx=ctx)
-    report("after_a_bad_index_the_next_call_computes", *close(got, want, torch.float32))
-except rocmoe.RocmoeError as exc:
-    report("after_a_bad_index_the_next_call_computes", False, f"{type(exc).__name__}: {exc}")
+def bad_index_round(raises: str, computes: str) -> None:
+    """A bad index on the last rank, then the next call (raises everywhere) and the one after
+    (computes), reported under the two names."""
+    lookup(rank == world - 1)
+    torch.cuda.synchronize()
+    try:
+        lookup(False)
+        report(raises, False, "no error")
+    except rocmoe.RocmoeError as exc:
+        report(raises, isinstance(exc, rocmoe.errors.InvalidArgumentError),
+               f"{type(exc).__name__}: {exc}")
+    try:
+        got, idx = lookup(False)
+        want = reference.embedding_all_to_all(tab, [idx], offs, ctx=ctx)
+        report(computes, *close(got, want, torch.float32))
+    except rocmoe.RocmoeError as exc:
+        report(computes, False, f"{type(exc).__name__}: {exc}")
+
+
+# the first call of this shape (the general path), then a repeat of the last call's shape
+# (at world size 1 the functions' repeat path: the bad index goes to the handle's own launch)
+bad_index_round("bad_index_raises_everywhere_at_the_next_call",
+                "after_a_bad_index_the_next_call_computes")
+bad_index_round("embedding_repeat/bad_index_raises_at_the_next_call",
+                "embedding_repeat/after_the_bad_index_it_computes")
 
 ctx.finalize()
 print(f"RANK {rank} DONE failures={failures}", flush=True)
