@@ -1253,19 +1253,25 @@ def embedding(handle, weights, indices, offsets, psw, batch: int, mode: str,
         args = handle._gpu_args = ffi.new("rocmoe_gpu_embedding_args *")
         handle._gpu_tables = ffi.new("rocmoe_gpu_table[]", max(nt, 1))
         handle._gpu_records = _table_records(ffi, handle._gpu_tables, max(nt, 1))
-        handle._gpu_weights = None
+        handle._gpu_weights = handle._gpu_rows = None
         _fill(ffi, args, team, handle)
     args.fused.stream = _stream_ptr(ffi, handle.ctx.device)
     tables = handle._gpu_tables
     if nt:
         # the records as int64 columns (one numpy write per column, not per table); the
-        # tables' rows are rewritten only when their pointers changed
+        # tables' pointers and rows are rewritten only when either changed. The rows count
+        # too: nothing here holds the last call's tables, so a new table of other rows can
+        # land at a freed one's address (the caching allocator rounds to 512 bytes: 30 and
+        # 31 rows of 24 floats share a block), and the kernel then bounds-checked its
+        # indices against the old table's rows (tests/ops_gpu/public_ops_script.py,
+        # embedding_repeat/other_rows, failed so at 2 and 4 ranks on an H100)
         rec = handle._gpu_records
         ptrs = [t.data_ptr() for t in wts]
-        if ptrs != handle._gpu_weights:
+        rows = [t.shape[0] for t in wts]
+        if ptrs != handle._gpu_weights or rows != handle._gpu_rows:
             rec[:nt, _REC["weights"]] = ptrs
-            rec[:nt, _REC["rows"]] = [t.shape[0] for t in wts]
-            handle._gpu_weights = ptrs
+            rec[:nt, _REC["rows"]] = rows
+            handle._gpu_weights, handle._gpu_rows = ptrs, rows
         rec[:nt, _REC["indices"]] = [t.data_ptr() for t in idx]
         rec[:nt, _REC["offsets"]] = [t.data_ptr() for t in offs]
         rec[:nt, _REC["num_indices"]] = [t.numel() for t in idx]
