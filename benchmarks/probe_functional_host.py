@@ -18,7 +18,7 @@ the same call on the same inputs:
         [--rounds 5] [--embedding T,R,D,B,L] [--profile N]
 
 On a GPU at world size 1, ROCMOE_REPEAT_CALLS=1 in the environment times the functions'
-repeat paths (a call its last call's handle takes skips the general path; off by default),
+repeat paths (a call its last call's handle takes skips the general path; the default),
 ROCMOE_REPEAT_CALLS=0 the general path: the A/B of that change.
 
 On the CPU, two more lines: the embedding's local checks at 4 and 26 tables with the value

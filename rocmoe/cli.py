@@ -52,11 +52,11 @@ ENV_KNOBS = (
     ("ROCMOE_GPU_WORKGROUPS", "0", "workgroups of the HIP fused kernels (0: per the GPU)"),
     ("ROCMOE_EMBEDDING_DIRECT", "1", "Embedding+A2A at world size 1: 1 a plain gather "
                                      "kernel, 0 the protocol kernel"),
-    ("ROCMOE_REPEAT_CALLS", "0", "rocmoe.ops functions at world size 1 on a GPU: 1 runs a "
+    ("ROCMOE_REPEAT_CALLS", "1", "rocmoe.ops functions at world size 1 on a GPU: 1 runs a "
                                  "call its last call's handle takes (the same shapes, dtype "
                                  "and, for the embedding, mode and batch) by that handle's "
                                  "own checks and launch instead of the general path (checks, "
-                                 "agreement, handle lookup); off until it has run on a GPU"),
+                                 "agreement, handle lookup); 0 always takes the general path"),
     # GEMV+AllReduce (hip/src/gpu/fused_gemv.hip; benchmarks/gemv_variants.py sweeps them)
     ("ROCMOE_GEMV_DIRECT", "1", "GEMV at world size 1: 1 a plain GEMV kernel, 0 the protocol "
                                 "kernel"),

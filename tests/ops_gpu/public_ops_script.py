@@ -11,9 +11,10 @@ import sys
 
 import torch
 
-# the functions' repeat paths at world size 1 (off by default until they have run on a GPU;
-# checked below), read when rocmoe.ops._kernels is imported
-os.environ.setdefault("ROCMOE_REPEAT_CALLS", "1")
+# the functions' repeat paths at world size 1 (the default; set here so that a caller's
+# ROCMOE_REPEAT_CALLS=0 in the environment cannot skip their checks below), read when
+# rocmoe.ops._kernels is imported
+os.environ["ROCMOE_REPEAT_CALLS"] = "1"
 import rocmoe  # noqa: E402
 import rocmoe.ops  # noqa: E402
 from rocmoe.ops import reference  # noqa: E402
