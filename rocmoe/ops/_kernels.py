@@ -265,7 +265,7 @@ _EMBEDDING_LAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # passed on an H100, twenty-fifth session); the A/B is benchmarks/probe_functional_host.py
 # with the knob 0 and 1 (same H100: GEMM 70.2 -> 30.4 us of host time a call, GEMV 24.2 ->
 # 14.2, the 26-table embedding 155.9 -> 83.0)
-_REPEAT = os.environ.get("ROCMOE_REPEAT_CALLS", "1") == "1"
+_REPEAT = os.environ.get("ROCMOE_REPEAT_CALLS", "1") != "0"
 
 
 def _embedding_repeat(ctx, weights, indices, offsets, mode):
