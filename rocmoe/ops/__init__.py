@@ -81,11 +81,14 @@ def _direct(tensors) -> bool:
     (benchmarks/probe_functional_host.py), half a GEMV call. Every other call takes the
     custom op, so autograd, torch.compile, torch.func, fake tensors and modes see the op as
     before."""
-    return (not torch.is_grad_enabled() and _dispatch_modes is not None
-            and _transforms_active is not None and not torch.compiler.is_compiling()
-            and _dispatch_modes() == 0 and not _transforms_active()
-            and all(type(t) in _PLAIN for t in tensors)
-            and not has_torch_function(tensors))
+    # (a loop, not all() over a generator: this runs before every direct call's launch)
+    if (torch.is_grad_enabled() or _dispatch_modes is None or _transforms_active is None
+            or torch.compiler.is_compiling() or _dispatch_modes() or _transforms_active()):
+        return False
+    for t in tensors:
+        if type(t) not in _PLAIN:
+            return False
+    return not has_torch_function(tensors)
 
 
 def _off_device(ctx, tensors) -> bool:

@@ -21,7 +21,8 @@ from .. import errors
 from .._triton import pow2_at_least as _round_up
 from ._common import (CODE_DTYPES, DTYPE_CODES, INDEX_DTYPES, agree, check_device,
                       check_float_dtype, check_index_dtype)
-from .handles import MODES, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, _on_gpu, rows_handle
+from .handles import (MODES, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, _on_gpu,
+                      _take_output, rows_handle)
 from .products import split_groups
 
 # stands for send_counts that were not integers at all (the custom op's schema needs ints)
@@ -281,8 +282,9 @@ def _embedding_repeat(ctx, weights, indices, offsets, mode):
     fused_gpu_h200_twentythird_session.jsonl), against 51-77 us for the handle. At world
     size 1 there is nothing to agree with, and a repeat needs nothing the handle's writer
     does not check; a new batch, mode or table shape goes through the general path once,
-    which records the layout torch.compile traces with. The output is a new tensor, as on
-    the general path (the handle's own call may hand out a ring's buffer)."""
+    which records the layout torch.compile traces with. The output comes from a ring of
+    the handle's (rocmoe/ops/outputs.py: one the caller dropped, never one anything still
+    refers to), as the handle's own calls' do, which saves an allocation's host time."""
     last = _EMBEDDING_LAST.get(ctx)
     if last is None:
         return None
@@ -297,8 +299,7 @@ def _embedding_repeat(ctx, weights, indices, offsets, mode):
     if launch.prepare(weights, indices, offsets, None) != batch:
         return None
     handle.epoch += 1
-    out = torch.empty((batch, handle.total_tables, handle.dim), dtype=handle.dtype,
-                      device=ctx.device)
+    out = _take_output(handle, "repeat", (batch, handle.total_tables, handle.dim))
     launch.fire(batch, out)
     return out, layout
 
@@ -306,8 +307,7 @@ def _embedding_repeat(ctx, weights, indices, offsets, mode):
 def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
                       expect: Optional[Sequence[int]] = None) -> torch.Tensor:
     op = "embedding_all_to_all"
-    if (_REPEAT and ctx.world_size == 1 and psw is None and expect is None
-            and ctx in _EMBEDDING_LAST):
+    if _REPEAT and ctx.world_size == 1 and psw is None and expect is None:
         repeat = _embedding_repeat(ctx, weights, indices, offsets, mode)
         if repeat is not None:
             return repeat
@@ -375,7 +375,10 @@ def _gemv_repeat(ctx, w_local, x_local) -> Optional[torch.Tensor]:
     last one, run by its handle after the handle's own quick checks (identity and integer
     comparisons), without the general path's checks, agreement and lookup (about 20 of
     37 us of host time a call on an H100's host, benchmarks/probe_functional_host.py);
-    None for anything else, which the general path then checks. A new output, as there."""
+    None for anything else, which the general path then checks. The output comes from the
+    handle's ring (rocmoe/ops/outputs.py: one the caller dropped, never one anything still
+    refers to), as the handle's own calls' do: a torch.empty costs 7-8 us of host time on
+    an H200's host (outputs.py)."""
     handle = _GEMV_LAST.get(ctx)
     if (handle is None or not isinstance(w_local, torch.Tensor)
             or not isinstance(x_local, torch.Tensor)):
@@ -385,13 +388,13 @@ def _gemv_repeat(ctx, w_local, x_local) -> Optional[torch.Tensor]:
             and w_local.get_device() == index and x_local.get_device() == index
             and w_local.shape == handle._w_shape and x_local.shape == handle._x_shape
             and handle._clean()):
-        return handle._reduce(w_local, x_local)
+        return handle._reduce(w_local, x_local, reuse=True)
     return None
 
 
 def gemv_forward(ctx, w_local: torch.Tensor, x_local: torch.Tensor) -> torch.Tensor:
     op = "gemv_all_reduce"
-    if _REPEAT and ctx.world_size == 1 and ctx in _GEMV_LAST:
+    if _REPEAT and ctx.world_size == 1:
         y = _gemv_repeat(ctx, w_local, x_local)
         if y is not None:
             return y
@@ -477,8 +480,9 @@ def _gemm_repeat(ctx, x, w, send_counts):
     taken = lean(x, w, send_counts) if lean is not None else None
     if taken is None:
         return None
-    rows = x.shape[0]
-    return taken[0][:rows], [rows]
+    rows, out = x.shape[0], taken[0]
+    # the whole output when it has exactly the rows (a slice is a dispatcher call: ~1 us)
+    return (out if out.shape[0] == rows else out[:rows]), [rows]
 
 
 def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send_counts,
@@ -489,7 +493,7 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     Grouped products: with w [G, K, N], send_counts holds world x G counts (rank-major): the
     rows for destination d are G consecutive segments, segment (d, g) multiplied by w[g]."""
     world = ctx.world_size
-    if _REPEAT and world == 1 and w is not None and ctx in _GEMM_LAST:
+    if _REPEAT and world == 1 and w is not None:
         repeat = _gemm_repeat(ctx, x, w, send_counts)
         if repeat is not None:
             return repeat

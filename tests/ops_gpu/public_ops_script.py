@@ -256,6 +256,38 @@ with torch.no_grad():
         report(f"gemm_repeat/{name}", ok, detail)
 _kernels.agree = _agree
 
+# Outputs the caller keeps are never written again: the repeat paths hand out their
+# handles' ring outputs (rocmoe/ops/outputs.py), which go out again only once dropped. Three
+# rounds of new inputs with every result held, one result of each round dropped at once,
+# all compared at the end. (16 rows a rank: at world size 1 the GEMM returns its handle's
+# whole output, no slice.)
+with torch.no_grad():
+    held = []
+    for k in range(3):
+        g = torch.Generator().manual_seed(900 + k + 10 * rank)
+        W, x = torch.randn(80, 32, generator=g).to(bf16), torch.randn(32, generator=g).to(bf16)
+        held.append(("gemv", rocmoe.ops.gemv_all_reduce(W.to(dev), x.to(dev), ctx=ctx),
+                     reference.gemv_all_reduce(W, x, ctx=ctx), bf16))
+        rocmoe.ops.gemv_all_reduce((2 * W).to(dev), x.to(dev), ctx=ctx)  # dropped
+        X = torch.randn(16 * world, 64, generator=g).to(bf16)
+        Wm = (torch.randn(64, 48, generator=g) / 8).to(bf16)
+        counts = [16] * world
+        held.append(("gemm", rocmoe.ops.gemm_all_to_all(X.to(dev), Wm.to(dev), counts, ctx=ctx),
+                     reference.gemm_all_to_all(X, Wm, counts, ctx=ctx), bf16))
+        rocmoe.ops.gemm_all_to_all((2 * X).to(dev), Wm.to(dev), counts, ctx=ctx)  # dropped
+        tabs = [torch.randn(r, 24, generator=g) for r in A]
+        idx = [torch.randint(0, r, (3 * B,), generator=g) for r in A]
+        offs = [torch.arange(0, 3 * B, 3) for _ in A]
+        held.append(("embedding", rocmoe.ops.embedding_all_to_all(
+            [t.to(dev) for t in tabs], [i.to(dev) for i in idx], [o.to(dev) for o in offs],
+            ctx=ctx), reference.embedding_all_to_all(tabs, idx, offs, ctx=ctx), torch.float32))
+        rocmoe.ops.embedding_all_to_all([(2 * t).to(dev) for t in tabs], [i.to(dev) for i in idx],
+                                        [o.to(dev) for o in offs], ctx=ctx)  # dropped
+    for k, (name, got, want, dtype) in enumerate(held):
+        ok, detail = close(got, want, dtype) if got.shape == want.shape else \
+            (False, f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
+        report(f"held_outputs/{name}_round{k // 3}", ok, detail)
+
 # bad input on the last rank only: every rank raises, nobody hangs
 counts = [4] * world
 if rank == world - 1:
