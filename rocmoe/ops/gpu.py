@@ -273,6 +273,28 @@ _LAUNCHERS = {name: _Launcher(name) for name in
 # ---------------------------------------------------------------------------------------
 
 
+_CPU_PROGRAMS = 4  # the most programs a GEMM runs on the interpreter (_num_programs)
+
+
+def direct_tasks(max_rows: int, most_rows: Optional[int], bm: int, n_tiles: int,
+                 sms: int) -> int:
+    """The tiles the DIRECT path's grid is sized for (the grid is then this many programs,
+    or fewer, persistent, when there are many): the tiles of the rows class's fewest rows
+    (`most_rows` // 2 + 1, a power of two), but no fewer than the GPU has SMs while its
+    most rows (`most_rows`, at most the handle's `max_rows`) have tiles for them. Its
+    programs loop over the tiles X's rows make, so the grid sets how many run at once, never
+    which rows are computed. Sized by the handle's capacity alone, a call of 512 rows on a
+    handle of 4096 launched 4 x the programs it had tiles for, the rest scheduled only to
+    exit; sized by the class's most rows (1023), twice (512 x 4096^2 on an H100: 0.909 of
+    torch.matmul queued against 0.956 for a handle of 512 rows, whose grid this rule gives
+    within 4 programs; the rule itself has not been timed on a GPU)."""
+    if most_rows is None:
+        return math.ceil(max(max_rows, 1) / bm) * n_tiles
+    most = math.ceil(max(min(max_rows, most_rows), 1) / bm) * n_tiles
+    fewest = math.ceil(max(min(max_rows, most_rows // 2 + 1), 1) / bm) * n_tiles
+    return min(most, max(fewest, sms))
+
+
 def _num_programs(device: torch.device, total_tasks: int, per_sm: Optional[float] = None) -> int:
     """Grid of the GEMM: `per_sm` programs per SM/CU, 0 for one per task (the hardware then
     overlaps one tile's epilogue with another's main loop). None picks by tiles per SM, as
@@ -460,15 +482,19 @@ class _GemmLaunch:
     launcher key; made once, so a call only fills in its tensors."""
 
     def __init__(self, handle, team: Team, x: torch.Tensor, w: Optional[torch.Tensor],
-                 groups: int, cfg: dict, scratch_status: Optional[int] = None):
+                 groups: int, cfg: dict, scratch_status: Optional[int] = None,
+                 most_rows: Optional[int] = None):
         # scratch_status: the tuner's runs (all of this rank's rows as one local destination,
         # so more rows than one destination's capacity) record into scratch status words,
-        # never into the handle's, and have no capacity bound
+        # never into the handle's, and have no capacity bound. most_rows: the most rows of X
+        # the plan's calls have (its rows class, rows_class), which sizes the DIRECT path's
+        # grid; the handle's capacity when None
         dev = x.device
         world = team.world
         self.copy = w is None
         self.local = world == 1
         self.cfg = cfg
+        self.untuned = False  # made under graph capture with another class's config
         n, k = handle.N, int(x.shape[1])
         g = max(groups, 1)
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -483,7 +509,8 @@ class _GemmLaunch:
         # world size 1, one W, K unsplit: the kernel's DIRECT path (no plan; X's own tiles)
         self.direct = self.local and g == 1 and split_k == 1
         if self.direct:
-            tasks = math.ceil(max(handle.max_rows, 1) / bm) * self.n_tiles
+            tasks = direct_tasks(handle.max_rows, most_rows, bm, self.n_tiles,
+                                 sm_count(dev) if dev.type != "cpu" else _CPU_PROGRAMS)
         if self.local and dev.type != "cpu":
             sms = sm_count(dev)
             per_sm = cfg.get("PROGRAMS_PER_SM")
@@ -665,14 +692,15 @@ def _kernel_ms(run, calls: int = _TUNE_CALLS, rounds: int = _TUNE_ROUNDS) -> flo
     return best
 
 
-def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
+def _tuned_launch(handle, team, x, w, groups, counts, out,
+                  most_rows: Optional[int] = None) -> "_GemmLaunch":
     """The fastest of the platform's tile configs (tune_candidates) for this shape, timed in
     local mode (no protocol: the compute alone) on scratch outputs; on CUDA and ROCm GPUs,
-    ROCMOE_GEMM_TUNE=0 turns it off."""
+    ROCMOE_GEMM_TUNE=0 turns it off. `most_rows`: the plan's (_GemmLaunch)."""
     base = gemm_config(x.device, x.dtype)
     if (w is None or x.device.type != "cuda"
             or os.environ.get("ROCMOE_GEMM_TUNE", "1") == "0" or os.environ.get("ROCMOE_GEMM_CONFIG")):
-        return _GemmLaunch(handle, team, x, w, groups, base)
+        return _GemmLaunch(handle, team, x, w, groups, base, most_rows=most_rows)
     scratch_team = _LocalTeam(team)
     scratch_out = torch.empty((max(1, x.shape[0]), handle.N), dtype=out.dtype, device=out.device)
     scratch_status = torch.zeros(3 * team.world + 2, dtype=torch.int32, device=x.device)
@@ -683,7 +711,7 @@ def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
     for extra in candidates:
         cfg = dict(base, **extra)
         plan = _GemmLaunch(handle, scratch_team, x, w, groups, cfg,
-                           scratch_status=scratch_status.data_ptr())
+                           scratch_status=scratch_status.data_ptr(), most_rows=most_rows)
         try:
             def run():
                 plan.launch(handle, scratch_team, x, w, local_counts, scratch_out, scratch_recv,
@@ -694,8 +722,8 @@ def _tuned_launch(handle, team, x, w, groups, counts, out) -> "_GemmLaunch":
         timed.append((extra, round(ms, 5)))
         if ms < best_ms:
             best, best_ms = cfg, ms
-    handle._tuned = {"config": best, "ms": best_ms, "candidates": timed}
-    return _GemmLaunch(handle, team, x, w, groups, best or base)
+    handle._tuned = {"config": best, "ms": best_ms, "candidates": timed, "rows": int(x.shape[0])}
+    return _GemmLaunch(handle, team, x, w, groups, best or base, most_rows=most_rows)
 
 
 class _LocalTeam:
@@ -705,6 +733,21 @@ class _LocalTeam:
         self.rank, self.world, self.world_p2 = 0, 1, 2
         self.order = team.order[:1] * 0
         self.peer_bases = team.peer_bases[team.rank:team.rank + 1]
+
+
+def rows_class(rows: int) -> int:
+    """The class of X's row count a GEMM plan is tuned for: rows in [2**(c-1), 2**c - 1] are
+    class c (0 and 1 rows are class 1). A plan's tile config is timed on the first call of
+    its class: at 512 x 4096^2 the tile tuned for 4096 rows (128 x 256: 64 tiles on an
+    H100's 132 SMs) ran at 0.6-0.7 of torch.matmul against 0.9 for the skinny tile the tuner
+    picks at 512 rows (benchmarks/probe_function_layers.py: the function's cached handle,
+    first called with 4096 rows, twenty-sixth session)."""
+    return max(int(rows), 1).bit_length()
+
+
+def class_rows(cls: int) -> int:
+    """The most rows of rows class `cls`."""
+    return (1 << cls) - 1
 
 
 def rows_exchange(handle, x: torch.Tensor, w: Optional[torch.Tensor], host_counts,
@@ -720,19 +763,47 @@ def rows_exchange(handle, x: torch.Tensor, w: Optional[torch.Tensor], host_count
         x = x.contiguous()
     recv = torch.empty(team.world, dtype=torch.int64, device=dev)
     launches = handle.__dict__.setdefault("_launches", {})
-    key = (int(x.shape[1]), w is None, groups, x.dtype)
+    # a product's plan per rows class (its tile is tuned on the class's first call); the
+    # row exchange has no tile to tune
+    cls = rows_class(x.shape[0]) if w is not None else 0
+    key = (int(x.shape[1]), w is None, groups, x.dtype, cls)
     plan = launches.get(key)
-    if plan is None:
+    if plan is None or (plan.untuned and not capturing()):
         if w is None:
             plan = _GemmLaunch(handle, team, x, w, groups, copy_config(dev, handle.N))
+        elif capturing():
+            # no tuning under CUDA graph capture (the tuner times with events and waits for
+            # them): the config of the handle's plan for the nearest rows class, or the
+            # default, and the next call outside a capture tunes the class
+            plan = _GemmLaunch(handle, team, x, w, groups, _nearest_config(launches, key, dev),
+                               most_rows=class_rows(cls))
+            plan.untuned = True
         else:
-            plan = _tuned_launch(handle, team, x, w, groups, counts, out)
+            plan = _tuned_launch(handle, team, x, w, groups, counts, out, class_rows(cls))
         launches[key] = plan
     plan.launch(handle, team, x, w, counts, out, recv,
                 handle.__dict__.setdefault("_w_descriptors", {}))
-    if w is not None and handle.__dict__.get("_lean") is None and x.device.type == "cuda":
-        handle._lean = lean_gemm_call(handle, plan, team)
+    if w is not None and x.device.type == "cuda":
+        lean_plans = handle.__dict__.get("_lean_plans")
+        if lean_plans is None:
+            lean_plans = handle._lean_plans = {}
+            handle._lean = lean_gemm_call(handle, lean_plans, team)
+        # the lean call takes the handle's own K, dtype and grouping: a plan for those is
+        # its plan for this rows class (the function's cached handle also runs other
+        # products through the general path)
+        if (key[0] == handle.K and x.dtype == handle.dtype and not plan.untuned
+                and groups == (handle.groups if handle.groups > 1 else 0)
+                and (lean_plans.get(cls) or (None,))[0] is not plan):
+            lean_plans[cls] = (plan, _lean_launch(plan, team))
     return recv
+
+
+def _nearest_config(launches: dict, key: tuple, device: torch.device) -> dict:
+    """The tile config of the plan in `launches` for the same product (K, W or not,
+    groups, dtype) whose rows class is nearest key's, or the platform's default."""
+    same = [(abs(other[-1] - key[-1]), plan.cfg) for other, plan in launches.items()
+            if other[:-1] == key[:-1]]
+    return min(same, key=lambda e: e[0])[1] if same else gemm_config(device, key[3])
 
 
 class _LeanGemmLaunch:
@@ -808,13 +879,15 @@ def _lean_launch(plan: "_GemmLaunch", team: Team) -> Optional[_LeanGemmLaunch]:
         return None
 
 
-def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
+def lean_gemm_call(handle, plans: dict, team: Team):
     """A GemmAllToAll call as a closure over everything its handle fixed: the common call
     (no autograd, counts as a list of ints or a device integer tensor, X row-major) checked
-    with a few identity and integer comparisons and launched through the plan, without the
-    general path's layers (~40 us of host time on an H200's host). Returns None, having
-    done nothing, for any call it does not take: the general path then checks it and raises
-    what is wrong, or runs it."""
+    with a few identity and integer comparisons and launched through the plan of X's rows
+    class, without the general path's layers (~40 us of host time on an H200's host).
+    `plans`: rows class -> (plan, its lean launch or None), filled by the general path
+    (rows_exchange) as it makes them. Returns None, having done nothing, for any call it
+    does not take (a rows class without a plan yet among them): the general path then
+    checks it and raises what is wrong, or runs it."""
     dtype, k, world = handle.dtype, handle.K, team.world
     grouped = handle.groups > 1
     want_w = (handle.groups, k, handle.N) if grouped else (k, handle.N)
@@ -834,7 +907,7 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
     ring = handle._outputs["gemm"] = OutputRing(lambda: (
         empty(out_shape, dtype=dtype, device=device), empty(world, dtype=int64, device=device)))
     take, stream = ring.take, native_launch.stream_getter(device)
-    fast = _lean_launch(plan, team)
+    plan_of = plans.get
 
     def call(x, w, send_counts):
         if (type(x) is not tensor_type or type(w) is not tensor_type or x.dtype is not dtype
@@ -848,6 +921,10 @@ def lean_gemm_call(handle, plan: "_GemmLaunch", team: Team):
         rows = x.shape[0]
         if rows > 1 and x.stride(0) != k:
             return None
+        entry = plan_of(rows.bit_length() if rows > 1 else 1)  # (rows_class, inlined)
+        if entry is None:
+            return None
+        plan, fast = entry
         if type(send_counts) is list and not grouped:
             if len(send_counts) != world:
                 return None

@@ -253,6 +253,7 @@ class FusedHandle:
     def close(self) -> None:
         """Collective: free the workspace. The handle cannot be called afterwards."""
         self.__dict__.pop("_lean", None)
+        self.__dict__.pop("_lean_plans", None)
         for ring in self.__dict__.get("_outputs", {}).values():
             ring.clear()
         if self.workspace is not None:

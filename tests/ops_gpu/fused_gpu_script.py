@@ -719,6 +719,20 @@ def check_lean(ctx, dtype, calls):
         h.synchronize()
         assert torch.equal(held[:2 * world], kept), "a held output was written again"
         assert ring.reused >= reused + 2, (ring.reused, reused)
+    # X of another rows class (gpu.rows_class: 8 * world rows where the calls above had
+    # 2 * world): its first call goes through the general path, which tunes that class's
+    # plan and gives it to the lean call; the lean call takes the next one (the epoch counts
+    # both calls, the results equal the reference)
+    from rocmoe.ops import gpu
+    classes = set(h._lean_plans)
+    x_more = torch.cat([x, x, x, x])  # the first 2 * world rows are x's
+    assert gpu.rows_class(x_more.shape[0]) not in classes, (x_more.shape, classes)
+    for _ in range(2):
+        good(x_more, [2] * world)
+    assert set(h._lean_plans) == classes | {gpu.rows_class(x_more.shape[0])}, h._lean_plans
+    lean_epoch = h.epoch
+    good(x, [2] * world)  # back to the first class: still the lean call's
+    assert h.epoch == lean_epoch + 1
     # GemvAllReduce's and EmbeddingAllToAll's no-grad calls the same way
     gv = ops.GemvAllReduce(ctx, 32, 16, dtype)
     wv, xv = torch.randn(32, 16, device=dev).to(dtype), torch.randn(16, device=dev).to(dtype)

@@ -1,0 +1,114 @@
+"""A GemmAllToAll keeps one plan (tile config, grid) per rows class of X (rocmoe/ops/gpu.py:
+rows_class), tuned on the class's first call, so that a handle or a function's cached
+handle called with fewer rows than its first call does not run the first call's tile."""
+
+import subprocess
+import sys
+import textwrap
+
+from rocmoe_testing import REPO, mpi_env, require_module
+
+from rocmoe.ops.gpu import class_rows, direct_tasks, rows_class
+
+
+def test_rows_classes_are_the_power_of_two_ranges():
+    assert [rows_class(r) for r in (0, 1, 2, 3, 4, 7, 8)] == [1, 1, 2, 2, 3, 3, 4]
+    assert rows_class(512) == rows_class(1023) == 10 and rows_class(1024) == 11
+
+
+def test_every_rows_count_fits_its_class_and_not_the_one_below():
+    for rows in range(1, 5000):
+        cls = rows_class(rows)
+        assert class_rows(cls) >= rows > class_rows(cls - 1), rows
+
+
+def test_the_direct_grid_fits_the_classes_fewest_rows_but_fills_the_sms():
+    # (max_rows, most rows of the class, BLOCK_M, column tiles, SMs) -> tiles to size for
+    # 512-1023 rows on a handle of 4096, 128 x 128 tiles of N 4096: 512 rows make 128
+    # tiles, fewer than an H100's 132 SMs, so 132 (not the 256 that 1023 rows make)
+    assert direct_tasks(4096, 1023, 128, 32, 132) == 132
+    # 128-255 rows, 64 column tiles: 128 rows make 64 tiles; 255 make 128, all at once
+    assert direct_tasks(4096, 255, 128, 64, 132) == 128
+    # a handle of 512 rows: never more than its own rows make
+    assert direct_tasks(512, 1023, 128, 32, 132) == 128
+    # the class of a power of two is sized as the handle made for exactly those rows was
+    assert direct_tasks(4096, 8191, 128, 16, 132) == direct_tasks(4096, None, 128, 16, 132)
+
+
+# (a subprocess: Triton's interpreter is chosen when the kernels are defined)
+_SCRIPT = textwrap.dedent("""
+    import torch, rocmoe
+    from rocmoe import ops
+    ctx = rocmoe.init(backend="host", heap_size=64 << 20)
+    h = ops.GemmAllToAll(ctx, max_rows=64, K=16, N=16, dtype=torch.float32)
+    h._engine = "triton"  # the Triton kernel, interpreted, as on a GPU
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 16, generator=g)
+    for rows in (8, 12, 40, 9, 63, 1):
+        x = torch.randn(rows, 16, generator=g)
+        with torch.no_grad():
+            out, recv = h(x, w, [rows])
+        assert int(recv[0]) == rows
+        assert torch.allclose(out[:rows], x @ w, atol=1e-4), rows
+    print({key[-1]: (plan.direct, plan.nprog) for key, plan in h._launches.items()})
+    h.close()
+    ctx.finalize()
+""")
+
+
+def test_a_handle_runs_a_plan_per_rows_class_with_a_grid_for_that_class():
+    require_module("triton", "the Triton interpreter runs the GEMM kernel on CPU")
+    env = mpi_env(TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=str(REPO),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    plans = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own printed dict
+    # rows 8, 12, 9: class 4 (8-15 rows); 40, 63: class 6 (32-63); 1 row: class 1. Every
+    # one runs the kernel's DIRECT path (world size 1, one W); its grid covers the class's
+    # most rows (16-row tiles on the interpreter, at most 4 programs on a CPU), not the
+    # handle's 64: one program for classes 1 and 4, four for class 6
+    assert plans == {1: (True, 1), 4: (True, 1), 6: (True, 4)}, plans
+
+
+_CAPTURE_SCRIPT = textwrap.dedent("""
+    import torch, rocmoe
+    from rocmoe import ops
+    from rocmoe.ops import gpu
+    ctx = rocmoe.init(backend="host", heap_size=64 << 20)
+    h = ops.GemmAllToAll(ctx, max_rows=64, K=16, N=16, dtype=torch.float32)
+    h._engine = "triton"
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 16, generator=g)
+
+    def call(rows):
+        x = torch.randn(rows, 16, generator=g)
+        with torch.no_grad():
+            out, recv = h(x, w, [rows])
+        assert torch.allclose(out[:rows], x @ w, atol=1e-4), rows
+        return {key[-1]: plan for key, plan in h._launches.items()}
+
+    first = call(40)[6]
+    first.cfg = dict(first.cfg, GROUP_M=1)  # a config the default does not have
+    gpu.capturing = lambda: True            # as under CUDA graph capture
+    captured = call(8)[4]
+    gpu.capturing = lambda: False
+    after = call(8)[4]
+    print(dict(captured_untuned=captured.untuned, captured_cfg=captured.cfg == first.cfg,
+               replaced=after is not captured, after_untuned=after.untuned))
+    h.close()
+    ctx.finalize()
+""")
+
+
+def test_a_new_rows_class_under_graph_capture_borrows_a_config_and_is_tuned_after():
+    # the tuner times with events and waits for them, which a CUDA graph capture forbids:
+    # a class first met under capture runs the nearest class's config, untuned, and the
+    # next call outside a capture makes (tunes) its own plan
+    require_module("triton", "the Triton interpreter runs the GEMM kernel on CPU")
+    proc = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT],
+                          env=mpi_env(TRITON_INTERPRET="1"), cwd=str(REPO),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own printed dict
+    assert got == dict(captured_untuned=True, captured_cfg=True, replaced=True,
+                       after_untuned=False), got
