@@ -28,7 +28,7 @@ from torch.overrides import has_torch_function
 from .. import errors
 from . import _kernels, _ops  # noqa: F401  (registers torch.ops.rocmoe.*)
 from . import reference  # noqa: F401  (mpi4py is imported only when a reference runs)
-from ._common import context_id, resolve_context
+from ._common import PLAIN_TENSORS, context_id, resolve_context
 from ._kernels import BAD_COUNTS
 from .handles import (AllToAllRows, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, pack_lookups,
                       pack_tables)
@@ -67,9 +67,8 @@ def _anchor(ctx) -> torch.Tensor:
 # ...) is (None where torch does not say: then every call goes through the dispatcher)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-# tensor types a direct call takes: a model's weights are Parameters (a subclass that changes
-# nothing here); any other subclass may override what the op does with it
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# tensor types a direct call takes (_common.PLAIN_TENSORS)
+_PLAIN = PLAIN_TENSORS
 
 
 def _direct(tensors) -> bool:

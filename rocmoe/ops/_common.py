@@ -24,6 +24,11 @@ from .._native import lib
 from ..collective import RECORD_WORDS
 from ..runtime import current_context
 
+# the tensor types the fast paths take (the functions' direct calls, the handles' lean
+# calls): a model's weights are Parameters, a subclass that changes nothing there; any other
+# subclass may override what an op does with it, so it takes the general path
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 # dtype codes of the C ABI (ROCMOE_DTYPE_*)
 DTYPE_CODES = {torch.float32: lib.ROCMOE_DTYPE_F32, torch.bfloat16: lib.ROCMOE_DTYPE_BF16,
                torch.float16: lib.ROCMOE_DTYPE_F16}

@@ -29,7 +29,7 @@ from .._triton import interpreting as _interpreting
 from .._triton import pow2_at_least, sm_count, tensor_descriptor, tma_capable
 from .. import native_launch
 from ..env import first_call_timeout_from_env
-from ._common import MODES
+from ._common import MODES, PLAIN_TENSORS
 from .outputs import OutputRing, capturing
 
 ALIGN = 256
@@ -902,6 +902,7 @@ def lean_gemm_call(handle, plans: dict, team: Team):
     descriptors = handle.__dict__.setdefault("_w_descriptors", {})
     is_grad_enabled, empty, int64, tensor_type = (torch.is_grad_enabled, torch.empty,
                                                   torch.int64, torch.Tensor)
+    plain = PLAIN_TENSORS  # (W is a Parameter in a model: taken, outside autograd)
     # the rows and the received counts, reused once the caller dropped them (an allocation
     # costs as much host time as the launch: rocmoe/ops/outputs.py)
     ring = handle._outputs["gemm"] = OutputRing(lambda: (
@@ -910,7 +911,7 @@ def lean_gemm_call(handle, plans: dict, team: Team):
     plan_of = plans.get
 
     def call(x, w, send_counts):
-        if (type(x) is not tensor_type or type(w) is not tensor_type or x.dtype is not dtype
+        if (type(x) not in plain or type(w) not in plain or x.dtype is not dtype
                 or w.dtype is not dtype or handle.broken is not None
                 or status.tobytes() != clear
                 or ctx.finalized

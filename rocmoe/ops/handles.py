@@ -37,7 +37,7 @@ import torch
 from .. import errors
 from .._native import check, ffi, lib
 from ..collective import KIND_HANDLE
-from ._common import DTYPE_CODES, INDEX_DTYPES, MODES, resolve_context
+from ._common import DTYPE_CODES, INDEX_DTYPES, MODES, PLAIN_TENSORS, resolve_context
 from .layout import Layout, OP_CODES, make_layout
 from .outputs import OutputRing, capturing
 
@@ -710,7 +710,7 @@ class EmbeddingAllToAll(FusedHandle):
         # weights, no autograd), checked by identity and integer comparisons alone; anything
         # else takes the general path below, which names what is wrong
         index, nt = self._device_index, self.num_tables
-        if (index >= 0 and nt and per_sample_weights is None and type(weight) is torch.Tensor
+        if (index >= 0 and nt and per_sample_weights is None and type(weight) in PLAIN_TENSORS
                 and type(indices) is torch.Tensor and type(offsets) is torch.Tensor
                 and weight.dtype is self.dtype and indices.dtype is _I64
                 and offsets.dtype is _I64 and weight.shape == self._packed_shape
@@ -1107,7 +1107,7 @@ class GemvAllReduce(FusedHandle):
         # the common GPU call, checked by identity and integer comparisons alone (a tenth
         # of the general checks' host time); anything else takes the general path below
         dtype, index = self.dtype, self._device_index
-        if (index >= 0 and type(w_local) is torch.Tensor and type(x_local) is torch.Tensor
+        if (index >= 0 and type(w_local) in PLAIN_TENSORS and type(x_local) in PLAIN_TENSORS
                 and w_local.dtype is dtype and x_local.dtype is dtype
                 and w_local.get_device() == index and x_local.get_device() == index
                 and w_local.shape == self._w_shape and x_local.shape == self._x_shape
@@ -1138,6 +1138,10 @@ class GemvAllReduce(FusedHandle):
             out = _take_output(self, "gemv", (self.N,))
         else:
             out = torch.empty(self.N, dtype=self.dtype, device=self.ctx.device)
+        launch = self.__dict__.get("_gemv_launch")  # a GPU's, made by its first call
+        if launch is not None:  # (no import statement and context test a call: ~1 us)
+            launch(w_local, x_local, out)
+            return out
         if _on_gpu(self.ctx):
             from . import gpu
             gpu.gemv(self, w_local, x_local, out)

@@ -733,6 +733,20 @@ def check_lean(ctx, dtype, calls):
     lean_epoch = h.epoch
     good(x, [2] * world)  # back to the first class: still the lean call's
     assert h.epoch == lean_epoch + 1
+    # a Parameter W (a model's weight) outside autograd takes the lean call too: the
+    # general path, which starts with check(), is not entered
+    wp = torch.nn.Parameter(w.clone())
+    checked = []
+    general = h.check
+    h.check = lambda: checked.append(1) or general()
+    with torch.no_grad():
+        out, recv = h(x, wp, [2] * world)
+    h.synchronize()
+    del h.check
+    assert not checked, "a Parameter W went through the general path"
+    e = rel_err(out[:2 * world], ref)
+    assert e < TOL[dtype], f"rank {rank}: Parameter W, relative error {e}"
+    del out, recv
     # GemvAllReduce's and EmbeddingAllToAll's no-grad calls the same way
     gv = ops.GemvAllReduce(ctx, 32, 16, dtype)
     wv, xv = torch.randn(32, 16, device=dev).to(dtype), torch.randn(16, device=dev).to(dtype)
@@ -746,6 +760,16 @@ def check_lean(ctx, dtype, calls):
         gv.synchronize()
         assert torch.equal(y1, y1_kept), "a held GEMV output was written again"
         assert gv._outputs["gemv"].reused >= 1 and y3.data_ptr() != y1.data_ptr()
+        # a Parameter W outside autograd: the handle's quick path, not check()
+        checked = []
+        general = gv.check
+        gv.check = lambda: checked.append(1) or general()
+        y4 = gv(torch.nn.Parameter(wv.clone()), xv)
+        gv.synchronize()
+        del gv.check
+        assert not checked, "a Parameter W_local went through the GEMV's general path"
+        e = rel_err(y4.float(), gv(wv, xv).float())
+        assert e < TOL[dtype], f"a Parameter W_local computed another y: relative error {e}"
     gv.close()
     h.close()
 

@@ -254,6 +254,13 @@ with torch.no_grad():
         if world == 1 and (agreements[0] == before) != repeat:
             ok, detail = False, f"repeat path taken: {agreements[0] == before}, expected {repeat}"
         report(f"gemm_repeat/{name}", ok, detail)
+    # a model's W is a Parameter: outside autograd its call repeats as a plain tensor's does
+    before = agreements[0]
+    got = rocmoe.ops.gemm_all_to_all(X.to(dev), torch.nn.Parameter(Wm.to(dev)), counts, ctx=ctx)
+    ok, detail = close(got, want, dtype)
+    if world == 1 and agreements[0] != before:
+        ok, detail = False, "a Parameter W took the general path"
+    report("gemm_repeat/parameter_w", ok, detail)
 _kernels.agree = _agree
 
 # Outputs the caller keeps are never written again: the repeat paths hand out their
