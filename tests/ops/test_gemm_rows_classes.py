@@ -112,3 +112,34 @@ def test_a_new_rows_class_under_graph_capture_borrows_a_config_and_is_tuned_afte
     got = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own printed dict
     assert got == dict(captured_untuned=True, captured_cfg=True, replaced=True,
                        after_untuned=False), got
+
+
+_FIRST_CALL_CAPTURED_SCRIPT = textwrap.dedent("""
+    import torch, rocmoe
+    from rocmoe import ops
+    from rocmoe.ops import gpu
+    ctx = rocmoe.init(backend="host", heap_size=64 << 20)
+    h = ops.GemmAllToAll(ctx, max_rows=64, K=16, N=24, dtype=torch.float32)
+    h._engine = "triton"
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(20, 16, generator=g), torch.randn(16, 24, generator=g)
+    gpu.capturing = lambda: True  # as under CUDA graph capture
+    with torch.no_grad():
+        out, _ = h(x, w, [20])
+    (plan,) = h._launches.values()
+    print(dict(untuned=plan.untuned,
+               default=plan.cfg == gpu.gemm_config(torch.device("cpu"), torch.float32),
+               result=bool(torch.allclose(out[:20], x @ w, atol=1e-4))))
+    h.close()
+    ctx.finalize()
+""")
+
+
+def test_a_handles_first_call_under_graph_capture_runs_the_default_config_untuned():
+    require_module("triton", "the Triton interpreter runs the GEMM kernel on CPU")
+    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL_CAPTURED_SCRIPT],
+                          env=mpi_env(TRITON_INTERPRET="1"), cwd=str(REPO),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own printed dict
+    assert got == dict(untuned=True, default=True, result=True), got
