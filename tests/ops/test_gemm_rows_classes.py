@@ -35,11 +35,21 @@ def test_the_direct_grid_fits_the_classes_fewest_rows_but_fills_the_sms():
     assert direct_tasks(4096, 8191, 128, 16, 132) == direct_tasks(4096, None, 128, 16, 132)
 
 
-# (a subprocess: Triton's interpreter is chosen when the kernels are defined)
-_SCRIPT = textwrap.dedent("""
-    import torch, rocmoe
-    from rocmoe import ops
-    ctx = rocmoe.init(backend="host", heap_size=64 << 20)
+def _interpreted(body: str):
+    """What `body` prints last (a Python literal), run after `ctx` is a host-backend context
+    and with the handles' Triton kernels interpreted on CPU. A subprocess: Triton's
+    interpreter is chosen when the kernels are defined."""
+    require_module("triton", "the Triton interpreter runs the GEMM kernel on CPU")
+    script = ("import torch, rocmoe\nfrom rocmoe import ops\nfrom rocmoe.ops import gpu\n"
+              "ctx = rocmoe.init(backend='host', heap_size=64 << 20)\n"
+              + textwrap.dedent(body) + "\nctx.finalize()\n")
+    proc = subprocess.run([sys.executable, "-c", script], env=mpi_env(TRITON_INTERPRET="1"),
+                          cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - the script's own print
+
+
+_SCRIPT = """
     h = ops.GemmAllToAll(ctx, max_rows=64, K=16, N=16, dtype=torch.float32)
     h._engine = "triton"  # the Triton kernel, interpreted, as on a GPU
     g = torch.Generator().manual_seed(0)
@@ -52,17 +62,11 @@ _SCRIPT = textwrap.dedent("""
         assert torch.allclose(out[:rows], x @ w, atol=1e-4), rows
     print({key[-1]: (plan.direct, plan.nprog) for key, plan in h._launches.items()})
     h.close()
-    ctx.finalize()
-""")
+"""
 
 
 def test_a_handle_runs_a_plan_per_rows_class_with_a_grid_for_that_class():
-    require_module("triton", "the Triton interpreter runs the GEMM kernel on CPU")
-    env = mpi_env(TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=str(REPO),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    plans = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own printed dict
+    plans = _interpreted(_SCRIPT)
     # rows 8, 12, 9: class 4 (8-15 rows); 40, 63: class 6 (32-63); 1 row: class 1. Every
     # one runs the kernel's DIRECT path (world size 1, one W); its grid covers the class's
     # most rows (16-row tiles on the interpreter, at most 4 programs on a CPU), not the
@@ -70,11 +74,7 @@ def test_a_handle_runs_a_plan_per_rows_class_with_a_grid_for_that_class():
     assert plans == {1: (True, 1), 4: (True, 1), 6: (True, 4)}, plans
 
 
-_CAPTURE_SCRIPT = textwrap.dedent("""
-    import torch, rocmoe
-    from rocmoe import ops
-    from rocmoe.ops import gpu
-    ctx = rocmoe.init(backend="host", heap_size=64 << 20)
+_CAPTURE_SCRIPT = """
     h = ops.GemmAllToAll(ctx, max_rows=64, K=16, N=16, dtype=torch.float32)
     h._engine = "triton"
     g = torch.Generator().manual_seed(1)
@@ -96,29 +96,19 @@ _CAPTURE_SCRIPT = textwrap.dedent("""
     print(dict(captured_untuned=captured.untuned, captured_cfg=captured.cfg == first.cfg,
                replaced=after is not captured, after_untuned=after.untuned))
     h.close()
-    ctx.finalize()
-""")
+"""
 
 
 def test_a_new_rows_class_under_graph_capture_borrows_a_config_and_is_tuned_after():
     # the tuner times with events and waits for them, which a CUDA graph capture forbids:
     # a class first met under capture runs the nearest class's config, untuned, and the
     # next call outside a capture makes (tunes) its own plan
-    require_module("triton", "the Triton interpreter runs the GEMM kernel on CPU")
-    proc = subprocess.run([sys.executable, "-c", _CAPTURE_SCRIPT],
-                          env=mpi_env(TRITON_INTERPRET="1"), cwd=str(REPO),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own printed dict
+    got = _interpreted(_CAPTURE_SCRIPT)
     assert got == dict(captured_untuned=True, captured_cfg=True, replaced=True,
                        after_untuned=False), got
 
 
-_FIRST_CALL_CAPTURED_SCRIPT = textwrap.dedent("""
-    import torch, rocmoe
-    from rocmoe import ops
-    from rocmoe.ops import gpu
-    ctx = rocmoe.init(backend="host", heap_size=64 << 20)
+_FIRST_CALL_CAPTURED_SCRIPT = """
     h = ops.GemmAllToAll(ctx, max_rows=64, K=16, N=24, dtype=torch.float32)
     h._engine = "triton"
     g = torch.Generator().manual_seed(2)
@@ -131,15 +121,9 @@ _FIRST_CALL_CAPTURED_SCRIPT = textwrap.dedent("""
                default=plan.cfg == gpu.gemm_config(torch.device("cpu"), torch.float32),
                result=bool(torch.allclose(out[:20], x @ w, atol=1e-4))))
     h.close()
-    ctx.finalize()
-""")
+"""
 
 
 def test_a_handles_first_call_under_graph_capture_runs_the_default_config_untuned():
-    require_module("triton", "the Triton interpreter runs the GEMM kernel on CPU")
-    proc = subprocess.run([sys.executable, "-c", _FIRST_CALL_CAPTURED_SCRIPT],
-                          env=mpi_env(TRITON_INTERPRET="1"), cwd=str(REPO),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = eval(proc.stdout.strip().splitlines()[-1])  # noqa: S307 - our own printed dict
+    got = _interpreted(_FIRST_CALL_CAPTURED_SCRIPT)
     assert got == dict(untuned=True, default=True, result=True), got
