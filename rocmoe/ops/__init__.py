@@ -67,8 +67,6 @@ def _anchor(ctx) -> torch.Tensor:
 # ...) is (None where torch does not say: then every call goes through the dispatcher)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-# tensor types a direct call takes (_common.PLAIN_TENSORS)
-_PLAIN = PLAIN_TENSORS
 
 
 def _direct(tensors) -> bool:
@@ -85,7 +83,7 @@ def _direct(tensors) -> bool:
             or torch.compiler.is_compiling() or _dispatch_modes() or _transforms_active()):
         return False
     for t in tensors:
-        if type(t) not in _PLAIN:
+        if type(t) not in PLAIN_TENSORS:  # (the tensor types a direct call takes)
             return False
     return not has_torch_function(tensors)
 

@@ -793,7 +793,7 @@ def rows_exchange(handle, x: torch.Tensor, w: Optional[torch.Tensor], host_count
         # products through the general path)
         if (key[0] == handle.K and x.dtype == handle.dtype and not plan.untuned
                 and groups == (handle.groups if handle.groups > 1 else 0)
-                and (lean_plans.get(cls) or (None,))[0] is not plan):
+                and (cls not in lean_plans or lean_plans[cls][0] is not plan)):
             lean_plans[cls] = (plan, _lean_launch(plan, team))
     return recv
 
