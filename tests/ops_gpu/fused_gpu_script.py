@@ -634,7 +634,10 @@ def check_nosync(ctx, dtype, calls):
 def check_native(ctx, dtype, calls):
     # after its first call, a GemmAllToAll launches straight through the driver (CUDA): the
     # same bits as the JIT's launch of the same call, right for other rows and pointers, and
-    # back through the JIT when an argument's specialisation changes (M = 64, M = 1)
+    # back through the JIT when an argument's specialisation changes inside a rows class
+    # (M = 320, a multiple of 16, in the class of 300 rows, twice: each return to it from
+    # M = 300 changes the specialisation again); M = 64 and M = 1 are classes of their own,
+    # each tuned on its first call (gpu.rows_class)
     from rocmoe import native_launch
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
     k, n = 256, 192
@@ -656,7 +659,7 @@ def check_native(ctx, dtype, calls):
     first = call(x)   # the JIT compiles (and tunes) it
     again = call(x)   # the driver launches it
     assert torch.equal(first, again), "the native launch differs from the JIT's"
-    for m in (257, 64, 1, 300):
+    for m in (257, 320, 64, 1, 300, 320):
         x = torch.randn(m, k, generator=g).to(dev, dtype)
         e = rel_err(call(x), x.double() @ w.double())
         assert e < TOL[dtype], (m, e)
@@ -741,8 +744,8 @@ def check_lean(ctx, dtype, calls):
     h.check = lambda: checked.append(1) or general()
     with torch.no_grad():
         out, recv = h(x, wp, [2] * world)
+    del h.check  # (before synchronize(), which calls check() itself)
     h.synchronize()
-    del h.check
     assert not checked, "a Parameter W went through the general path"
     e = rel_err(out[:2 * world], ref)
     assert e < TOL[dtype], f"rank {rank}: Parameter W, relative error {e}"
@@ -765,8 +768,8 @@ def check_lean(ctx, dtype, calls):
         general = gv.check
         gv.check = lambda: checked.append(1) or general()
         y4 = gv(torch.nn.Parameter(wv.clone()), xv)
+        del gv.check  # (before synchronize(), which calls check() itself)
         gv.synchronize()
-        del gv.check
         assert not checked, "a Parameter W_local went through the GEMV's general path"
         e = rel_err(y4.float(), gv(wv, xv).float())
         assert e < TOL[dtype], f"a Parameter W_local computed another y: relative error {e}"

@@ -51,9 +51,14 @@ def test_public_ops_forward_and_backward_on_gpu_equal_the_reference(ranks):
         for check in ("same", "other_k", "other_k_again", "fp32", "fp32_again", "other_n",
                       "other_n_again"):
             assert f"RANK {rank} gemv_repeat/{check} OK" in out, out
-        for check in ("same", "other_rows", "other_k", "other_k_again", "fp32", "fp32_again",
-                      "other_n", "other_n_again"):
+        for check in ("same", "other_rows", "other_rows_class", "other_rows_class_again",
+                      "other_k", "other_k_again", "fp32", "fp32_again", "other_n",
+                      "other_n_again", "parameter_w"):
             assert f"RANK {rank} gemm_repeat/{check} OK" in out, out
+        # outputs the caller holds keep their values over later calls (the handles' rings)
+        for k in range(3):
+            for check in ("gemv", "gemm", "embedding"):
+                assert f"RANK {rank} held_outputs/{check}_round{k} OK" in out, out
         # bad input on the last rank only: every rank raised, none hung
         assert f"RANK {rank} bad_counts_raise_everywhere OK" in out, out
         assert f"RANK {rank} bad_index_raises_everywhere_at_the_next_call OK" in out, out
