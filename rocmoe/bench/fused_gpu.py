@@ -367,10 +367,28 @@ def case_gemm(ctx, shape, reps, api="handle", first_rows=None):
                dtype="bf16", baseline="torch.matmul", rel_err=err,
                tflops=round(flops / (rec["rocmoe_queued_ms"] * 1e-3) / 1e12, 1),
                baseline_tflops=round(flops / (rec["baseline_queued_ms"] * 1e-3) / 1e12, 1))
+    from ..ops import _kernels
+    handle = h if api == "handle" else _kernels._GEMM_LAST.get(ctx)
+    rec["plan"] = _gemm_plan(handle, m)
     if api == "handle":
         rec["config"] = getattr(h, "_tuned", None)
         h.close()
     return judge(rec, 0.95)
+
+
+def _gemm_plan(handle, rows: int) -> Optional[dict]:
+    """What the GEMM calls of `rows` ran on `handle`: their rows class's plan (tile config,
+    programs launched, the DIRECT path or not) and the handle's capacity. The records of a
+    handle made for the call's rows and of the function's cached handle made by a larger
+    call differ only here, when at all (the twenty-seventh session: 0.876 against 0.788 of
+    torch.matmul at 512 x 4096^2, idle-start)."""
+    from ..ops.gpu import rows_class
+    launches = getattr(handle, "__dict__", {}).get("_launches", {})
+    for key, plan in launches.items():
+        if key[1] is False and key[-1] == rows_class(rows):
+            return {"rows_class": key[-1], "config": dict(plan.cfg), "programs": plan.nprog,
+                    "direct": bool(plan.direct), "max_rows": handle.max_rows}
+    return None
 
 
 def case_overlap(ctx):

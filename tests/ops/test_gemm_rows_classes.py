@@ -127,3 +127,28 @@ _FIRST_CALL_CAPTURED_SCRIPT = """
 def test_a_handles_first_call_under_graph_capture_runs_the_default_config_untuned():
     got = _interpreted(_FIRST_CALL_CAPTURED_SCRIPT)
     assert got == dict(untuned=True, default=True, result=True), got
+
+
+_BENCH_PLAN_SCRIPT = """
+    from rocmoe.bench.fused_gpu import _gemm_plan
+    h = ops.GemmAllToAll(ctx, max_rows=64, K=16, N=16, dtype=torch.float32)
+    h._engine = "triton"
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 16, generator=g)
+    with torch.no_grad():
+        for rows in (40, 9):
+            h(torch.randn(rows, 16, generator=g), w, [rows])
+    print([_gemm_plan(h, 9), _gemm_plan(h, 63), _gemm_plan(h, 2)])
+    h.close()
+"""
+
+
+def test_the_gemm_bench_records_the_plan_of_the_calls_rows_class():
+    # rocmoe.bench.fused_gpu names the plan a case's calls ran (class, tile, programs), so a
+    # function's cached handle and a handle made for the rows can be told apart; None for a
+    # class the handle has not run
+    small, large, unrun = _interpreted(_BENCH_PLAN_SCRIPT)
+    assert (small["rows_class"], small["programs"], small["direct"]) == (4, 1, True), small
+    assert (large["rows_class"], large["programs"], large["max_rows"]) == (6, 4, 64), large
+    assert set(large["config"]) >= {"BLOCK_M", "BLOCK_N", "BLOCK_K"}, large
+    assert unrun is None
