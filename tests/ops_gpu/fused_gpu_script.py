@@ -681,22 +681,36 @@ def check_lean(ctx, dtype, calls):
     h = ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype)
     x, w, ref = _shared_gemm_case(ctx, dtype)
 
-    def good(xin, counts):
-        with torch.no_grad():
-            out, recv = h(xin, w, counts)
+    def good(xin, counts, lean=None, wt=None):
+        # lean True / False: the call must (not) be the lean call's. The general path starts
+        # with check(), so a spy on it tells; it goes before synchronize(), which calls
+        # check() itself
+        general, entered = h.check, []
+        if lean is not None:
+            h.check = lambda: entered.append(1) or general()
+        try:
+            with torch.no_grad():
+                out, recv = h(xin, w if wt is None else wt, counts)
+        finally:
+            if lean is not None:
+                del h.check
         h.synchronize()
+        if lean is not None:
+            assert (not entered) == lean, \
+                f"rank {rank}: taken by the lean call: {not entered}, expected {lean}"
         assert recv.cpu().tolist() == [2] * world, recv
         e = rel_err(out[:2 * world], ref)
         assert e < TOL[dtype], f"rank {rank}: relative error {e}"
 
-    good(x, [2] * world)
+    good(x, [2] * world, lean=False)
     assert h.__dict__.get("_lean") is not None, "no lean path after the first call"
     lean_epoch = h.epoch
-    good(x, torch.full((world,), 2, dtype=torch.int64, device=dev))
+    good(x, torch.full((world,), 2, dtype=torch.int64, device=dev), lean=True)
     assert h.epoch == lean_epoch + 1
     expect_rejected_input(h, x, w, " after the lean path was made")
     expect_bad_device_counts(h, x, w, " after the lean path was made")
-    good(x.t().contiguous().t(), [2] * world)  # column-major X: the general path copies it
+    # column-major X: the general path copies it
+    good(x.t().contiguous().t(), [2] * world, lean=False)
     xg = x.clone().requires_grad_(rank == 0)
     out, recv = h(xg, w, [2] * world)
     assert out.grad_fn is not None or (world == 1 and rank != 0), "no autograd node"
@@ -730,26 +744,14 @@ def check_lean(ctx, dtype, calls):
     classes = set(h._lean_plans)
     x_more = torch.cat([x, x, x, x])  # the first 2 * world rows are x's
     assert gpu.rows_class(x_more.shape[0]) not in classes, (x_more.shape, classes)
-    for _ in range(2):
-        good(x_more, [2] * world)
+    good(x_more, [2] * world, lean=False)
+    good(x_more, [2] * world, lean=True)
     assert set(h._lean_plans) == classes | {gpu.rows_class(x_more.shape[0])}, h._lean_plans
     lean_epoch = h.epoch
-    good(x, [2] * world)  # back to the first class: still the lean call's
+    good(x, [2] * world, lean=True)  # back to the first class: still the lean call's
     assert h.epoch == lean_epoch + 1
-    # a Parameter W (a model's weight) outside autograd takes the lean call too: the
-    # general path, which starts with check(), is not entered
-    wp = torch.nn.Parameter(w.clone())
-    checked = []
-    general = h.check
-    h.check = lambda: checked.append(1) or general()
-    with torch.no_grad():
-        out, recv = h(x, wp, [2] * world)
-    del h.check  # (before synchronize(), which calls check() itself)
-    h.synchronize()
-    assert not checked, "a Parameter W went through the general path"
-    e = rel_err(out[:2 * world], ref)
-    assert e < TOL[dtype], f"rank {rank}: Parameter W, relative error {e}"
-    del out, recv
+    # a Parameter W (a model's weight) outside autograd takes the lean call too
+    good(x, [2] * world, lean=True, wt=torch.nn.Parameter(w.clone()))
     # GemvAllReduce's and EmbeddingAllToAll's no-grad calls the same way
     gv = ops.GemvAllReduce(ctx, 32, 16, dtype)
     wv, xv = torch.randn(32, 16, device=dev).to(dtype), torch.randn(16, device=dev).to(dtype)
