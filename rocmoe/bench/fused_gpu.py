@@ -378,7 +378,8 @@ def case_gemm(ctx, shape, reps, api="handle", first_rows=None):
 
 def _gemm_plan(handle, rows: int) -> Optional[dict]:
     """What the GEMM calls of `rows` ran on `handle`: their rows class's plan (tile config,
-    programs launched, the DIRECT path or not) and the handle's capacity. The records of a
+    programs launched, the DIRECT path or not, its config borrowed from another class
+    untimed or tuned) and the handle's capacity. The records of a
     handle made for the call's rows and of the function's cached handle made by a larger
     call differ only here, when at all (the twenty-seventh session: 0.876 against 0.788 of
     torch.matmul at 512 x 4096^2, idle-start)."""
@@ -387,7 +388,8 @@ def _gemm_plan(handle, rows: int) -> Optional[dict]:
     for key, plan in launches.items():
         if key[1] is False and key[-1] == rows_class(rows):
             return {"rows_class": key[-1], "config": dict(plan.cfg), "programs": plan.nprog,
-                    "direct": bool(plan.direct), "max_rows": handle.max_rows}
+                    "direct": bool(plan.direct), "borrowed": bool(plan.borrowed),
+                    "max_rows": handle.max_rows}
     return None
 
 

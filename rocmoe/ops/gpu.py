@@ -494,7 +494,10 @@ class _GemmLaunch:
         self.copy = w is None
         self.local = world == 1
         self.cfg = cfg
-        self.untuned = False  # made under graph capture with another class's config
+        # made with another rows class's config, untimed (rows_exchange: under graph capture,
+        # or at world size > 1 after the product's first plan); untuned: to be tuned at the
+        # next call outside a capture (world size 1)
+        self.borrowed = self.untuned = False
         n, k = handle.N, int(x.shape[1])
         g = max(groups, 1)
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -771,13 +774,21 @@ def rows_exchange(handle, x: torch.Tensor, w: Optional[torch.Tensor], host_count
     if plan is None or (plan.untuned and not capturing()):
         if w is None:
             plan = _GemmLaunch(handle, team, x, w, groups, copy_config(dev, handle.N))
-        elif capturing():
+        elif capturing() or (team.world > 1 and _has_product_plan(launches, key)):
             # no tuning under CUDA graph capture (the tuner times with events and waits for
             # them): the config of the handle's plan for the nearest rows class, or the
-            # default, and the next call outside a capture tunes the class
+            # default, and at world size 1 the next call outside a capture tunes the class.
+            # Nor at world size > 1 once the product has a plan: the rows class is the one
+            # thing of a call the ranks do not agree on, so a rank may meet a new class while
+            # its peers run plans they have, and wait for its rows with the context's budget
+            # (ROCMOE_TIMEOUT_S) while it compiles and times the candidates (tens of seconds
+            # on a fresh Triton cache: the 2-rank no-sync check's warm-up step, every op's first
+            # call, took 21-67 s on an H100). A
+            # product's first plan is tuned: every rank makes it in the same call, each in
+            # its plan's first launch, whose waits have the first call's budget
             plan = _GemmLaunch(handle, team, x, w, groups, _nearest_config(launches, key, dev),
                                most_rows=class_rows(cls))
-            plan.untuned = True
+            plan.borrowed, plan.untuned = True, team.world == 1
         else:
             plan = _tuned_launch(handle, team, x, w, groups, counts, out, class_rows(cls))
         launches[key] = plan
@@ -796,6 +807,12 @@ def rows_exchange(handle, x: torch.Tensor, w: Optional[torch.Tensor], host_count
                 and (cls not in lean_plans or lean_plans[cls][0] is not plan)):
             lean_plans[cls] = (plan, _lean_launch(plan, team))
     return recv
+
+
+def _has_product_plan(launches: dict, key: tuple) -> bool:
+    """Whether `launches` holds a plan for key's product (K, W or not, groups, dtype) of any
+    rows class."""
+    return any(other[:-1] == key[:-1] for other in launches)
 
 
 def _nearest_config(launches: dict, key: tuple, device: torch.device) -> dict:

@@ -152,3 +152,55 @@ def test_the_gemm_bench_records_the_plan_of_the_calls_rows_class():
     assert (large["rows_class"], large["programs"], large["max_rows"]) == (6, 4, 64), large
     assert set(large["config"]) >= {"BLOCK_M", "BLOCK_N", "BLOCK_K"}, large
     assert unrun is None
+
+
+def _plans_made(monkeypatch, world, rows_seq):
+    """rows_exchange's plan decisions for calls of `rows_seq` rows on a handle at `world`
+    ranks, with the plan and the tuner recorded instead of run: (rows of the calls whose
+    class was tuned, {rows class: (borrowed, untuned, config)})."""
+    import torch
+    from types import SimpleNamespace
+
+    from rocmoe.ops import gpu
+
+    tuned = []
+
+    class Plan:
+        def __init__(self, handle, team, x, w, groups, cfg, scratch_status=None,
+                     most_rows=None):
+            self.cfg, self.borrowed, self.untuned = cfg, False, False
+
+        def launch(self, *args):
+            pass
+
+    def tune(handle, team, x, w, groups, counts, out, most_rows=None):
+        tuned.append(x.shape[0])
+        return Plan(handle, team, x, w, groups, {"tuned_at": x.shape[0]})
+
+    monkeypatch.setattr(gpu, "_GemmLaunch", Plan)
+    monkeypatch.setattr(gpu, "_tuned_launch", tune)
+    monkeypatch.setattr(gpu, "team_for", lambda ctx: SimpleNamespace(world=world))
+    monkeypatch.setattr(gpu, "capturing", lambda: False)
+    handle = SimpleNamespace(ctx=None, N=8, K=16)
+    w = torch.zeros(16, 8)
+    for rows in rows_seq:
+        gpu.rows_exchange(handle, torch.zeros(rows, 16), w, None,
+                          torch.zeros(world, dtype=torch.int64), 0, torch.empty(64, 8))
+    return tuned, {key[-1]: (p.borrowed, p.untuned, p.cfg)
+                   for key, p in handle._launches.items()}
+
+
+def test_at_world_size_one_every_rows_class_is_tuned(monkeypatch):
+    tuned, plans = _plans_made(monkeypatch, 1, (40, 9, 40, 9))
+    assert tuned == [40, 9]
+    assert plans == {6: (False, False, {"tuned_at": 40}), 4: (False, False, {"tuned_at": 9})}
+
+
+def test_at_world_size_two_only_the_products_first_plan_is_tuned(monkeypatch):
+    # a rank meeting a new rows class mid-run would make its peers wait out the candidates'
+    # compilation inside their call budget: it borrows the nearest class's tuned config,
+    # for good (not marked for tuning later)
+    tuned, plans = _plans_made(monkeypatch, 2, (40, 9, 40, 9, 200))
+    assert tuned == [40]
+    assert plans == {6: (False, False, {"tuned_at": 40}), 4: (True, False, {"tuned_at": 40}),
+                     8: (True, False, {"tuned_at": 40})}
