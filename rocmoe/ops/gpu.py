@@ -774,23 +774,25 @@ def rows_exchange(handle, x: torch.Tensor, w: Optional[torch.Tensor], host_count
     if plan is None or (plan.untuned and not capturing()):
         if w is None:
             plan = _GemmLaunch(handle, team, x, w, groups, copy_config(dev, handle.N))
-        elif capturing() or (team.world > 1 and _has_product_plan(launches, key)):
-            # no tuning under CUDA graph capture (the tuner times with events and waits for
-            # them): the config of the handle's plan for the nearest rows class, or the
-            # default, and at world size 1 the next call outside a capture tunes the class.
-            # Nor at world size > 1 once the product has a plan: the rows class is the one
-            # thing of a call the ranks do not agree on, so a rank may meet a new class while
-            # its peers run plans they have, and wait for its rows with the context's budget
-            # (ROCMOE_TIMEOUT_S) while it compiles and times the candidates (tens of seconds
-            # on a fresh Triton cache: the 2-rank no-sync check's warm-up step, every op's first
-            # call, took 21-67 s on an H100). A
-            # product's first plan is tuned: every rank makes it in the same call, each in
-            # its plan's first launch, whose waits have the first call's budget
-            plan = _GemmLaunch(handle, team, x, w, groups, _nearest_config(launches, key, dev),
-                               most_rows=class_rows(cls))
-            plan.borrowed, plan.untuned = True, team.world == 1
         else:
-            plan = _tuned_launch(handle, team, x, w, groups, counts, out, class_rows(cls))
+            nearest = _nearest_config(launches, key)  # None: the product's first plan
+            if capturing() or (team.world > 1 and nearest is not None):
+                # no tuning under CUDA graph capture (the tuner times with events and waits
+                # for them): the config of the handle's plan for the nearest rows class, or
+                # the default, and at world size 1 the next call outside a capture tunes the
+                # class. Nor at world size > 1 once the product has a plan: the rows class is
+                # the one thing of a call the ranks do not agree on, so a rank may meet a new
+                # class while its peers run plans they have, and wait for its rows with the
+                # context's budget (ROCMOE_TIMEOUT_S) while it compiles and times the
+                # candidates (tens of seconds on a fresh Triton cache: the 2-rank no-sync
+                # check's warm-up step, every op's first call, took 21-67 s on an H100). A
+                # product's first plan is tuned: every rank makes it in the same call, each
+                # in its plan's first launch, whose waits have the first call's budget
+                cfg = nearest if nearest is not None else gemm_config(dev, x.dtype)
+                plan = _GemmLaunch(handle, team, x, w, groups, cfg, most_rows=class_rows(cls))
+                plan.borrowed, plan.untuned = True, team.world == 1
+            else:
+                plan = _tuned_launch(handle, team, x, w, groups, counts, out, class_rows(cls))
         launches[key] = plan
     plan.launch(handle, team, x, w, counts, out, recv,
                 handle.__dict__.setdefault("_w_descriptors", {}))
@@ -809,18 +811,12 @@ def rows_exchange(handle, x: torch.Tensor, w: Optional[torch.Tensor], host_count
     return recv
 
 
-def _has_product_plan(launches: dict, key: tuple) -> bool:
-    """Whether `launches` holds a plan for key's product (K, W or not, groups, dtype) of any
-    rows class."""
-    return any(other[:-1] == key[:-1] for other in launches)
-
-
-def _nearest_config(launches: dict, key: tuple, device: torch.device) -> dict:
+def _nearest_config(launches: dict, key: tuple) -> Optional[dict]:
     """The tile config of the plan in `launches` for the same product (K, W or not,
-    groups, dtype) whose rows class is nearest key's, or the platform's default."""
+    groups, dtype) whose rows class is nearest key's; None when the product has none."""
     same = [(abs(other[-1] - key[-1]), plan.cfg) for other, plan in launches.items()
             if other[:-1] == key[:-1]]
-    return min(same, key=lambda e: e[0])[1] if same else gemm_config(device, key[3])
+    return min(same, key=lambda e: e[0])[1] if same else None
 
 
 class _LeanGemmLaunch:
