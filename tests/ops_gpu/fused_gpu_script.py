@@ -671,6 +671,18 @@ def check_native(ctx, dtype, calls):
     h.close()
 
 
+def _general_path_entered(handle, call):
+    """(call()'s result, whether it entered `handle`'s general path), told by a spy on
+    check(), with which the general path starts; the spy is gone before anything else can
+    call check() (synchronize() does)."""
+    general, entered = handle.check, []
+    handle.check = lambda: entered.append(1) or general()
+    try:
+        return call(), bool(entered)
+    finally:
+        del handle.check
+
+
 def check_lean(ctx, dtype, calls):
     # after its first call a GemmAllToAll takes the common call through its lean path
     # (rocmoe/ops/gpu.py: lean_gemm_call); whatever that path does not take must still get
@@ -682,22 +694,14 @@ def check_lean(ctx, dtype, calls):
     x, w, ref = _shared_gemm_case(ctx, dtype)
 
     def good(xin, counts, lean=None, wt=None):
-        # lean True / False: the call must (not) be the lean call's. The general path starts
-        # with check(), so a spy on it tells; it goes before synchronize(), which calls
-        # check() itself
-        general, entered = h.check, []
-        if lean is not None:
-            h.check = lambda: entered.append(1) or general()
-        try:
-            with torch.no_grad():
-                out, recv = h(xin, w if wt is None else wt, counts)
-        finally:
-            if lean is not None:
-                del h.check
+        # lean True / False: the call must (not) be the lean call's
+        weight = w if wt is None else wt
+        with torch.no_grad():
+            (out, recv), general = _general_path_entered(h, lambda: h(xin, weight, counts))
         h.synchronize()
         if lean is not None:
-            assert (not entered) == lean, \
-                f"rank {rank}: taken by the lean call: {not entered}, expected {lean}"
+            assert general != lean, \
+                f"rank {rank}: taken by the lean call: {not general}, expected {lean}"
         assert recv.cpu().tolist() == [2] * world, recv
         e = rel_err(out[:2 * world], ref)
         assert e < TOL[dtype], f"rank {rank}: relative error {e}"
@@ -766,13 +770,9 @@ def check_lean(ctx, dtype, calls):
         assert torch.equal(y1, y1_kept), "a held GEMV output was written again"
         assert gv._outputs["gemv"].reused >= 1 and y3.data_ptr() != y1.data_ptr()
         # a Parameter W outside autograd: the handle's quick path, not check()
-        checked = []
-        general = gv.check
-        gv.check = lambda: checked.append(1) or general()
-        y4 = gv(torch.nn.Parameter(wv.clone()), xv)
-        del gv.check  # (before synchronize(), which calls check() itself)
+        y4, general = _general_path_entered(gv, lambda: gv(torch.nn.Parameter(wv.clone()), xv))
         gv.synchronize()
-        assert not checked, "a Parameter W_local went through the GEMV's general path"
+        assert not general, "a Parameter W_local went through the GEMV's general path"
         e = rel_err(y4.float(), gv(wv, xv).float())
         assert e < TOL[dtype], f"a Parameter W_local computed another y: relative error {e}"
     gv.close()
