@@ -6,7 +6,9 @@
 Every record times the public call exactly as a user makes it: the persistent handle
 (``GemmAllToAll``, ``EmbeddingAllToAll``, ``GemvAllReduce``: made once, then called;
 ``api: "batched"`` is ``EmbeddingAllToAll.batched``, the packed tables, which also carries a
-second baseline, one ``F.embedding_bag`` on the stacked tables) or the functional op
+second baseline, one ``F.embedding_bag`` on the stacked tables; ``api: "stacked"`` is the
+per-table call with its lookups stacked, [tables, L] indices and [tables, B] offsets) or the
+functional op
 (``api: "function"``), with every check, allocation, copy-out and status read
 inside the timing, against the torch op on the same inputs in the same run
 (``torch.matmul``, ``F.embedding_bag`` once per table, ``torch.mv``). Three timings each,
@@ -241,12 +243,20 @@ def case_embedding(ctx, shape, reps, api="handle"):
         tables = list(weight.split(rows))  # the baseline reads the same memory
         flat = torch.cat(indices)
         packed_off = torch.arange(0, nt * batch * lookups + 1, lookups, device=dev)
-    if api in ("handle", "batched"):
+    if api == "stacked":
+        # the per-table call with stacked lookups ([tables, L] and [tables, B], dlrm's lS_i
+        # and lS_o); the baseline reads the same rows
+        stacked_idx, stacked_off = torch.stack(indices), torch.stack(offsets)
+        indices, offsets = list(stacked_idx), list(stacked_off)
+    if api in ("handle", "batched", "stacked"):
         h = ops.EmbeddingAllToAll(ctx, [rows] * nt, dim, batch, batch * lookups, mode, dtype)
 
         if api == "batched":
             def ours():
                 return h.batched(weight, flat, packed_off)
+        elif api == "stacked":
+            def ours():
+                return h(tables, stacked_idx, stacked_off)
         else:
             def ours():
                 return h(tables, indices, offsets)
@@ -287,7 +297,7 @@ def case_embedding(ctx, shape, reps, api="handle"):
                           mode=mode), dtype=dname,
                baseline="F.embedding_bag per table (summed over the tables)",
                rel_err=err, tbps=round(bytes_moved / (rec["rocmoe_queued_ms"] * 1e-3) / 1e12, 3))
-    if api in ("handle", "batched"):
+    if api in ("handle", "batched", "stacked"):
         h.close()
     return judge(rec, 1.0)
 
@@ -474,6 +484,7 @@ def main(argv=None) -> int:
         for shape in EMBEDDING_QUICK if quick else EMBEDDING:
             run(case_embedding, ctx, shape, args.reps)
             run(case_embedding, ctx, shape, args.reps, "batched")
+            run(case_embedding, ctx, shape, args.reps, "stacked")
     if "function" in only:  # the functional ops at the measured shapes
         for shape in (GEMM_QUICK if quick else [(4096, 4096, 4096), (8192, 8192, 8192)]):
             run(case_gemm, ctx, shape, args.reps, "function")

@@ -105,7 +105,8 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
 
     weights: this rank's tables (a contiguous range of the global tables), each [rows_t, D];
     indices / offsets: their lookups over the whole global batch (offsets = bag starts, one
-    per bag; an empty bag gives zeros); per_sample_weights: with mode="sum" only.
+    per bag; an empty bag gives zeros), a 1-D tensor a table or stacked, a 2-D tensor whose
+    row t is table t's; per_sample_weights: with mode="sum" only.
     Returns [B_global // world, T_total, D]: this rank's bags, all tables in global order."""
     ctx = resolve_context(ctx)
     weights, indices, offsets = list(weights), list(indices), list(offsets)

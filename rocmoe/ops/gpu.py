@@ -1543,6 +1543,8 @@ class TableEmbeddingLaunch(_StructLaunch):
 
     def prepare(self, weights, indices, offsets, batch) -> Optional[int]:
         nt = self.num_tables
+        if type(indices) is _TENSOR:
+            return self._prepare_stacked(weights, indices, offsets, batch)
         if not self.usable or len(weights) != nt or len(indices) != nt or len(offsets) != nt:
             return None
         if not all(map(is_, weights, self.weights)) and not self._adopt(weights):
@@ -1579,6 +1581,46 @@ class TableEmbeddingLaunch(_StructLaunch):
             at += stride
         return batch
 
+    def _prepare_stacked(self, weights, indices, offsets, batch) -> Optional[int]:
+        """`prepare` for stacked lookups: `indices` [num_tables, L] and `offsets`
+        [num_tables, B], table t's in row t (dlrm's lS_i and lS_o for Criteo data). Two
+        tensors are checked whatever the number of tables, and table t's words are the rows'
+        addresses, so the host's work per table is three integer writes (iterating the rows
+        as tensors instead made a view of each: twice the host time of a list). None for what
+        the list form would decline, and for rows that are not unit-stride."""
+        nt, index = self.num_tables, self.index
+        if not (self.usable and type(offsets) is _TENSOR and len(weights) == nt
+                and indices.dtype is _I64 and offsets.dtype is _I64
+                and indices.get_device() == index and offsets.get_device() == index
+                and indices.dim() == 2 and offsets.dim() == 2):
+            return None
+        (rows_i, lookups), (rows_o, bags) = indices.shape, offsets.shape
+        (step_i, unit_i), (step_o, unit_o) = indices.stride(), offsets.stride()
+        if (rows_i != nt or rows_o != nt or unit_i != 1 or unit_o != 1
+                or lookups > self.most):
+            return None
+        if batch is None:
+            batch = bags
+        elif type(batch) is not int or batch != bags:
+            return None
+        if batch < 0 or batch > self.max_batch or batch % self.world:
+            return None
+        if not all(map(is_, weights, self.weights)) or \
+                list(map(_DATA_PTR, weights)) != self.weight_ptrs:
+            if not self._adopt(weights):  # new tables, or one whose storage moved
+                return None
+        rec, stride = self.records, len(_REC)
+        f_idx, f_off, f_num = _REC["indices"], _REC["offsets"], _REC["num_indices"]
+        at_i, at_o = indices.data_ptr(), offsets.data_ptr()
+        step_i, step_o = step_i * 8, step_o * 8  # int64 rows
+        for at in range(0, nt * stride, stride):
+            rec[at + f_idx] = at_i
+            rec[at + f_off] = at_o
+            rec[at + f_num] = lookups
+            at_i += step_i
+            at_o += step_o
+        return batch
+
     def fire(self, batch: int, out: torch.Tensor) -> None:
         """Launch the call `prepare` wrote, into `out` [batch / world, total_tables, dim]."""
         v, at = self.view, self.at
@@ -1590,6 +1632,7 @@ class TableEmbeddingLaunch(_StructLaunch):
 
 _TENSOR = torch.Tensor
 _I64 = torch.int64
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 # rocmoe_gpu_table's fields as int64 columns (checked against the C layout at first use)

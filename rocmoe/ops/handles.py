@@ -594,6 +594,19 @@ class GemmAllToAll(_RowsHandle):
 # ---------------------------------------------------------------------------------------
 
 
+def _per_table(x, what: str) -> list:
+    """A per-table argument of EmbeddingAllToAll as a list of tensors: a sequence of 1-D
+    tensors, one a table, or one 2-D tensor whose row t is table t's (stacked, like dlrm's
+    lS_i [num_tables, L] and lS_o [num_tables, B] for Criteo data)."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 2:
+            raise errors.InvalidArgumentError(
+                f"EmbeddingAllToAll: {what} is a {x.dim()}-D tensor; pass one 1-D tensor a "
+                f"table, or a 2-D tensor [num_tables, n] whose row t is table t's")
+        return list(x.unbind(0))
+    return list(x)
+
+
 class EmbeddingAllToAll(FusedHandle):
     """Table-wise model-parallel EmbeddingBag + all-to-all, as a persistent handle.
 
@@ -659,10 +672,17 @@ class EmbeddingAllToAll(FusedHandle):
                  batch: Optional[int] = None) -> torch.Tensor:
         """Returns [B // world, total_tables, dim]: this rank's bags of every table in global
         order. B is the number of offsets of each table (every table looks up the same
-        global batch; a rank without tables passes `batch=B`)."""
-        # the common GPU call (int64 indices and offsets, no per-sample weights, no autograd):
-        # checked and written in one pass by the handle's TableEmbeddingLaunch; anything it
-        # declines takes the general path below, which names what is wrong
+        global batch; a rank without tables passes `batch=B`).
+
+        `indices` and `offsets` (and `per_sample_weights`) are a list of 1-D tensors, one a
+        table, or stacked: one 2-D tensor whose row t is table t's ([num_tables, L] indices
+        when every table has L lookups, [num_tables, B] table-local offsets: dlrm's lS_i and
+        lS_o for Criteo data). On a GPU with grad off, stacked int64 lookups cost the host
+        the same for one table or thirty: two tensors are checked instead of two a table."""
+        # the common GPU call (int64 indices and offsets, listed or stacked, no per-sample
+        # weights, no autograd): checked and written in one pass by the handle's
+        # TableEmbeddingLaunch; anything it declines takes the general path below, which
+        # names what is wrong
         if (self._device_index >= 0 and per_sample_weights is None and self._clean()
                 and not torch.is_grad_enabled()):
             launch = self._table_launch
@@ -677,9 +697,12 @@ class EmbeddingAllToAll(FusedHandle):
                 launch.fire(b, out)
                 return out
         self.check()
-        weights, indices, offsets = list(weights), list(indices), list(offsets)
-        psw = None if per_sample_weights is None else list(per_sample_weights)
         try:
+            weights = list(weights)
+            indices = _per_table(indices, "indices")
+            offsets = _per_table(offsets, "offsets")
+            psw = None if per_sample_weights is None else _per_table(per_sample_weights,
+                                                                    "per_sample_weights")
             batch = self._validate(weights, indices, offsets, psw, batch)
         except errors.RocmoeError as exc:
             self._reject(exc)

@@ -149,3 +149,61 @@ def test_more_tables_than_travel_inline_go_to_the_general_path(monkeypatch):
     indices = [torch.zeros(1, dtype=torch.int64) for _ in range(nt)]
     offsets = [torch.zeros(BATCH, dtype=torch.int64) for _ in range(nt)]
     assert launch.prepare(weights, indices, offsets, BATCH) is None
+
+
+def _stacked(lookups=MOST, width=None):
+    """Stacked lookups, [3, lookups] indices (rows of a [3, width] tensor when width is given:
+    a row stride above the row's length) and [3, BATCH] offsets."""
+    idx = torch.arange(3 * (width or lookups), dtype=torch.int64).view(3, width or lookups)
+    off = torch.arange(3 * BATCH, dtype=torch.int64).view(3, BATCH)
+    return idx[:, :lookups], off
+
+
+@pytest.mark.parametrize("form", ["contiguous", "row-strided", "one-row-for-all"])
+def test_stacked_lookups_write_the_words_their_rows_would_as_a_list(monkeypatch, form):
+    weights, _, _ = _inputs()
+    idx, off = _stacked(4, width=6 if form == "row-strided" else None)
+    if form == "one-row-for-all":  # stride 0: every table reads the same row
+        idx, off = idx[:1].expand(3, 4), off[:1].expand(3, BATCH)
+    stacked, seen_stacked = _launch(monkeypatch)
+    assert _call(stacked, weights, idx, off) == BATCH
+    listed, seen_listed = _launch(monkeypatch)
+    assert _call(listed, weights, list(idx), list(off)) == BATCH
+    assert seen_stacked[0]["tables"] == seen_listed[0]["tables"]
+    assert [t["indices"] for t in seen_stacked[0]["tables"]] == [r.data_ptr() for r in idx]
+    assert [t["num_indices"] for t in seen_stacked[0]["tables"]] == [4, 4, 4]
+
+
+def test_a_table_whose_storage_was_swapped_is_adopted_again_under_stacked_lookups(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, _, _ = _inputs()
+    idx, off = _stacked()
+    _call(launch, weights, idx, off)
+    weights[2].data = torch.ones(ROWS[2], DIM)  # same object, new storage
+    assert _call(launch, weights, idx, off) == BATCH
+    assert seen[1]["tables"][2]["weights"] == weights[2].data_ptr()
+
+
+@pytest.mark.parametrize("change", [
+    lambda i, o: (i.int(), o, None),
+    lambda i, o: (i, o.int(), None),
+    lambda i, o: (i.t().contiguous().t(), o, None),
+    lambda i, o: (i, o.t().contiguous().t(), None),
+    lambda i, o: (i[:2], o, None),
+    lambda i, o: (i, o[:2], None),
+    lambda i, o: (torch.zeros(3, MOST + 1, dtype=torch.int64), o, None),
+    lambda i, o: (i, list(o), None),
+    lambda i, o: (i, o[0], None),
+    lambda i, o: (i.view(-1), o, None),
+    lambda i, o: (i, o, BATCH - 2),
+    lambda i, o: (i, torch.zeros(3, 10, dtype=torch.int64), None),
+    lambda i, o: (i, torch.zeros(3, 3, dtype=torch.int64), None),
+], ids=["int32-indices", "int32-offsets", "column-major-indices", "column-major-offsets", "two-rows-of-indices",
+        "two-rows-of-offsets", "over-max-lookups", "listed-offsets", "1d-offsets",
+        "1d-indices", "batch-not-the-offsets", "batch-above-max", "batch-not-a-multiple"])
+def test_stacked_lookups_the_kernel_cannot_take_as_they_are_go_to_the_general_path(
+        monkeypatch, change):
+    launch, seen = _launch(monkeypatch, world=2)
+    weights, _, _ = _inputs()
+    idx, off, batch = change(*_stacked())
+    assert launch.prepare(weights, idx, off, batch) is None and not seen
