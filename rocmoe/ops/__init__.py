@@ -109,7 +109,16 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
     row t is table t's; per_sample_weights: with mode="sum" only.
     Returns [B_global // world, T_total, D]: this rank's bags, all tables in global order."""
     ctx = resolve_context(ctx)
-    weights, indices, offsets = list(weights), list(indices), list(offsets)
+    weights = list(weights)
+    if (per_sample_weights is None and type(indices) is torch.Tensor
+            and type(offsets) is torch.Tensor and _direct(weights + [indices, offsets])):
+        # stacked lookups: a repeat of the last call at world size 1 writes the tables'
+        # records from the two tensors as they are (iterating their rows as tensors would
+        # make a view of each: the host time of two tensors a table)
+        repeat = _kernels.embedding_repeat(ctx, weights, indices, offsets, mode)
+        if repeat is not None:
+            return repeat[0]
+    indices, offsets = list(indices), list(offsets)
     psw = None if per_sample_weights is None else list(per_sample_weights)
     tensors = weights + indices + offsets + (psw or [])
     if _direct(tensors) or _off_device(ctx, tensors):

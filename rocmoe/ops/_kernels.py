@@ -304,6 +304,15 @@ def _embedding_repeat(ctx, weights, indices, offsets, mode):
     return out, layout
 
 
+def embedding_repeat(ctx, weights, indices, offsets, mode):
+    """_embedding_repeat where it applies (repeat paths on, world size 1), else None; for a
+    direct call (rocmoe.ops._direct: no autograd, no tracer, no mode) whose lookups are
+    stacked, before they are split into rows."""
+    if not _REPEAT or ctx.world_size != 1:
+        return None
+    return _embedding_repeat(ctx, weights, indices, offsets, mode)
+
+
 def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
                       expect: Optional[Sequence[int]] = None) -> torch.Tensor:
     op = "embedding_all_to_all"

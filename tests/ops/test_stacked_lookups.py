@@ -80,3 +80,37 @@ def test_stacked_lookups_of_the_wrong_number_of_tables_are_named(ctx):
     with pytest.raises(errors.InvalidArgumentError, match="3 tables here; got 3 tables, 2 index"):
         handle(tables, indices[:2], offsets)
     handle.close()
+
+
+def _spy_repeat(monkeypatch, answer):
+    """Replaces the functional op's repeat path (a GPU-only path at world size 1) with a spy
+    that records what it was handed and returns `answer`."""
+    from rocmoe.ops import _kernels
+    seen = []
+
+    def spy(ctx_, weights, indices, offsets, mode):
+        seen.append((indices, offsets))
+        return answer
+    monkeypatch.setattr(_kernels, "_embedding_repeat", spy)
+    return seen
+
+
+def test_the_functional_op_hands_stacked_lookups_to_its_repeat_path_unsplit(ctx, monkeypatch):
+    out = torch.zeros(1)
+    seen = _spy_repeat(monkeypatch, (out, []))
+    tables, indices, offsets = _lookups()
+    with torch.no_grad():
+        assert ops.embedding_all_to_all(tables, indices, offsets) is out
+    assert len(seen) == 1 and seen[0][0] is indices and seen[0][1] is offsets
+
+
+def test_stacked_lookups_the_repeat_path_declines_take_the_general_path_as_rows(ctx,
+                                                                                 monkeypatch):
+    tables, indices, offsets = _lookups(3)
+    want = ops.embedding_all_to_all(tables, list(indices), list(offsets))
+    seen = _spy_repeat(monkeypatch, None)
+    with torch.no_grad():
+        got = ops.embedding_all_to_all(tables, indices, offsets)
+    assert torch.equal(got, want)
+    assert seen[0][0] is indices  # offered stacked first, then as rows
+    assert all(isinstance(x, list) for x in seen[1])
