@@ -219,7 +219,37 @@ def _check_embedding(ctx, dtype, calls, dim, bags):
             h.synchronize()
             assert torch.equal(got, out), f"rank {rank} D {dim} {mode} call {call}: batched " \
                 f"differs from per-table by {(got.float() - out.float()).abs().max()}"
+            _check_stacked(h, [tables[i] for i in mine], [rows[i] for i in mine], b, call,
+                           f"rank {rank} D {dim} {mode} call {call}")
         h.close()
+
+
+def _check_stacked(h, tables, rows, b, call, what):
+    """Stacked lookups ([tables, L] indices, [tables, B] offsets: every bag `lookups` long)
+    give the bits of the same rows passed as lists and the reference's values; odd calls
+    take the indices as rows of a wider tensor (a row stride above L)."""
+    world, dev, dtype = h.world, h.ctx.device, h.dtype
+    lookups = 3
+    g = torch.Generator().manual_seed(3000 + call)
+    wide = lookups * b + (5 if call % 2 else 0)
+    idx = torch.stack([torch.randint(0, r, (wide,), generator=g) for r in rows]) if rows \
+        else torch.zeros(0, wide, dtype=torch.long)
+    idx = idx.to(dev)[:, :lookups * b]
+    off = torch.arange(0, lookups * b, lookups).repeat(len(rows), 1).to(dev)
+    weights = [t.to(dev, dtype) for t in tables]
+    with torch.no_grad():
+        stacked = h(weights, idx, off, batch=b)
+        listed = h(weights, list(idx), list(off), batch=b)
+    h.synchronize()
+    assert torch.equal(stacked, listed), f"{what}: stacked lookups differ from their rows " \
+        f"as lists by {(stacked.float() - listed.float()).abs().max()}"
+    if world > 1:  # the other ranks' columns come from lookups this rank did not draw
+        return
+    for t, table in enumerate(tables):
+        bag = torch.nn.functional.embedding_bag(idx[t].cpu(), table.to(dtype).double(),
+                                                off[t].cpu(), mode=h.mode)
+        e = rel_err(stacked[:, t], bag)
+        assert e < TOL[dtype], f"{what}: table {t}'s stacked lookups' relative error {e}"
 
 
 def check_embedding_bad_index(ctx, dtype, calls):
@@ -776,6 +806,18 @@ def check_lean(ctx, dtype, calls):
         e = rel_err(y4.float(), gv(wv, xv).float())
         assert e < TOL[dtype], f"a Parameter W_local computed another y: relative error {e}"
     gv.close()
+    # EmbeddingAllToAll's no-grad calls, listed and stacked lookups alike, are written by
+    # its per-table launch (gpu.TableEmbeddingLaunch), never by the general path
+    emb = ops.EmbeddingAllToAll(ctx, [40, 50], 16, 8 * world, 64, "sum", dtype)
+    tabs = [torch.randn(r, 16, device=dev).to(dtype) for r in (40, 50)]
+    idx = torch.randint(0, 40, (2, 16 * world), device=dev)
+    off = torch.arange(0, 16 * world, 2, device=dev).repeat(2, 1)
+    with torch.no_grad():
+        for form, lookups in (("listed", (list(idx), list(off))), ("stacked", (idx, off))):
+            _, general = _general_path_entered(emb, lambda: emb(tabs, *lookups))
+            assert not general, f"rank {rank}: {form} lookups took the embedding's general path"
+    emb.synchronize()
+    emb.close()
     h.close()
 
 
