@@ -185,6 +185,10 @@ variants = [  # (name, tables' rows, dtype, mode, lookups a bag, index dtype, a 
     ("bf16_again", A, torch.bfloat16, "mean", 3, torch.int64, True),
     ("fewer_tables", A[:2], torch.bfloat16, "mean", 3, torch.int64, False),
     ("fewer_tables_again", A[:2], torch.bfloat16, "mean", 3, torch.int64, True),
+    # stacked lookups ([tables, L] and [tables, B]): handed to the repeat path as they are
+    ("stacked", A[:2], torch.bfloat16, "mean", 3, torch.int64, True),
+    ("stacked_int32", A[:2], torch.bfloat16, "mean", 3, torch.int32, False),
+    ("stacked_again", A[:2], torch.bfloat16, "mean", 3, torch.int64, True),
 ]
 with torch.no_grad():
     for k, (name, rows, dtype, mode, per_bag, index_dtype, repeat) in enumerate(variants):
@@ -194,9 +198,12 @@ with torch.no_grad():
         idx = [torch.randint(0, r, (per_bag * B,), generator=g) for r in rows]
         offs = [torch.arange(0, per_bag * B, per_bag) for _ in rows]
         before = general_calls[0]
-        got = rocmoe.ops.embedding_all_to_all(
-            [t.to(dev) for t in tabs], [i.to(dev).to(index_dtype) for i in idx],
-            [o.to(dev).to(index_dtype) for o in offs], mode=mode, ctx=ctx)
+        lookups = ([i.to(dev).to(index_dtype) for i in idx],
+                   [o.to(dev).to(index_dtype) for o in offs])
+        if name.startswith("stacked"):
+            lookups = tuple(torch.stack(x) for x in lookups)
+        got = rocmoe.ops.embedding_all_to_all([t.to(dev) for t in tabs], *lookups, mode=mode,
+                                              ctx=ctx)
         want = reference.embedding_all_to_all(tabs, idx, offs, mode=mode, ctx=ctx)
         ok, detail = close(got, want, dtype) if got.shape == want.shape else \
             (False, f"shape {tuple(got.shape)} vs {tuple(want.shape)}")

@@ -17,7 +17,8 @@ DTYPES = ["fp32", "bf16"]
 REPEAT_CHECKS = ["first", "same_shapes_new_tensors", "int32_indices", "int64_again",
                  "other_rows", "other_rows_again", "first_rows_again", "more_lookups",
                  "more_lookups_again", "mode_mean", "mode_mean_again", "bf16", "bf16_again",
-                 "fewer_tables", "fewer_tables_again", "bad_index_raises_at_the_next_call",
+                 "fewer_tables", "fewer_tables_again", "stacked", "stacked_int32",
+                 "stacked_again", "bad_index_raises_at_the_next_call",
                  "after_the_bad_index_it_computes"]
 CALLS = 3
 
