@@ -981,10 +981,12 @@ _I64 = torch.int64
 
 def pack_lookups(indices: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor]):
     """Per-table lookups (each table's indices and [B] bag starts, as EmbeddingAllToAll's
-    call takes them) -> the packed (indices, offsets) of EmbeddingAllToAll.batched, on the
-    first index tensor's device: the indices one after the other, and [T * B + 1] offsets
-    into them. (None, None) for no tables. Reads no device value: the counts are the
-    tensors' sizes."""
+    call takes them, listed or stacked) -> the packed (indices, offsets) of
+    EmbeddingAllToAll.batched, on the indices' device: the indices one after the other, and
+    [T * B + 1] offsets into them. (None, None) for no tables. Reads no device value: the
+    counts are the tensors' sizes."""
+    if isinstance(indices, torch.Tensor) and isinstance(offsets, torch.Tensor):
+        return _pack_stacked_lookups(indices, offsets)
     if not indices:
         return None, None
     device = indices[0].device
@@ -993,6 +995,24 @@ def pack_lookups(indices: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor
     packed_offsets = torch.cat([o.to(torch.int64) + s for o, s in zip(offsets, starts[:-1])]
                                + [starts[-1:]])
     return torch.cat(list(indices)), packed_offsets
+
+
+def _pack_stacked_lookups(indices: torch.Tensor, offsets: torch.Tensor):
+    """pack_lookups of stacked lookups, [T, L] indices and [T, B] offsets (row t is table
+    t's): the indices as they lie (a copy only when their rows are not contiguous), table
+    t's offsets shifted by t * L, and the end. Four launches whatever T, where the lists'
+    way takes one a table."""
+    if indices.dim() != 2 or offsets.dim() != 2 or indices.shape[0] != offsets.shape[0]:
+        raise errors.InvalidArgumentError(
+            f"pack_lookups: stacked lookups are [tables, L] indices and [tables, B] offsets; "
+            f"got {tuple(indices.shape)} and {tuple(offsets.shape)}")
+    tables, lookups = indices.shape
+    if tables == 0:
+        return None, None
+    starts = torch.arange(0, (tables + 1) * lookups, lookups, dtype=torch.int64,
+                          device=indices.device)
+    shifted = offsets.to(device=indices.device, dtype=torch.int64) + starts[:-1, None]
+    return indices.reshape(-1), torch.cat([shifted.reshape(-1), starts[-1:]])
 
 
 def pack_tables(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],

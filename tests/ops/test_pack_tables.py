@@ -1,9 +1,11 @@
 """rocmoe.ops.pack_tables: per-table EmbeddingBag inputs -> EmbeddingAllToAll.batched's packed
 layout, and the host backend's split back (handles._split_packed) as its inverse."""
 
+import pytest
 import torch
 
-from rocmoe.ops import pack_tables
+from rocmoe import errors
+from rocmoe.ops import pack_lookups, pack_tables
 from rocmoe.ops.handles import _split_packed
 
 
@@ -33,3 +35,36 @@ def test_split_packed_gives_back_what_pack_tables_packed():
 
 def test_no_tables_pack_to_nothing():
     assert pack_tables([], [], []) == (None, None, None, None)
+
+
+def _stacked_lookups():
+    indices = torch.tensor([[0, 3, 1, 2], [1, 0, 0, 1], [5, 5, 4, 0]])   # [T=3, L=4]
+    offsets = torch.tensor([[0, 0, 2], [0, 1, 3], [0, 2, 2]])           # [T, B=3]
+    return indices, offsets
+
+
+def test_pack_lookups_packs_stacked_lookups_as_it_packs_their_rows():
+    indices, offsets = _stacked_lookups()
+    got = pack_lookups(indices, offsets)
+    want = pack_lookups(list(indices), list(offsets))
+    assert got[1].tolist() == [0, 0, 2, 4, 5, 7, 8, 10, 10, 12]       # t * L added, the end
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_pack_lookups_of_row_strided_stacked_indices_equals_their_rows():
+    indices, offsets = _stacked_lookups()
+    wide = torch.cat([indices, torch.full((3, 2), 9)], 1)[:, :4]       # rows 6 apart
+    got = pack_lookups(wide, offsets)
+    want = pack_lookups(list(indices), list(offsets))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_pack_lookups_of_no_stacked_tables_is_nothing():
+    assert pack_lookups(torch.zeros(0, 4, dtype=torch.long),
+                        torch.zeros(0, 3, dtype=torch.long)) == (None, None)
+
+
+def test_stacked_lookups_of_unequal_tables_are_named():
+    indices, offsets = _stacked_lookups()
+    with pytest.raises(errors.InvalidArgumentError, match=r"\[tables, L\] indices"):
+        pack_lookups(indices[:2], offsets)
