@@ -214,10 +214,7 @@ class Data:
             return
         start = criteo.Position(**position["reader"]) if position else None
         for b in self.train.batches(self.args.mini_batch_size, start):
-            dense, labels = b.dense, b.labels
-            lookups = [b.lookups(t) for t in range(criteo.NUM_SPARSE)]
-            yield (dense, [i for i, _ in lookups], [o for _, o in lookups], labels,
-                   {"reader": b.position.to_dict()})
+            yield (b.dense, *b.stacked_lookups(), b.labels, {"reader": b.position.to_dict()})
 
     def test_batches(self):
         size = self.args.test_mini_batch_size
@@ -226,8 +223,7 @@ class Data:
                 yield self._random(j, size)[:4]
             return
         for b in self.test.batches(size):
-            lookups = [b.lookups(t) for t in range(criteo.NUM_SPARSE)]
-            yield b.dense, [i for i, _ in lookups], [o for _, o in lookups], b.labels
+            yield (b.dense, *b.stacked_lookups(), b.labels)
 
 
 # -- loss and metrics --------------------------------------------------------------------------
@@ -276,6 +272,17 @@ def main(argv=None) -> int:
         return status
 
 
+def my_lookups(model, indices, offsets, device) -> tuple:
+    """This rank's tables' lookups on `device`: of stacked lookups (Criteo data: [26, B]
+    each) the rows of its tables, one copy each; of listed ones (the random data's bags of
+    varying size) a copy a table."""
+    if isinstance(indices, torch.Tensor):
+        tables = slice(model.my_tables.start, model.my_tables.stop)
+        return indices[tables].to(device), offsets[tables].to(device)
+    return ([indices[t].to(device) for t in model.my_tables],
+            [offsets[t].to(device) for t in model.my_tables])
+
+
 def evaluate(model, data, args, ctx, group) -> dict:
     probs, targets = [], []
     rank, world = group.rank, group.world_size
@@ -285,8 +292,7 @@ def evaluate(model, data, args, ctx, group) -> dict:
                 continue
             per = len(t) // world
             mine = slice(rank * per, (rank + 1) * per)
-            p = model(dense[mine].to(ctx.device), [idx[i].to(ctx.device) for i in model.my_tables],
-                      [off[i].to(ctx.device) for i in model.my_tables])
+            p = model(dense[mine].to(ctx.device), *my_lookups(model, idx, off, ctx.device))
             pairs = np.stack([p.double().cpu().numpy(), t[mine].double().numpy()])
             everyone = group.allgather(pairs, "test predictions")  # [world, 2, per]
             probs.append(everyone[:, 0].reshape(-1))
@@ -380,8 +386,7 @@ def train(args, ctx, group) -> int:
                     continue
                 per = len(targets) // world
                 mine = slice(rank * per, (rank + 1) * per)
-                probs = model(dense[mine].to(dev), [idx[i].to(dev) for i in model.my_tables],
-                              [off[i].to(dev) for i in model.my_tables])
+                probs = model(dense[mine].to(dev), *my_lookups(model, idx, off, dev))
                 loss = loss_fn(probs, targets[mine].to(dev))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()

@@ -61,6 +61,12 @@ class ClickBatch:
         """(indices, offsets) of table `table`: one lookup per sample (bags of size 1)."""
         return self.sparse[table], torch.arange(len(self), dtype=torch.int64)
 
+    def stacked_lookups(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every table's lookups stacked, as dlrm's collate makes them for Criteo data:
+        (indices [26, B], offsets [26, B]); row t is table t's `lookups(t)`."""
+        offsets = torch.arange(len(self), dtype=torch.int64)
+        return self.sparse, offsets.expand(self.sparse.shape[0], len(self))
+
 
 def parse_line(fields: list, table_sizes, where: str):
     """(label, dense[13] ints, sparse[26] hashed ints) of one split line; DataFormatError."""

@@ -139,16 +139,17 @@ class DLRM(nn.Module):
 
     def forward(self, dense_local: torch.Tensor, indices, offsets) -> torch.Tensor:
         """dense_local: this rank's samples [b, F]; indices / offsets: this rank's tables'
-        lookups over the whole global batch. Returns click probabilities [b]."""
+        lookups over the whole global batch, a tensor a table or stacked ([tables, L] and
+        [tables, B], row t table t's: one copy to the device and a few launches a step,
+        where lists take one of each a table). Returns click probabilities [b]."""
         from .. import ops
         x = self.bottom(dense_local)
         if self.lookup is None:
-            embedded = ops.embedding_all_to_all(self.tables, list(indices), list(offsets),
-                                                ctx=self.ctx)
+            embedded = ops.embedding_all_to_all(self.tables, indices, offsets, ctx=self.ctx)
         else:
             # (a rank without tables passes None for all three: it still takes its samples
             # of everyone's tables)
-            packed_indices, packed_offsets = ops.pack_lookups(list(indices), list(offsets))
+            packed_indices, packed_offsets = ops.pack_lookups(indices, offsets)
             embedded = self.lookup.batched(self.packed_tables if self.table_rows else None,
                                            packed_indices, packed_offsets,
                                            batch=dense_local.shape[0] * self.world_size)

@@ -15,5 +15,6 @@ def test_the_handle_lookup_equals_the_functional_one_bit_for_bit(ranks):
     proc = run_mpi(SCRIPT, ranks, timeout=240, env=mpi_env(OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout
     for what in ("paths", "packed", "step 0 forward", "step 0 gradients", "step 1 forward",
-                 "step 1 gradients"):
+                 "step 1 gradients", "stacked lookups, handle model",
+                 "stacked lookups, plain model"):
         assert proc.stdout.count(f"ok {what}\n") == ranks, proc.stdout
