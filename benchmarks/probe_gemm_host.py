@@ -15,6 +15,7 @@ import torch
 import rocmoe
 from rocmoe import ops
 from rocmoe.ops import gpu
+from rocmoe.ops.gpu import gemm_plans, triton_launcher
 
 OUT = os.environ.get("OUT", ".")
 
@@ -58,14 +59,14 @@ def main():
             team = gpu.team_for(ctx)
             r["plan_launch"] = per_call_us(lambda: plan.launch(h, team, x, w, counts_t, out, recv,
                                                                h._w_descriptors))
-            launcher = gpu._LAUNCHERS["gemm_a2a_kernel"]
+            launcher = triton_launcher._LAUNCHERS["gemm_a2a_kernel"]
             (kernel, tail), = [v for kk, v in launcher._compiled.items()][-1:]
             x_arg, w_arg, use_tma = gpu.gemm_operands(x, w, plan.cfg, h._w_descriptors)
             strides_w = (0, w.stride(-2), w.stride(-1))
             args = (x_arg, w_arg, out, counts_t, team.order, team.peer_bases, recv, *plan.tail_args,
                     m, n, k, plan.per, plan.capacity, plan.nprog, x.stride(0), x.stride(1),
                     *strides_w, plan.wait_budget)
-            r["specialize_dynamic"] = per_call_us(lambda: launcher.specialize(args, gpu._GEMM_DYNAMIC))
+            r["specialize_dynamic"] = per_call_us(lambda: launcher.specialize(args, gemm_plans._GEMM_DYNAMIC))
             r["compiled_launch"] = per_call_us(lambda: kernel[(plan.nprog, 1, 1)](*args, *tail))
             r["use_tma"] = use_tma
             # what a native launch needs

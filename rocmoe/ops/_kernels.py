@@ -561,7 +561,7 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     if _REPEAT and world == 1 and w is not None and not groups and _on_gpu(ctx):
         _GEMM_LAST[ctx] = handle
     flat = [c for row in group_counts for c in row] if group_counts is not None else counts
-    # a GPU handle's lean call (rocmoe/ops/gpu.py: lean_gemm_call) once it has one: the
+    # a GPU handle's lean call (rocmoe/ops/gpu/gemm_plans.py: lean_gemm_call) once it has one: the
     # checks above already passed, and it launches without the general path's layers; it
     # declines (None) what it does not take (grouped products, another K, grad), which then
     # takes the general path

@@ -562,7 +562,8 @@ class GemmAllToAll(_RowsHandle):
         or an integer tensor on the handle's device. Returns (out [world * max_rows, N],
         recv_counts [world] int64): rows from source 0 first, packed."""
         lean = self.__dict__.get("_lean")
-        if lean is not None:  # GPU, after the first call (rocmoe/ops/gpu.py: lean_gemm_call)
+        # GPU, after the first call (rocmoe/ops/gpu/gemm_plans.py: lean_gemm_call)
+        if lean is not None:
             result = lean(x, w, send_counts)
             if result is not None:
                 return result

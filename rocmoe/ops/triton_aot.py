@@ -1,6 +1,6 @@
 """Ahead-of-time sources of the fused GEMM's Triton kernels, built as a GemmAllToAll handle
-launches them (gpu._GemmLaunch, gpu.grouped_local, the weight gradient): the constexprs a
-tile config gives the kernel and the compile options it gives Triton.
+launches them (gpu.gemm_plans._GemmLaunch, gpu.grouped_local, the weight gradient): the
+constexprs a tile config gives the kernel and the compile options it gives Triton.
 
 Why one module: the compile tests (tests/test_triton_compile.py) and the resource tools
 (benchmarks/amdgcn_resources.py, benchmarks/ptxas_spills.py) build these kernels without a
@@ -68,8 +68,8 @@ def gemm_source(platform: str, dtype: str = "bf16", mode: str = "exchange",
     kmode, direct, mode_groups = GEMM_MODES[mode]
     split_k = int(cfg.get("SPLIT_K", 1))
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    # as gpu._GemmLaunch makes them (PROGRAMS_PER_SM and USE_TMA in a config are the grid's
-    # and the launch's, not constexprs of their own)
+    # as gpu.gemm_plans._GemmLaunch makes them (PROGRAMS_PER_SM and USE_TMA in a config are
+    # the grid's and the launch's, not constexprs of their own)
     constexprs = dict(WORLD_P2=world_p2, GROUPS_P2=groups_p2 or mode_groups, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], MODE=kmode, COPY=False,
                       FP32_IEEE=fp32, EVEN_N=even, EVEN_K=even, USE_TMA=tma, SPLIT_K=split_k,

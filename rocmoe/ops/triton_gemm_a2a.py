@@ -825,8 +825,8 @@ def default_config(platform: str, fp32: bool = False) -> dict:
     float32's 128 x 128 x 32 9-27 on gfx942 (Triton 3.9's builds: benchmarks/
     amdgcn_resources.py, results/amdgcn_resources_twentythird_session.jsonl;
     tests/test_triton_compile.py keeps the tiles here spill-free). Not timed on AMD hardware:
-    the GEMM tuner (gpu._tuned_launch) times these and its CDNA candidates on the first call
-    of a shape."""
+    the GEMM tuner (gpu.gemm_plans._tuned_launch) times these and its CDNA candidates on the
+    first call of a shape."""
     if platform == "hip":
         return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=16 if fp32 else 64, GROUP_M=8,
                     num_warps=8, num_stages=2)

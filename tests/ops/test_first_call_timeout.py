@@ -10,16 +10,18 @@ import pytest
 import torch
 
 from rocmoe.ops import gpu
+from rocmoe.ops.gpu import embedding_launch, gemv_launch, team
 from rocmoe.ops.layout import make_layout
 
 
 @pytest.fixture
 def first_call_300(monkeypatch):
-    monkeypatch.setattr(gpu, "_interpreting", lambda: False)
+    monkeypatch.setattr(team, "_interpreting", lambda: False)
     monkeypatch.setenv("ROCMOE_FIRST_CALL_TIMEOUT_S", "300")
-    team = types.SimpleNamespace(peer_bases=torch.zeros(2, dtype=torch.int64), rank=0,
+    stand_in = types.SimpleNamespace(peer_bases=torch.zeros(2, dtype=torch.int64), rank=0,
                                  world=2, ranks_per_node=2)
-    monkeypatch.setattr(gpu, "team_for", lambda ctx: team)
+    for module in (embedding_launch, gemv_launch):
+        monkeypatch.setattr(module, "team_for", lambda ctx: stand_in)
     monkeypatch.setattr(gpu.native_launch, "stream_getter", lambda device: (lambda: 0))
 
 
@@ -87,7 +89,7 @@ def test_a_bad_first_call_timeout_is_a_clear_error(first_call_300, monkeypatch):
 def test_a_per_table_embedding_handles_fast_path_waits_the_first_call_timeout_once(
         first_call_300, monkeypatch):
     # the launch EmbeddingAllToAll's no-grad per-table calls take (TableEmbeddingLaunch)
-    monkeypatch.setattr(gpu, "inline_tables", lambda: 8)
+    monkeypatch.setattr(embedding_launch, "inline_tables", lambda: 8)
     handle = _handle("embedding_all_to_all", mode="sum", num_tables=1, total_tables=2,
                      table_base=0, dim=4, dtype=torch.float32, world=2, max_batch=4,
                      max_lookups=8, table_rows=[5], _device_index=0)

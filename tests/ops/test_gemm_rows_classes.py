@@ -1,5 +1,5 @@
-"""A GemmAllToAll keeps one plan (tile config, grid) per rows class of X (rocmoe/ops/gpu.py:
-rows_class), tuned on the class's first call, so that a handle or a function's cached
+"""A GemmAllToAll keeps one plan (tile config, grid) per rows class of X
+(rocmoe/ops/gpu/gemm_plans.py: rows_class), tuned on the class's first call, so that a handle or a function's cached
 handle called with fewer rows than its first call does not run the first call's tile."""
 
 import subprocess
@@ -41,6 +41,7 @@ def _interpreted(body: str):
     interpreter is chosen when the kernels are defined."""
     require_module("triton", "the Triton interpreter runs the GEMM kernel on CPU")
     script = ("import torch, rocmoe\nfrom rocmoe import ops\nfrom rocmoe.ops import gpu\n"
+              "from rocmoe.ops.gpu import gemm_plans\n"
               "ctx = rocmoe.init(backend='host', heap_size=64 << 20)\n"
               + textwrap.dedent(body) + "\nctx.finalize()\n")
     proc = subprocess.run([sys.executable, "-c", script], env=mpi_env(TRITON_INTERPRET="1"),
@@ -89,9 +90,9 @@ _CAPTURE_SCRIPT = """
 
     first = call(40)[6]
     first.cfg = dict(first.cfg, GROUP_M=1)  # a config the default does not have
-    gpu.capturing = lambda: True            # as under CUDA graph capture
+    gemm_plans.capturing = lambda: True     # as under CUDA graph capture
     captured = call(8)[4]
-    gpu.capturing = lambda: False
+    gemm_plans.capturing = lambda: False
     after = call(8)[4]
     print(dict(captured_untuned=captured.untuned, captured_cfg=captured.cfg == first.cfg,
                replaced=after is not captured, after_untuned=after.untuned))
@@ -113,7 +114,7 @@ _FIRST_CALL_CAPTURED_SCRIPT = """
     h._engine = "triton"
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(20, 16, generator=g), torch.randn(16, 24, generator=g)
-    gpu.capturing = lambda: True  # as under CUDA graph capture
+    gemm_plans.capturing = lambda: True  # as under CUDA graph capture
     with torch.no_grad():
         out, _ = h(x, w, [20])
     (plan,) = h._launches.values()
@@ -161,7 +162,7 @@ def _plans_made(monkeypatch, world, rows_seq):
     import torch
     from types import SimpleNamespace
 
-    from rocmoe.ops import gpu
+    from rocmoe.ops.gpu import gemm_plans
 
     tuned = []
 
@@ -177,14 +178,14 @@ def _plans_made(monkeypatch, world, rows_seq):
         tuned.append(x.shape[0])
         return Plan(handle, team, x, w, groups, {"tuned_at": x.shape[0]})
 
-    monkeypatch.setattr(gpu, "_GemmLaunch", Plan)
-    monkeypatch.setattr(gpu, "_tuned_launch", tune)
-    monkeypatch.setattr(gpu, "team_for", lambda ctx: SimpleNamespace(world=world))
-    monkeypatch.setattr(gpu, "capturing", lambda: False)
+    monkeypatch.setattr(gemm_plans, "_GemmLaunch", Plan)
+    monkeypatch.setattr(gemm_plans, "_tuned_launch", tune)
+    monkeypatch.setattr(gemm_plans, "team_for", lambda ctx: SimpleNamespace(world=world))
+    monkeypatch.setattr(gemm_plans, "capturing", lambda: False)
     handle = SimpleNamespace(ctx=None, N=8, K=16)
     w = torch.zeros(16, 8)
     for rows in rows_seq:
-        gpu.rows_exchange(handle, torch.zeros(rows, 16), w, None,
+        gemm_plans.rows_exchange(handle, torch.zeros(rows, 16), w, None,
                           torch.zeros(world, dtype=torch.int64), 0, torch.empty(64, 8))
     return tuned, {key[-1]: (p.borrowed, p.untuned, p.cfg)
                    for key, p in handle._launches.items()}

@@ -10,11 +10,12 @@ import torch
 
 from rocmoe._native import ffi
 from rocmoe.ops import gpu
+from rocmoe.ops.gpu import gemv_launch
 
 
 def _launch(monkeypatch, n=6, k_local=4):
-    monkeypatch.setattr(gpu, "_fill", lambda ffi_, args, team, handle: None)
-    monkeypatch.setattr(gpu, "team_for", lambda ctx: None)
+    monkeypatch.setattr(gemv_launch, "_fill", lambda ffi_, args, team, handle: None)
+    monkeypatch.setattr(gemv_launch, "team_for", lambda ctx: None)
     monkeypatch.setattr(gpu.native_launch, "stream_getter",
                         lambda device: (lambda: 0x9000 + device.index))
     handle = types.SimpleNamespace(ctx=types.SimpleNamespace(device=torch.device("cuda", 1),

@@ -13,17 +13,18 @@ import torch
 import rocmoe._native as native
 from rocmoe._native import ffi
 from rocmoe.ops import gpu
+from rocmoe.ops.gpu import embedding_launch
 
 DIM, BATCH = 8, 4
 
 
 def _writer(monkeypatch):
     """A handle for gpu.embedding and the list each call's table records land in."""
-    monkeypatch.setattr(gpu, "_fill", lambda ffi_, args, team, handle: None)
-    monkeypatch.setattr(gpu, "team_for", lambda ctx: None)
-    monkeypatch.setattr(gpu, "inline_tables", lambda: 32)
-    monkeypatch.setattr(gpu, "_stream_ptr", lambda ffi_, device: ffi.NULL)
-    monkeypatch.setattr(gpu, "_launched", lambda args, handle: None)
+    monkeypatch.setattr(embedding_launch, "_fill", lambda ffi_, args, team, handle: None)
+    monkeypatch.setattr(embedding_launch, "team_for", lambda ctx: None)
+    monkeypatch.setattr(embedding_launch, "inline_tables", lambda: 32)
+    monkeypatch.setattr(embedding_launch, "_stream_ptr", lambda ffi_, device: ffi.NULL)
+    monkeypatch.setattr(embedding_launch, "_launched", lambda args, handle: None)
     seen = []
 
     def launch(args, abort):

@@ -11,6 +11,7 @@ from rocmoe_testing import require_module
 
 require_module("triton", "Triton's tensor descriptors are what grouped_operands makes")
 from rocmoe.ops import gpu  # noqa: E402
+from rocmoe.ops.gpu import gemm_plans  # noqa: E402
 
 CFG = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=16, USE_TMA=True)
 G, K, N = 3, 48, 40
@@ -18,7 +19,7 @@ G, K, N = 3, 48, 40
 
 @pytest.fixture(autouse=True)
 def tma(monkeypatch):
-    monkeypatch.setattr(gpu, "tma_capable", lambda device: True)
+    monkeypatch.setattr(gemm_plans, "tma_capable", lambda device: True)
 
 
 def test_stored_weights_go_as_one_descriptor_of_all_groups():

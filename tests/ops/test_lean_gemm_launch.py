@@ -1,10 +1,11 @@
-"""The lean GemmAllToAll call's launch (rocmoe/ops/gpu.py: _LeanGemmLaunch) without a GPU:
-against a stand-in for the plan's NativeLaunch it writes only the pointers that changed and
-launches, and leaves every call whose other arguments may differ to the plan."""
+"""The lean GemmAllToAll call's launch (rocmoe/ops/gpu/gemm_plans.py: _LeanGemmLaunch)
+without a GPU: against a stand-in for the plan's NativeLaunch it writes only the pointers
+that changed and launches, and leaves every call whose other arguments may differ to the
+plan."""
 
 import torch
 
-from rocmoe.ops.gpu import _LeanGemmLaunch
+from rocmoe.ops.gpu.gemm_plans import _LeanGemmLaunch
 
 
 class FakeNative:

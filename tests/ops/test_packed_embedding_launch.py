@@ -9,11 +9,13 @@ import torch
 
 from rocmoe._native import ffi
 from rocmoe.ops import gpu
+from rocmoe.ops._common import MODES
+from rocmoe.ops.gpu import embedding_launch
 
 
 def _launch(monkeypatch):
-    monkeypatch.setattr(gpu, "_fill", lambda ffi_, args, team, handle: None)
-    monkeypatch.setattr(gpu, "team_for", lambda ctx: None)
+    monkeypatch.setattr(embedding_launch, "_fill", lambda ffi_, args, team, handle: None)
+    monkeypatch.setattr(embedding_launch, "team_for", lambda ctx: None)
     monkeypatch.setattr(gpu.native_launch, "stream_getter",
                         lambda device: (lambda: 0x7000 + device.index))
     handle = types.SimpleNamespace(ctx=types.SimpleNamespace(device=torch.device("cuda", 2),
@@ -51,7 +53,7 @@ def test_each_call_word_lands_in_its_field_of_the_c_struct(monkeypatch):
     assert seen == dict(stream=0x7002, batch=4, out=out.data_ptr(), weights=weight.data_ptr(),
                         indices=idx.data_ptr(), offsets=off.data_ptr(), psw=psw.data_ptr(),
                         num_indices=11, row_base=handle._row_base_t.data_ptr(),
-                        mode=gpu.MODES["mean"], tables=(3, 5, 1, 8), abort=0)
+                        mode=MODES["mean"], tables=(3, 5, 1, 8), abort=0)
 
 
 def test_a_call_without_per_sample_weights_passes_null(monkeypatch):

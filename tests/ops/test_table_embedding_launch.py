@@ -12,6 +12,8 @@ import torch
 
 from rocmoe._native import ffi
 from rocmoe.ops import gpu
+from rocmoe.ops._common import MODES
+from rocmoe.ops.gpu import embedding_launch
 
 ROWS, DIM, BATCH, MOST = (5, 7, 9), 8, 4, 6
 
@@ -20,9 +22,9 @@ INLINE = 32  # hip/src/gpu/fused_embedding.hip's kInlineTables (0 in a build wit
 
 
 def _fake_gpu(monkeypatch):
-    monkeypatch.setattr(gpu, "_fill", lambda ffi_, args, team, handle: None)
-    monkeypatch.setattr(gpu, "team_for", lambda ctx: None)
-    monkeypatch.setattr(gpu, "inline_tables", lambda: INLINE)
+    monkeypatch.setattr(embedding_launch, "_fill", lambda ffi_, args, team, handle: None)
+    monkeypatch.setattr(embedding_launch, "team_for", lambda ctx: None)
+    monkeypatch.setattr(embedding_launch, "inline_tables", lambda: INLINE)
     monkeypatch.setattr(gpu.native_launch, "stream_getter",
                         lambda device: (lambda: 0x7000 + device.index))
 
@@ -72,7 +74,7 @@ def test_each_tables_words_land_in_its_record_of_the_c_struct(monkeypatch):
     launch.fire(BATCH, out)
     assert seen == [dict(
         stream=0x7002, batch=BATCH, out=out.data_ptr(), packed=0, device_tables=0,
-        mode=gpu.MODES["mean"], abort=0, sizes=(3, 5, 1, DIM),
+        mode=MODES["mean"], abort=0, sizes=(3, 5, 1, DIM),
         tables=[dict(weights=w.data_ptr(), indices=i.data_ptr(), offsets=o.data_ptr(), psw=0,
                      rows=w.shape[0], num_indices=i.numel())
                 for w, i, o in zip(weights, indices, offsets)])]

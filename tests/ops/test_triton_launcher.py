@@ -13,7 +13,7 @@ from rocmoe_testing import require_module
 
 require_module("triton", "the launcher specialises arguments the way Triton's JIT does")
 
-from rocmoe.ops import gpu  # noqa: E402
+from rocmoe.ops.gpu import gemm_plans, team, triton_launcher  # noqa: E402
 from rocmoe.ops import triton_gemm_a2a as tk  # noqa: E402
 
 
@@ -51,8 +51,8 @@ class _Compiled:
 def launch(monkeypatch):
     kernel = _StandInKernel()
     monkeypatch.setattr(tk, "get", lambda name: kernel)
-    monkeypatch.setattr(gpu, "_interpreting", lambda: False)
-    launcher = gpu._Launcher("stand_in")
+    monkeypatch.setattr(triton_launcher, "_interpreting", lambda: False)
+    launcher = triton_launcher._Launcher("stand_in")
 
     def run(*args):
         launcher((1,), args, {"BLOCK": 16}, {}, ("plan",))
@@ -93,8 +93,8 @@ def test_arguments_a_caller_declares_fixed_are_not_specialised_per_call(monkeypa
     # the fixed part is then the caller's key
     kernel = _StandInKernel()
     monkeypatch.setattr(tk, "get", lambda name: kernel)
-    monkeypatch.setattr(gpu, "_interpreting", lambda: False)
-    launcher = gpu._Launcher("stand_in")
+    monkeypatch.setattr(triton_launcher, "_interpreting", lambda: False)
+    launcher = triton_launcher._Launcher("stand_in")
     x = torch.zeros(64, 48)
     fixed = launcher.specialize((x, 48, 48), (1, 2))
     assert fixed == launcher.specialize((x, 48, 48), (1, 2))
@@ -107,8 +107,8 @@ def test_arguments_a_caller_declares_fixed_are_not_specialised_per_call(monkeypa
 def test_the_gemm_plan_names_every_argument_fixed_or_dynamic():
     fn = tk.get("gemm_a2a_kernel")
     positional = [p for p in fn.params if not p.is_constexpr]
-    assert sorted(gpu._GEMM_FIXED + gpu._GEMM_DYNAMIC) == list(range(len(positional)))
-    names = [fn.arg_names[i] for i in gpu._GEMM_DYNAMIC]
+    assert sorted(gemm_plans._GEMM_FIXED + gemm_plans._GEMM_DYNAMIC) == list(range(len(positional)))
+    names = [fn.arg_names[i] for i in gemm_plans._GEMM_DYNAMIC]
     assert names == ["x_ptr", "w_ptr", "out_ptr", "counts_ptr", "order_ptr", "peer_bases_ptr",
                      "recv_ptr", "M", "stride_xm", "stride_xk", "stride_wg", "stride_wk",
                      "stride_wn"]
@@ -118,11 +118,11 @@ def test_a_gemm_plans_first_launch_waits_the_first_call_timeout(monkeypatch):
     # the peers of a first call may still be compiling and tuning: its waits are bounded by
     # ROCMOE_FIRST_CALL_TIMEOUT_S (microseconds of the device clock), later ones by the
     # context's timeout
-    monkeypatch.setattr(gpu, "_interpreting", lambda: False)
+    monkeypatch.setattr(team, "_interpreting", lambda: False)
     monkeypatch.setenv("ROCMOE_FIRST_CALL_TIMEOUT_S", "300")
-    assert gpu._wait_budget(3.0) == 3_000_000
-    assert gpu._first_call_budget(3.0) == 300_000_000
-    assert gpu._first_call_budget(400.0) == 400_000_000  # never below the plain timeout
+    assert team._wait_budget(3.0) == 3_000_000
+    assert team._first_call_budget(3.0) == 300_000_000
+    assert team._first_call_budget(400.0) == 400_000_000  # never below the plain timeout
 
 
 def test_a_gemm_plan_rewrites_its_native_launches_budget_after_the_first_launch():
@@ -130,22 +130,22 @@ def test_a_gemm_plan_rewrites_its_native_launches_budget_after_the_first_launch(
     # long budget among them: without the rewrite every later call waited
     # ROCMOE_FIRST_CALL_TIMEOUT_S for a dead peer (300 s on the H200, where the missing-peer
     # test hung)
-    assert tk.get("gemm_a2a_kernel").arg_names[gpu._GEMM_BUDGET] == "wait_budget"
-    assert gpu._GEMM_BUDGET in gpu._GEMM_FIXED
+    assert tk.get("gemm_a2a_kernel").arg_names[gemm_plans._GEMM_BUDGET] == "wait_budget"
+    assert gemm_plans._GEMM_BUDGET in gemm_plans._GEMM_FIXED
     written = []
     native = types.SimpleNamespace(set_fixed=lambda pos, v: written.append((pos, v)))
-    plan = gpu._GemmLaunch.__new__(gpu._GemmLaunch)
+    plan = gemm_plans._GemmLaunch.__new__(gemm_plans._GemmLaunch)
     plan.native, plan.wait_budget, plan.launched = {True: native, False: None}, 3_000_000, False
     plan._first_launch_done()
-    assert plan.launched and written == [(gpu._GEMM_BUDGET, 3_000_000)]
+    assert plan.launched and written == [(gemm_plans._GEMM_BUDGET, 3_000_000)]
 
 
 def test_the_first_call_budget_specialises_the_kernel_like_the_plain_one(monkeypatch):
     # the plan specialises its fixed arguments once, at the first launch: the two budgets
     # must key the same compiled kernel (multiples of 16, 32-bit)
-    monkeypatch.setattr(gpu, "_interpreting", lambda: False)
-    launcher = gpu._Launcher("gemm_a2a_kernel")
-    budgets = [gpu._wait_budget(t) for t in (0.001, 2.5, 3.3, 60)]
-    budgets += [gpu._first_call_budget(t) for t in (0.001, 60)]
+    monkeypatch.setattr(triton_launcher, "_interpreting", lambda: False)
+    launcher = triton_launcher._Launcher("gemm_a2a_kernel")
+    budgets = [team._wait_budget(t) for t in (0.001, 2.5, 3.3, 60)]
+    budgets += [team._first_call_budget(t) for t in (0.001, 60)]
     specs = {launcher.specialize((b,), (0,)) for b in budgets}
     assert len(specs) == 1, specs

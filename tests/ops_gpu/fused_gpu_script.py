@@ -715,8 +715,8 @@ def _general_path_entered(handle, call):
 
 def check_lean(ctx, dtype, calls):
     # after its first call a GemmAllToAll takes the common call through its lean path
-    # (rocmoe/ops/gpu.py: lean_gemm_call); whatever that path does not take must still get
-    # the general path's checks and results: a rejected input (every rank raises), bad
+    # (rocmoe/ops/gpu/gemm_plans.py: lean_gemm_call); whatever that path does not take must
+    # still get the general path's checks and results: a rejected input (every rank raises), bad
     # device counts (found by the kernel), a column-major X, and autograd (with grad
     # enabled every rank records the collective backward, also one whose X needs none)
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device

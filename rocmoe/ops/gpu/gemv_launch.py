@@ -1,0 +1,47 @@
+"""GemvAllReduce's launch: the handle's struct, written once, five words a call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hip_args import _StructLaunch, _fill, _word_view
+from .team import team_for
+
+
+class GemvLaunch(_StructLaunch):
+    """A GemvAllReduce handle's rocmoe_gpu_gemv_args, written once; a call writes its five
+    per-call words (stream, K, W, x, y) through an int64 view of the struct (see
+    _word_view). The caller has checked W [N, K] and x [K] (K is the call's: the functional
+    op's cached handle serves every K of an N); a non-contiguous W or x is made contiguous
+    here (the kernel reads rows of W and x as plain arrays)."""
+
+    def __init__(self, handle):
+        from ..._native import ffi, lib
+        args = ffi.new("rocmoe_gpu_gemv_args *")
+        _fill(ffi, args, team_for(handle.ctx), handle)
+        args.n = handle.N
+        self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_gemv_args", {
+            "stream": ("fused", "stream"), "k": ("k",), "w": ("w",), "x": ("x",),
+            "out": ("out",)})
+        super().__init__(handle, args, lib.rocmoe_gpu_gemv_allreduce)
+
+    def __call__(self, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor) -> None:
+        wc = w_local if w_local.is_contiguous() else w_local.contiguous()
+        xc = x_local if x_local.is_contiguous() else x_local.contiguous()
+        v, at = self.view, self.at
+        v[at["stream"]] = self.stream()
+        v[at["k"]] = wc.shape[1]
+        v[at["w"]] = wc.data_ptr()
+        v[at["x"]] = xc.data_ptr()
+        v[at["out"]] = out.data_ptr()
+        self._launch("GemvAllReduce (GPU)")
+        del wc, xc  # a copy made here is freed into stream order: reused after the kernel
+
+
+def gemv(handle, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor) -> None:
+    """Enqueue one GemvAllReduce call (the handle's GemvLaunch, made on its first call)."""
+    launch = handle.__dict__.get("_gemv_launch")
+    if launch is None:
+        launch = handle._gemv_launch = GemvLaunch(handle)
+    launch(w_local, x_local, out)
