@@ -19,7 +19,7 @@ import torch
 import rocmoe
 from rocmoe import ops
 from rocmoe.bench.fused_gpu import host_us
-from rocmoe.ops.handles import _take_output
+from rocmoe.ops.handles.base import _take_output
 
 
 def main(argv) -> None:

@@ -11,7 +11,7 @@ collective: all ranks call the same ops in the same order. Bad input on any rank
 RocmoeError on every rank before anything is sent. The unfused baselines (compute, then MPI
 Alltoallv / Allreduce) are `rocmoe.ops.reference.*`.
 
-The fast path is the persistent handles (rocmoe/ops/handles.py): `GemmAllToAll`,
+The fast path is the persistent handles (rocmoe/ops/handles/): `GemmAllToAll`,
 `AllToAllRows`, `EmbeddingAllToAll`, `GemvAllReduce`, created once and then called with no
 host collective, no host synchronisation, and capturable in CUDA/HIP graphs. The functions
 above run on cached handles after agreeing on every call's shapes on the host; a call that

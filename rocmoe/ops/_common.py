@@ -6,7 +6,7 @@ without touching any peer, then run one bounded control all-gather (`agree`) tha
 each rank's verdict and the sizes the others need (batch, table counts, send counts). If any
 rank is bad, every rank raises (the bad one its own error, the others an
 InvalidArgumentError naming it) and nothing was written anywhere. Then the call goes to a
-cached handle (rocmoe/ops/handles.py), whose own protocol (epochs, acks, counts with the
+cached handle (rocmoe/ops/handles/), whose own protocol (epochs, acks, counts with the
 data) needs no host collective.
 """
 

@@ -4,7 +4,7 @@ gemm_all_to_all): validate, agree on the host, then call a cached handle.
 The functional path keeps the ops' original contract: exact-shape outputs and bad input
 raising on every rank before anything is sent. For that it agrees on every call's shapes
 (and, for the GEMM, on every rank's send counts) with one bounded host all-gather, which
-also tells every rank which cached handle (rocmoe/ops/handles.py) to use and when to make
+also tells every rank which cached handle (rocmoe/ops/handles/) to use and when to make
 a bigger one: the decision comes from the agreed table, so it is the same on every rank.
 The handles are the fast path: no host collective at all per call.
 """
@@ -19,10 +19,10 @@ import torch
 
 from .. import errors
 from .._triton import pow2_at_least as _round_up
-from ._common import (CODE_DTYPES, DTYPE_CODES, INDEX_DTYPES, agree, check_device,
+from ._common import (CODE_DTYPES, DTYPE_CODES, INDEX_DTYPES, MODES, agree, check_device,
                       check_float_dtype, check_index_dtype)
-from .handles import (MODES, EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, _on_gpu,
-                      _take_output, rows_handle)
+from .handles import EmbeddingAllToAll, GemmAllToAll, GemvAllReduce, rows_handle
+from .handles.base import _on_gpu, _take_output
 from .products import split_groups
 
 # stands for send_counts that were not integers at all (the custom op's schema needs ints)

@@ -1,6 +1,6 @@
 """The local algebra of the fused ops' host paths and backward passes: grouped products over
 (destination, group) segments, and the EmbeddingBag gradient. Shared by the functional ops
-(rocmoe/ops/_ops.py) and the handles (rocmoe/ops/handles.py)."""
+(rocmoe/ops/_ops.py) and the handles (rocmoe/ops/handles/)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Triton kernels of the fused GEMM + All-to-All and of the plain row exchange (AMD and
-NVIDIA), for the persistent handles of rocmoe/ops/handles.py.
+NVIDIA), for the persistent handles of rocmoe/ops/handles/.
 
 Every call of a handle is one or two launches with no host work between them and nothing
 read back: the row counts are a device tensor, the epoch lives in the workspace, so a call

@@ -6,7 +6,7 @@ import torch
 
 from rocmoe import errors
 from rocmoe.ops import pack_lookups, pack_tables
-from rocmoe.ops.handles import _split_packed
+from rocmoe.ops.handles.embedding import _split_packed
 
 
 def _inputs():

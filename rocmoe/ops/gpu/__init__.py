@@ -1,4 +1,4 @@
-"""GPU launchers of the fused-op handles (rocmoe/ops/handles.py): Triton for the GEMM and the
+"""GPU launchers of the fused-op handles (rocmoe/ops/handles/): Triton for the GEMM and the
 row exchange, librocmoe's HIP kernels for the embedding and the GEMV.
 
 A call enqueues its kernels on the current stream and returns: nothing is read back, nothing
