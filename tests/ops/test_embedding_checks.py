@@ -8,15 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rocmoe
 from rocmoe import errors, ops
-
-
-@pytest.fixture
-def ctx():
-    with rocmoe.init(backend="host", heap_size=64 << 20) as c:
-        yield c
-        ops.release_workspaces(c)
 
 
 def _lookups(n_tables=3):

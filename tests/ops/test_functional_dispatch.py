@@ -13,18 +13,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import rocmoe
 from rocmoe import errors, ops
 from rocmoe.ops import _kernels
 
 OPS = ("gemm_all_to_all", "gemv_all_reduce", "embedding_all_to_all")
-
-
-@pytest.fixture
-def ctx():
-    with rocmoe.init(backend="host", heap_size=64 << 20) as c:
-        yield c
-        ops.release_workspaces(c)
 
 
 @pytest.fixture

@@ -8,17 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rocmoe
 from rocmoe import errors, ops
 
 ROWS, DIM, BATCH, LOOKUPS = (10, 7, 12), 4, 4, 6
-
-
-@pytest.fixture
-def ctx():
-    with rocmoe.init(backend="host", heap_size=64 << 20) as c:
-        yield c
-        ops.release_workspaces(c)
 
 
 def _lookups(seed=0):
