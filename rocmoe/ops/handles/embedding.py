@@ -413,10 +413,13 @@ def pack_lookups(indices: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor
     if not indices:
         return None, None
     device = indices[0].device
-    counts = torch.tensor([0] + [i.numel() for i in indices], dtype=torch.int64)
-    starts = torch.cumsum(counts, 0).to(device)
+    # the starts as host integers, added as scalars: a tensor of them copied to the GPU was a
+    # blocking copy from pageable memory, which waited for the work queued before it (2.1-2.3
+    # ms a call behind a busy GPU on an H100, benchmarks/probe_stacked_lookups.py)
+    starts = np.cumsum([0] + [i.numel() for i in indices]).tolist()
+    end = torch.full((1,), starts[-1], dtype=torch.int64, device=device)
     packed_offsets = torch.cat([o.to(torch.int64) + s for o, s in zip(offsets, starts[:-1])]
-                               + [starts[-1:]])
+                               + [end])
     return torch.cat(list(indices)), packed_offsets
 
 
