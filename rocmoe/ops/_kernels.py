@@ -305,9 +305,9 @@ def _embedding_repeat(ctx, weights, indices, offsets, mode):
 
 
 def embedding_repeat(ctx, weights, indices, offsets, mode):
-    """_embedding_repeat where it applies (repeat paths on, world size 1), else None; for a
-    direct call (rocmoe.ops._direct: no autograd, no tracer, no mode) whose lookups are
-    stacked, before they are split into rows."""
+    """_embedding_repeat where it applies (repeat paths on, world size 1), else None: for
+    embedding_forward, and for a direct call (rocmoe.ops._direct: no autograd, no tracer,
+    no mode) whose lookups are stacked, before they are split into rows."""
     if not _REPEAT or ctx.world_size != 1:
         return None
     return _embedding_repeat(ctx, weights, indices, offsets, mode)
@@ -316,8 +316,8 @@ def embedding_repeat(ctx, weights, indices, offsets, mode):
 def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
                       expect: Optional[Sequence[int]] = None) -> torch.Tensor:
     op = "embedding_all_to_all"
-    if _REPEAT and ctx.world_size == 1 and psw is None and expect is None:
-        repeat = _embedding_repeat(ctx, weights, indices, offsets, mode)
+    if psw is None and expect is None:
+        repeat = embedding_repeat(ctx, weights, indices, offsets, mode)
         if repeat is not None:
             return repeat
     problem, info = None, (0, -1, -1, -1)
