@@ -41,6 +41,18 @@ def test_categories_are_hex_values_modulo_the_table_size_and_missing_is_zero(tmp
     assert indices.tolist() == [0xFFFFFFFF % 7] and offsets.tolist() == [0]
 
 
+def test_stacked_lookups_hold_each_tables_lookups_in_its_row(tmp_path):
+    path = tmp_path / "three.tsv"
+    path.write_text("".join(line(cats=[f"{n + t:08x}" for t in range(NUM_SPARSE)])
+                            for n in range(3)))
+    batch = next(CriteoTSV(path, SIZES, test_every=1000).batches(3))
+    indices, offsets = batch.stacked_lookups()
+    assert indices.shape == offsets.shape == (NUM_SPARSE, 3)
+    for t in range(NUM_SPARSE):
+        want_indices, want_offsets = batch.lookups(t)
+        assert torch.equal(indices[t], want_indices) and torch.equal(offsets[t], want_offsets)
+
+
 def test_every_nth_line_is_a_test_line(tmp_path):
     path = tmp_path / "ten.tsv"
     path.write_text("".join(line(label=str(n % 2), ints=[str(n)] + ["0"] * 12)
