@@ -36,7 +36,8 @@ case "${GPU_SUITE_PART:-all}" in
   2) FILES=(tests/moe/test_gpu.py); LOG=gpu_tests_part2.log ;;
   3) FILES=(tests/ops_gpu/test_fused_gpu.py); LOG=gpu_tests_part3.log ;;
   4) FILES=(tests/ops_gpu/test_public_ops_gpu.py); LOG=gpu_tests_part4.log ;;
-  5) FILES=(tests/ops_gpu/test_fused_launch_and_failures_gpu.py tests/ops_gpu/test_grouped_local_gpu.py)
+  5) FILES=(tests/ops_gpu/test_fused_launch_and_failures_gpu.py tests/ops_gpu/test_grouped_local_gpu.py
+             tests/ops_gpu/test_pack_lookups_gpu.py)
      LOG=gpu_tests_part5.log ;;
   *) echo "GPU_SUITE_PART must be 1 to 5 or unset (all), got '$GPU_SUITE_PART'" >&2
      exit 2 ;;

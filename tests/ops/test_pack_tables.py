@@ -68,3 +68,39 @@ def test_stacked_lookups_of_unequal_tables_are_named():
     indices, offsets = _stacked_lookups()
     with pytest.raises(errors.InvalidArgumentError, match=r"\[tables, L\] indices"):
         pack_lookups(indices[:2], offsets)
+
+
+def _aten_ops_of(fn) -> int:
+    """How many aten ops (on a GPU: launches or copies) a call of fn runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.ops
+
+
+def test_pack_lookups_of_listed_tables_runs_as_many_ops_for_26_tables_as_for_2():
+    def listed(tables):
+        g = torch.Generator().manual_seed(tables)
+        indices = [torch.randint(0, 9, (int(n),), generator=g)
+                   for n in torch.randint(1, 7, (tables,), generator=g)]
+        offsets = [torch.tensor([0, i.numel() // 2, i.numel()]) for i in indices]
+        return indices, offsets
+
+    two, many = listed(2), listed(26)
+    assert _aten_ops_of(lambda: pack_lookups(*many)) == _aten_ops_of(lambda: pack_lookups(*two))
+
+
+def test_pack_lookups_of_offsets_of_unequal_lengths_shifts_each_table_by_its_start():
+    indices = [torch.tensor([0, 3, 1]), torch.tensor([1, 0])]
+    offsets = [torch.tensor([0, 2]), torch.tensor([0, 1, 1], dtype=torch.int32)]
+    idx, off = pack_lookups(indices, offsets)
+    assert idx.tolist() == [0, 3, 1, 1, 0]
+    assert off.tolist() == [0, 2, 3, 4, 4, 5]

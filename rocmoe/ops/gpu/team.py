@@ -112,7 +112,7 @@ def _clock() -> int:
     return tk.device_clock(_PLATFORM, _interpreting())
 
 
-class _DeviceInts:
+class DeviceInts:
     """Device int64 tensors of host lists, cached (most recent last): a fresh copy from
     pageable memory would synchronise; a new list goes through pinned memory without one."""
 
@@ -133,8 +133,8 @@ class _DeviceInts:
         return t
 
 
-def _device_ints(handle) -> _DeviceInts:
+def _device_ints(handle) -> DeviceInts:
     ints = getattr(handle, "_device_ints", None)
     if ints is None:
-        ints = handle._device_ints = _DeviceInts(handle.ctx.device)
+        ints = handle._device_ints = DeviceInts(handle.ctx.device)
     return ints

@@ -413,14 +413,43 @@ def pack_lookups(indices: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor
     if not indices:
         return None, None
     device = indices[0].device
-    # the starts as host integers, added as scalars: a tensor of them copied to the GPU was a
-    # blocking copy from pageable memory, which waited for the work queued before it (2.1-2.3
-    # ms a call behind a busy GPU on an H100, benchmarks/probe_stacked_lookups.py)
-    starts = np.cumsum([0] + [i.numel() for i in indices]).tolist()
+    sizes = [i.numel() for i in indices]
+    starts = np.cumsum([0] + sizes).tolist()
+    batch = offsets[0].numel() if len(offsets) == len(indices) else -1
+    if batch > 0 and all(o.dim() == 1 and o.numel() == batch and o.device == device
+                         for o in offsets):
+        # every table has B bag starts (EmbeddingAllToAll's call): table t's shifted by its
+        # start in one broadcast add, so five launches whatever the tables, where a shift a
+        # table took one launch each (26 launches at 26 tables filled the launch queue behind
+        # a busy GPU: 2.1 ms a call, benchmarks/probe_stacked_lookups.py)
+        shifts = _lookup_starts(device, starts)
+        flat = torch.cat([o.to(_I64) for o in offsets]).view(len(offsets), batch)
+        packed_offsets = torch.cat([(flat + shifts[:-1, None]).reshape(-1), shifts[-1:]])
+        return torch.cat(list(indices)), packed_offsets
+    # any other offsets (the handle's call names what is wrong with them): a shift a table,
+    # added as a host scalar (a tensor of the starts copied to the GPU from pageable memory
+    # was a blocking copy that waited for the work queued before it)
     end = torch.full((1,), starts[-1], dtype=torch.int64, device=device)
     packed_offsets = torch.cat([o.to(torch.int64) + s for o, s in zip(offsets, starts[:-1])]
                                + [end])
     return torch.cat(list(indices)), packed_offsets
+
+
+# device -> the device copies of recent lookup starts (pack_lookups; a GPU only)
+_STARTS: dict = {}
+
+
+def _lookup_starts(device: torch.device, starts: list) -> torch.Tensor:
+    """`starts` as an int64 tensor on `device`: on a GPU the copy of the last few sets of
+    starts, kept (the same tables and lookups per bag give the same starts every step), a
+    new set through pinned memory without waiting for the GPU."""
+    if device.type != "cuda":
+        return torch.tensor(starts, dtype=_I64, device=device)
+    ints = _STARTS.get(device)
+    if ints is None:
+        from ..gpu.team import DeviceInts
+        ints = _STARTS[device] = DeviceInts(device, keep=8)
+    return ints(starts)
 
 
 def _pack_stacked_lookups(indices: torch.Tensor, offsets: torch.Tensor):
