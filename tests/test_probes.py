@@ -118,3 +118,18 @@ def test_functional_host_probe_reports_each_path_of_each_op_with_equal_results()
     assert len(paths) == len(records) == 3 * 3 + 2, records  # + the checks at 4 / 26 tables
     for r in records:
         assert r["equal_to_first_path"] and r["host_us"] > 0, r
+
+
+def test_function_layers_cpu_probe_times_every_layer_for_both_output_capacities():
+    # benchmarks/probe_function_layers_cpu.py: the GEMM function's Python layers above a
+    # stand-in lean call, with an exact-rows output and a larger one
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "probe_function_layers_cpu.py"),
+                           "--calls", "20"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {(r["capacity"], r["layer"]) for r in records} == {
+        (c, layer) for c in (512, 4096)
+        for layer in ("lean", "repeat", "rows_exchange", "function")}
+    assert all(r["host_us"] > 0 for r in records), records
