@@ -27,7 +27,6 @@ host's time before the GPU starts (about, as the GPU's clocks also ramp from idl
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -99,7 +98,7 @@ def main(argv=None):
         raise SystemExit("probe_function_layers needs a GPU (the layers it times run there)")
     import rocmoe
     from rocmoe.bench.fused_gpu import idle_ms, stream_ms
-    from rocmoe.bench.timing import host_ms_per_call
+    from rocmoe.bench.timing import host_us_median
     ctx = rocmoe.init(backend="ipc", heap_size=1 << 30)
     gemm, gemv = (QUICK_GEMM, QUICK_GEMV) if a.quick else (GEMM, GEMV)
     cases = ([("gemm_all_to_all", gemm_layers, s) for s in gemm]
@@ -114,14 +113,13 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 idle = idle_ms(fns, a.reps)
                 queued = stream_ms(fns, a.reps)
-                host = sorted(host_ms_per_call(fn, a.calls) * 1e3 for _ in range(a.rounds))
-                base_host = sorted(host_ms_per_call(case["baseline"], a.calls) * 1e3
-                                   for _ in range(a.rounds))
+                host = host_us_median(fn, a.calls, a.rounds)
+                base_host = host_us_median(case["baseline"], a.calls, a.rounds)
                 print(json.dumps(dict(
                     probe="function_layers", label=a.label, op=op, shape=case["shape"],
                     dtype=case["dtype"], layer=name,
-                    host_us=round(statistics.median(host), 2),
-                    baseline_host_us=round(statistics.median(base_host), 2),
+                    host_us=round(host, 2),
+                    baseline_host_us=round(base_host, 2),
                     idle_ms=round(idle["rocmoe"], 5), baseline_idle_ms=round(idle["baseline"], 5),
                     ratio_idle=round(idle["baseline"] / idle["rocmoe"], 4),
                     queued_ms=round(queued["rocmoe"], 5),

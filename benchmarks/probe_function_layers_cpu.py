@@ -15,24 +15,12 @@ Why this exists: on the twenty-ninth session's H100 host the 512 x 4096^2 functi
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 import types
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-
-def _median_us(fn, calls: int, samples: int = 5) -> float:
-    out = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) * 1e6 / calls)
-    return round(statistics.median(out), 3)
 
 
 def main(argv=None) -> int:
@@ -41,6 +29,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import rocmoe
     from rocmoe import ops
+    from rocmoe.bench.timing import host_us_median
     from rocmoe.ops import _kernels
     ctx = rocmoe.init(backend="host")
     rows, k, n = 512, 64, 64
@@ -61,7 +50,7 @@ def main(argv=None) -> int:
                 for name, fn in layers.items():
                     print(json.dumps(dict(probe="function_layers_cpu", rows=rows,
                                           capacity=capacity, layer=name,
-                                          host_us=_median_us(fn, a.calls))), flush=True)
+                                          host_us=round(host_us_median(fn, a.calls), 3))), flush=True)
     finally:
         _kernels._GEMM_LAST.pop(ctx, None)
         ctx.finalize()

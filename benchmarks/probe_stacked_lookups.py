@@ -17,21 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import types
 
 import torch
-
-
-def _median_us(fn, calls: int = 200, samples: int = 5) -> float:
-    """Median over `samples` of the mean host time of `calls` calls, in microseconds."""
-    out = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) * 1e6 / calls)
-    return statistics.median(out)
 
 
 def _cpu_writer(nt: int, dim: int):
@@ -72,7 +60,10 @@ def main(argv=None) -> int:
             return statistics.median(host_us_samples(fn))
     else:
         dev = torch.device("cpu")
-        timed = _median_us
+        from rocmoe.bench.timing import host_us_median
+
+        def timed(fn):
+            return host_us_median(fn, 200)
     for nt in (int(t) for t in a.tables.split(",")):
         rows = 1000
         b = a.batch or (8192 if gpu else 64)

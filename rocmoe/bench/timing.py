@@ -7,6 +7,7 @@ case). ``captured`` replays a function from a CUDA graph, leaving out host launc
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable
 
@@ -69,6 +70,11 @@ def host_ms_per_call(fn: Callable[[], object], calls: int = 10) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return ms
+
+
+def host_us_median(fn: Callable[[], object], calls: int = 10, samples: int = 5) -> float:
+    """Median over ``samples`` of host_ms_per_call(fn, calls), in microseconds."""
+    return statistics.median(host_ms_per_call(fn, calls) * 1e3 for _ in range(samples))
 
 
 def captured(fn: Callable[[], object]) -> Callable[[], object]:
