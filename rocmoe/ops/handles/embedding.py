@@ -422,15 +422,13 @@ def pack_lookups(indices: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor
         # start in one broadcast add, so five launches whatever the tables, where a shift a
         # table took one launch each (26 launches at 26 tables filled the launch queue behind
         # a busy GPU: 2.1 ms a call, benchmarks/probe_stacked_lookups.py)
-        shifts = _lookup_starts(device, starts)
         flat = torch.cat([o.to(_I64) for o in offsets]).view(len(offsets), batch)
-        packed_offsets = torch.cat([(flat + shifts[:-1, None]).reshape(-1), shifts[-1:]])
-        return torch.cat(list(indices)), packed_offsets
+        return torch.cat(list(indices)), _absolute_offsets(flat, _lookup_starts(device, starts))
     # any other offsets (the handle's call names what is wrong with them): a shift a table,
     # added as a host scalar (a tensor of the starts copied to the GPU from pageable memory
     # was a blocking copy that waited for the work queued before it)
-    end = torch.full((1,), starts[-1], dtype=torch.int64, device=device)
-    packed_offsets = torch.cat([o.to(torch.int64) + s for o, s in zip(offsets, starts[:-1])]
+    end = torch.full((1,), starts[-1], dtype=_I64, device=device)
+    packed_offsets = torch.cat([o.to(_I64) + s for o, s in zip(offsets, starts[:-1])]
                                + [end])
     return torch.cat(list(indices)), packed_offsets
 
@@ -466,8 +464,14 @@ def _pack_stacked_lookups(indices: torch.Tensor, offsets: torch.Tensor):
         return None, None
     starts = torch.arange(0, (tables + 1) * lookups, lookups, dtype=torch.int64,
                           device=indices.device)
-    shifted = offsets.to(device=indices.device, dtype=torch.int64) + starts[:-1, None]
-    return indices.reshape(-1), torch.cat([shifted.reshape(-1), starts[-1:]])
+    return indices.reshape(-1), _absolute_offsets(
+        offsets.to(device=indices.device, dtype=_I64), starts)
+
+
+def _absolute_offsets(offsets: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """[T, B] table-local bag starts and the tables' [T + 1] starts in the packed indices ->
+    the packed [T * B + 1] offsets: row t shifted by starts[t], then the end."""
+    return torch.cat([(offsets + starts[:-1, None]).reshape(-1), starts[-1:]])
 
 
 def pack_tables(tables: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
