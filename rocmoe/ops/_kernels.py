@@ -486,7 +486,7 @@ def _gemm_repeat(ctx, x, w, send_counts):
             or send_counts[0] != x.shape[0]):
         return None
     lean = handle.__dict__.get("_lean")
-    taken = lean(x, w, send_counts) if lean is not None else None
+    taken = lean(x, w, send_counts, True) if lean is not None else None
     if taken is None:
         return None
     rows, out = x.shape[0], taken[0]
@@ -566,6 +566,6 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     # declines (None) what it does not take (grouped products, another K, grad), which then
     # takes the general path
     lean = handle.__dict__.get("_lean") if w is not None and not groups else None
-    taken = lean(x, w, flat) if lean is not None else None
+    taken = lean(x, w, flat, True) if lean is not None else None
     out = taken[0] if taken is not None else handle._exchange(x, w, flat, None, groups)[0]
-    return out[:recv_rows], recv_counts
+    return (out if out.shape[0] == recv_rows else out[:recv_rows]), recv_counts

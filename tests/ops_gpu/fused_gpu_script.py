@@ -821,6 +821,54 @@ def check_lean(ctx, dtype, calls):
     h.close()
 
 
+def check_function_rows(ctx, dtype, calls):
+    # at world size 1 the functional GEMM returns exactly X's rows (not a slice of its cached
+    # handle's capacity-row output) once the same rows came twice running: from a ring of
+    # its own, never writing an output the caller still holds, with the product's values;
+    # the handle's own call still returns its capacity rows (rocmoe/ops/gpu/gemm_plans.py:
+    # lean_gemm_call's `exact`)
+    from rocmoe.ops import _kernels
+    assert ctx.world_size == 1, "the exact-rows outputs are a world-size-1 path"
+    dev = ctx.device
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(64, 48, generator=g) / 8).to(dev, dtype)
+    big = torch.randn(256, 64, generator=g).to(dev, dtype)
+    x = torch.randn(96, 64, generator=g).to(dev, dtype)
+    ref = x.double() @ w.double()
+    with torch.no_grad():
+        ops.gemm_all_to_all(big, w, [256], ctx=ctx)   # the cached handle holds 256 rows
+        handle = _kernels._GEMM_LAST[ctx]
+        assert handle.capacity_rows >= 256, handle.capacity_rows
+        for _ in range(3):  # the general path (tunes the rows class), then two lean calls
+            y = ops.gemm_all_to_all(x, w, [96], ctx=ctx)
+        assert tuple(y.shape) == (96, 48), y.shape
+        ring = handle._outputs.get("gemm_exact")
+        assert ring is not None and ring.key == 96, ring and ring.key
+        assert y._base is None and y.untyped_storage().nbytes() == 96 * 48 * y.element_size(), \
+            "the function's output is a view of a larger one"
+        held, kept = y, y.clone()
+        reused = ring.reused
+        for i in range(3):
+            y2 = ops.gemm_all_to_all(x * (i + 2), w, [96], ctx=ctx)
+            assert y2.data_ptr() != held.data_ptr()
+            e = rel_err(y2, ref * (i + 2))
+            assert e < TOL[dtype], f"relative error {e} of an exact-rows output"
+            del y2
+        torch.cuda.synchronize()
+        assert torch.equal(held, kept), "a held output was written again"
+        assert ring.reused >= reused + 2, (ring.reused, reused)
+        # rows that change every call take slices of the capacity ring: no ring of their own
+        for rows in (40, 72, 88):
+            y3 = ops.gemm_all_to_all(x[:rows], w, [rows], ctx=ctx)
+            assert tuple(y3.shape) == (rows, 48)
+            e = rel_err(y3, ref[:rows])
+            assert e < TOL[dtype], f"relative error {e} at {rows} rows"
+        assert handle._outputs["gemm_exact"] is ring and ring.key == 96
+        out, recv = handle(x, w, [96])
+        assert out.shape[0] == handle.capacity_rows, (out.shape, handle.capacity_rows)
+        assert int(recv[0]) == 96
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("op")
@@ -836,7 +884,8 @@ def main():
               "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,
               "nosync": check_nosync, "native": check_native, "lean": check_lean,
               "split": check_split, "embedding_bad_index": check_embedding_bad_index,
-              "first_call_drift": check_first_call_drift}
+              "first_call_drift": check_first_call_drift,
+              "function_rows": check_function_rows}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once; a failing
     # op / dtype is reported and the next one still runs (the exit status says it failed)
     failed = 0

@@ -31,6 +31,14 @@ def test_gemm_handle_lean_calls_leave_bad_input_and_autograd_to_the_checked_path
     assert proc.stdout.count("REJECTED") == 4 * ranks, proc.stdout
 
 
+def test_the_functional_gemm_at_world_size_1_returns_exactly_x_rows_from_a_ring():
+    require_gpu_build()
+    proc = run_mpi(SCRIPT, 1, "function_rows", "--dtype", "bf16,fp32", timeout=300,
+                   env=mpi_env(ROCMOE_TIMEOUT_S="30"))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK function_rows") == 2, proc.stdout
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_forward_and_backward_of_every_handle_make_no_host_sync(ranks):
     require_gpu_build()

@@ -672,8 +672,27 @@ def lean_gemm_call(handle, plans: dict, team: Team):
         empty(out_shape, dtype=dtype, device=device), empty(world, dtype=int64, device=device)))
     take, stream = ring.take, native_launch.stream_getter(device)
     plan_of = plans.get
+    # `exact` (the functional op's calls; a handle's own call returns its capacity rows): at
+    # world size 1 a call that sends all of X's rows receives exactly them, and an output
+    # of that many rows spares the caller the slice of the capacity-row output (a
+    # dispatcher call, 1-2.5 us of host time). Its ring is made when the same rows come
+    # twice running, so calls whose rows change every time (a model's routed tokens) keep
+    # the capacity ring and make no output of their own.
+    exact_ring = [None, -1]  # [the ring of outputs of `rows` rows, the last whole call's rows]
+    n_cols, capacity_rows = handle.N, handle.capacity_rows
 
-    def call(x, w, send_counts):
+    def exact_take(rows, current):
+        ring = exact_ring[0]
+        if ring is None or ring.key != rows:
+            if exact_ring[1] != rows:
+                exact_ring[1] = rows
+                return None
+            ring = exact_ring[0] = handle._outputs["gemm_exact"] = OutputRing(lambda: (
+                empty((rows, n_cols), dtype=dtype, device=device),
+                empty(world, dtype=int64, device=device)), key=rows)
+        return ring.take(capturing(), current)
+
+    def call(x, w, send_counts, exact=False):
         if (type(x) not in plain or type(w) not in plain or x.dtype is not dtype
                 or w.dtype is not dtype or handle.broken is not None
                 or status.tobytes() != clear
@@ -700,14 +719,17 @@ def lean_gemm_call(handle, plans: dict, team: Team):
             if total > rows:
                 return None
             counts = ints(send_counts)
+            whole = exact and world == 1 and total == rows and rows < capacity_rows
         elif (type(send_counts) is tensor_type and send_counts.dtype is int64
               and send_counts.shape == want_counts and send_counts.get_device() == index):
             counts = send_counts.view(-1) if grouped else send_counts
+            whole = False
         else:
             return None
         handle.epoch += 1
         current = stream()
-        out, recv = take(capturing(), current)
+        taken = exact_take(rows, current) if whole else None
+        out, recv = taken if taken is not None else take(capturing(), current)
         if fast is None or not fast(x, w, counts, out, recv, current):
             before = fast.nl.generation if fast is not None else 0
             plan.launch(handle, team, x, w, counts, out, recv, descriptors)
