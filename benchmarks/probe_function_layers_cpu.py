@@ -3,7 +3,9 @@ a stand-in lean call that returns a kept output at once (nothing is launched): w
 layers themselves cost, apart from the launch, so that a GPU run of
 benchmarks/probe_function_layers.py can be split into the two. Two cases: the cached
 handle's output has exactly the call's rows (returned whole), or more (a 4096-row capacity:
-the function returns a slice of it, as after a larger call).
+the function returns a slice of it, as after a larger call; since the thirtieth session
+only for rows that change from call to call, rows that repeat get outputs of their own
+size: rocmoe/ops/gpu/gemm_plans.py, lean_gemm_call's `exact`).
 
 Why this exists: on the twenty-ninth session's H100 host the 512 x 4096^2 function after a
 4096-row call took 35.8 us a call against its 512-row handle's 24.7
@@ -37,7 +39,11 @@ def main(argv=None) -> int:
     try:
         for capacity in (rows, 4096):
             kept = (torch.empty(capacity, n), torch.empty(1, dtype=torch.int64))
-            handle = types.SimpleNamespace(workspace=1, _lean=lambda x_, w_, c_: kept)
+            # (the real lean call's `exact` makes exact-rows outputs for rows that repeat: the
+            # stand-in ignores it, so the 4096 case is the slice that rows changing every
+            # call still take)
+            handle = types.SimpleNamespace(workspace=1,
+                                           _lean=lambda x_, w_, c_, exact=False: kept)
             _kernels._GEMM_LAST[ctx] = handle
             layers = {
                 "lean": lambda: handle._lean(x, w, counts),
