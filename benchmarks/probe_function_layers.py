@@ -10,7 +10,7 @@ microsecond of host work before the launch is a microsecond of the call's time. 
 (each calls the next):
 
 * GEMM: `lean` (the function's cached handle's lean call, gpu.lean_gemm_call), `handle`
-  (its __call__), `repeat` (_kernels._gemm_repeat), `rows_exchange`, `function(ctx=ctx)`,
+  (its __call__), `repeat` (_kernels.gemm_repeat), `rows_exchange`, `function(ctx=ctx)`,
   `function` (the context looked up);
 * GEMV: `reduce` (GemvAllReduce._reduce with the output ring), `handle`, `repeat`
   (_kernels._gemv_repeat), `gemv_forward`, `function(ctx=ctx)`, `function`.
@@ -57,7 +57,7 @@ def gemm_layers(ctx, m, k, n):
                 layers={
                     "lean": lambda: lean(x, w, counts)[0],
                     "handle": lambda: handle(x, w, counts)[0],
-                    "repeat": lambda: _kernels._gemm_repeat(ctx, x, w, counts)[0],
+                    "repeat": lambda: _kernels.gemm_repeat(ctx, x, w, counts)[0],
                     "rows_exchange": lambda: _kernels.rows_exchange(
                         ctx, "gemm_all_to_all", x, w, counts)[0],
                     "function(ctx=ctx)": lambda: ops.gemm_all_to_all(x, w, counts, ctx=ctx),

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
             _kernels._GEMM_LAST[ctx] = handle
             layers = {
                 "lean": lambda: handle._lean(x, w, counts),
-                "repeat": lambda: _kernels._gemm_repeat(ctx, x, w, counts),
+                "repeat": lambda: _kernels.gemm_repeat(ctx, x, w, counts),
                 "rows_exchange": lambda: _kernels.rows_exchange(ctx, "gemm_all_to_all", x, w,
                                                                 counts),
                 "function": lambda: ops.gemm_all_to_all(x, w, counts)}

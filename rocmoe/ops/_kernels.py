@@ -473,13 +473,15 @@ def _counts_list(send_counts, world: int, op: str, groups: int = 0) -> list[int]
 _GEMM_LAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _gemm_repeat(ctx, x, w, send_counts):
+def gemm_repeat(ctx, x, w, send_counts):
     """A functional GEMM at world size 1 on a GPU whose X, W and counts the last call's
     handle's lean call (gpu.lean_gemm_call: dtype, device, K, W's shape, X's layout, the
     count against max_rows) takes, and whose one count is X's rows: (rows, [rows]) without
     the general path's checks, agreement and lookup (about 25 of 53 us of host time a call
     on an H100's host, benchmarks/probe_functional_host.py); None for anything else, which
     the general path then checks."""
+    if not _REPEAT:
+        return None
     handle = _GEMM_LAST.get(ctx)
     if (handle is None or handle.workspace is None or type(send_counts) is not list
             or len(send_counts) != 1 or not isinstance(x, torch.Tensor) or x.dim() != 2
@@ -503,7 +505,7 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     rows for destination d are G consecutive segments, segment (d, g) multiplied by w[g]."""
     world = ctx.world_size
     if _REPEAT and world == 1 and w is not None:
-        repeat = _gemm_repeat(ctx, x, w, send_counts)
+        repeat = gemm_repeat(ctx, x, w, send_counts)
         if repeat is not None:
             return repeat
     problem, n, dcode, counts, group_counts, groups = None, -1, -1, [0] * world, None, 0
