@@ -11,9 +11,11 @@
 #   GPU_SUITE_PART=4 bash tests/gpu_suite.sh              # the public ops forward and
 #                                                          #   backward (about 3 min)
 #   GPU_SUITE_PART=5 bash tests/gpu_suite.sh              # the fused ops' native and lean
-#                                                          #   launches, no-sync, failure
-#                                                          #   paths, grouped_local's native
-#                                                          #   launches (about 3 min)
+#                                                          #   launches, the GEMM function's
+#                                                          #   exact-rows outputs, no-sync,
+#                                                          #   failure paths, grouped_local's
+#                                                          #   native launches, pack_lookups
+#                                                          #   (about 4 min)
 #
 # The parts exist because a device command may run for 10 minutes at most: run the five
 # parts as five commands; each prints its own pytest summary line. (Two parts were too few:
