@@ -1,8 +1,8 @@
 """The fused-op handles on a real GPU (skipped on CPU-only machines), how they launch and how
 they fail: the GEMM's native driver launch and its lean calls (the function's exact-rows
-outputs at world size 1 among them), forward and backward without
-a host sync, and the protocol's failure cases (bad device counts, a rank that rejects its
-input, a missing peer, a peer late for a first call). Results against the references and
+outputs at world size 1 among them), forward and backward without a host sync, and the
+protocol's failure cases (bad device counts, a rank that rejects its input, a missing peer,
+a peer late for a first call). Results against the references and
 graph replays: test_fused_gpu.py."""
 
 import pytest
