@@ -161,7 +161,8 @@ def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> 
     What arrives is unchanged: from each source in rank order, its rows for this rank (in
     its group order)."""
     ctx = resolve_context(ctx)
-    if type(send_counts) is list and _direct((X, W)):
+    direct = _direct((X, W))
+    if direct and type(send_counts) is list:
         # a repeat of the last call at world size 1 on a GPU, counts as given (the lean call
         # takes only ints): straight to the cached handle, before the conversions below
         # (about 1 us of the function's host time, benchmarks/probe_function_layers_cpu.py)
@@ -183,7 +184,7 @@ def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> 
                 send_counts = [int(c) for c in send_counts]
         except (TypeError, ValueError):
             send_counts = list(BAD_COUNTS)
-    if _direct((X, W)) or _off_device(ctx, (X, W)):
+    if direct or _off_device(ctx, (X, W)):
         return _kernels.rows_exchange(ctx, "gemm_all_to_all", X, W, send_counts)[0]
     anchor = _anchor(ctx)
     y, _ = torch.ops.rocmoe.gemm_all_to_all(X, W, send_counts, context_id(ctx), anchor)

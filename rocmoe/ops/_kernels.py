@@ -504,7 +504,7 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     Grouped products: with w [G, K, N], send_counts holds world x G counts (rank-major): the
     rows for destination d are G consecutive segments, segment (d, g) multiplied by w[g]."""
     world = ctx.world_size
-    if _REPEAT and world == 1 and w is not None:
+    if world == 1 and w is not None:  # (gemm_repeat checks ROCMOE_REPEAT_CALLS)
         repeat = gemm_repeat(ctx, x, w, send_counts)
         if repeat is not None:
             return repeat
