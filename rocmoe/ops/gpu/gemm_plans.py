@@ -678,16 +678,17 @@ def lean_gemm_call(handle, plans: dict, team: Team):
     # dispatcher call, 1-2.5 us of host time). Its ring is made when the same rows come
     # twice running, so calls whose rows change every time (a model's routed tokens) keep
     # the capacity ring and make no output of their own.
-    exact_ring = [None, -1]  # [the ring of outputs of `rows` rows, the last whole call's rows]
-    n_cols, capacity_rows = handle.N, handle.capacity_rows
+    n_cols, capacity_rows, outputs = handle.N, handle.capacity_rows, handle._outputs
+    last_whole_rows = -1  # the rows of the last call that sent all of X's rows
 
     def exact_take(rows, current):
-        ring = exact_ring[0]
+        nonlocal last_whole_rows
+        ring = outputs.get("gemm_exact")
         if ring is None or ring.key != rows:
-            if exact_ring[1] != rows:
-                exact_ring[1] = rows
+            repeated, last_whole_rows = last_whole_rows == rows, rows
+            if not repeated:
                 return None
-            ring = exact_ring[0] = handle._outputs["gemm_exact"] = OutputRing(lambda: (
+            ring = outputs["gemm_exact"] = OutputRing(lambda: (
                 empty((rows, n_cols), dtype=dtype, device=device),
                 empty(world, dtype=int64, device=device)), key=rows)
         return ring.take(capturing(), current)
