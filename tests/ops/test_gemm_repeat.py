@@ -1,9 +1,10 @@
 """rocmoe.ops.gemm_all_to_all's repeat path at world size 1 (rocmoe.ops._kernels.gemm_repeat):
 a call outside autograd whose counts are a list goes straight to the cached handle's lean
 call; counts the lean call declines (not plain ints) reach it again converted; a call that
-autograd takes part in is recorded by the custom op, whose forward takes the repeat. On a GPU the cached handle is a real GemmAllToAll (its
-lean call: tests/ops_gpu/fused_gpu_script.py, check_lean and check_function_rows); here a
-stand-in takes its place, so what is specified is the dispatch, not the product."""
+autograd takes part in is recorded by the custom op, whose forward takes the repeat. On a
+GPU the cached handle is a real GemmAllToAll (its lean call: tests/ops_gpu/
+fused_gpu_script.py, check_lean and check_function_rows); here a stand-in takes its place,
+so what is specified is the dispatch, not the product."""
 
 import types
 
