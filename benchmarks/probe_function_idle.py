@@ -19,6 +19,7 @@ One JSON line per call kind (median ms idle-start and queued, host us a call wit
 busy, the plan's programs).
 
     python3 benchmarks/probe_function_idle.py [--reps 15] [--rows 512] [--first-rows 4096]
+        [--order function,cached_lean,handle_4096,handle_512,torch]
 """
 
 import argparse
@@ -37,6 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--first-rows", type=int, default=4096)
     ap.add_argument("--kn", type=int, default=4096)
+    ap.add_argument("--order", default="function,cached_lean,handle_4096,handle_512,torch",
+                    help="the calls' order in each interleaved round (each follows the one "
+                         "before it: does a call after cuBLAS start slower?)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("probe_function_idle needs a GPU")
@@ -66,6 +70,10 @@ def main(argv=None) -> int:
             "handle_4096": lambda: big(x, w, counts),
             "handle_512": lambda: small(x, w, counts),
             "torch": lambda: torch.matmul(x, w)}
+        order = a.order.split(",")
+        if sorted(order) != sorted(calls):
+            raise SystemExit(f"--order: a permutation of {','.join(calls)}")
+        calls = {k: calls[k] for k in order}
         for fn in calls.values():
             for _ in range(5):
                 fn()
@@ -78,7 +86,7 @@ def main(argv=None) -> int:
             plan = _gemm_plan(plans[name], m) if name in plans else None
             print(json.dumps(dict(
                 probe="function_idle", call=name, shape=dict(m=m, k=kn, n=kn),
-                first_rows=a.first_rows, idle_ms=round(idle[name], 5),
+                first_rows=a.first_rows, order=order, idle_ms=round(idle[name], 5),
                 queued_ms=round(queued[name], 5),
                 ratio_idle=round(idle["torch"] / idle[name], 4),
                 ratio_queued=round(queued["torch"] / queued[name], 4),
