@@ -162,6 +162,7 @@ def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> 
     its group order)."""
     ctx = resolve_context(ctx)
     direct = _direct((X, W))
+    declined = False  # the repeat declined these counts, already plain ints
     if direct and type(send_counts) is list:
         # a repeat of the last call at world size 1 on a GPU, counts as given (the lean call
         # takes only ints): straight to the cached handle, before the conversions below
@@ -169,6 +170,8 @@ def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> 
         repeat = _kernels.gemm_repeat(ctx, X, W, send_counts)
         if repeat is not None:
             return repeat[0]
+        # (the conversion below leaves plain ints as they are: no second offer of them)
+        declined = all(type(c) is int for c in send_counts)
     grouped = isinstance(W, torch.Tensor) and W.dim() == 3
     if isinstance(send_counts, torch.Tensor):
         if send_counts.dim() != (2 if grouped else 1) or send_counts.is_floating_point():
@@ -185,7 +188,8 @@ def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> 
         except (TypeError, ValueError):
             send_counts = list(BAD_COUNTS)
     if direct or _off_device(ctx, (X, W)):
-        return _kernels.rows_exchange(ctx, "gemm_all_to_all", X, W, send_counts)[0]
+        return _kernels.rows_exchange(ctx, "gemm_all_to_all", X, W, send_counts,
+                                      repeat=not declined)[0]
     anchor = _anchor(ctx)
     y, _ = torch.ops.rocmoe.gemm_all_to_all(X, W, send_counts, context_id(ctx), anchor)
     return y

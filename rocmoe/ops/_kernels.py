@@ -497,14 +497,15 @@ def gemm_repeat(ctx, x, w, send_counts):
 
 
 def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send_counts,
-                  ) -> tuple[torch.Tensor, list[int]]:
+                  repeat: bool = True) -> tuple[torch.Tensor, list[int]]:
     """Y = x @ w (or Y = x when w is None), rows split by `send_counts`, delivered like
     all_to_all_single. Returns (received rows, rows received from each source).
+    `repeat=False`: the caller offered these counts to gemm_repeat already, which declined.
 
     Grouped products: with w [G, K, N], send_counts holds world x G counts (rank-major): the
     rows for destination d are G consecutive segments, segment (d, g) multiplied by w[g]."""
     world = ctx.world_size
-    if world == 1 and w is not None:  # (gemm_repeat checks ROCMOE_REPEAT_CALLS)
+    if repeat and world == 1 and w is not None:  # (gemm_repeat checks ROCMOE_REPEAT_CALLS)
         repeat = gemm_repeat(ctx, x, w, send_counts)
         if repeat is not None:
             return repeat

@@ -63,3 +63,23 @@ def test_a_call_autograd_takes_part_in_is_recorded_by_the_custom_op_around_the_r
     assert torch.equal(y.detach(), torch.full((ROWS, N), 7.0))
     y.sum().backward()
     torch.testing.assert_close(x.grad, torch.ones(ROWS, N) @ w.t())
+
+
+def test_plain_int_counts_the_lean_call_declines_are_offered_to_it_once(ctx):
+    # a lean call that takes nothing (another shape than its handle's, say): the general
+    # path computes the call, and the same plain ints are not offered a second time
+    calls = []
+
+    def declining(x, w, counts, exact=False):
+        calls.append(list(counts))
+        return None
+
+    _kernels._GEMM_LAST[ctx] = types.SimpleNamespace(workspace=1, _lean=declining)
+    try:
+        x, w = torch.randn(ROWS, K), torch.randn(K, N)
+        with torch.no_grad():
+            y = ops.gemm_all_to_all(x, w, [ROWS], ctx=ctx)
+    finally:
+        _kernels._GEMM_LAST.pop(ctx, None)
+    assert calls == [[ROWS]]
+    torch.testing.assert_close(y, x @ w)
