@@ -1,0 +1,172 @@
+"""Where a GemmAllToAll handle's host time goes before its kernel is launched, from a busy
+and from an idle GPU, against torch.matmul's whole call.
+
+Why: at 2048^3 the handle and torch.matmul take the same time queued (27.98 / 27.86 us) and
+about the same host time a call (20.8 / 21.5 us), yet from an idle GPU the handle takes
+51.1 us against 45.7 (results/fused_gpu_h100_thirtyfirst_session_gemm_function.jsonl). A
+call started from an idle GPU waits for everything the host does before the launch; torch
+does part of its host work after its launch, the lean call (rocmoe/ops/gpu/gemm_plans.py,
+lean_gemm_call) does all of it before. This probe times, on the handle's lean call:
+
+* `pre_launch_us` / `post_launch_us`: from the call's start to the native launch's entry,
+  and from there to the call's return (the launch included), by wrapping the plan's
+  NativeLaunch.launch_as_written; medians of calls made back to back with the GPU busy
+  (`busy`) and of calls each made after a synchronize (`idle`: caches as a model's first
+  kernel after a host sync finds them);
+* the pieces of the pre-launch work, each alone with the GPU busy: the status word's read,
+  the stream getter, the capture check, the device counts, the output ring's take, the lean
+  launch (pointer writes and the launch) and the launch alone;
+* torch.matmul's and torch.empty's host time, busy and idle, and the idle-start time of the
+  handle and of torch.matmul (rocmoe.bench.fused_gpu.idle_ms).
+
+One JSON line per shape. Needs a GPU.
+
+    python3 benchmarks/probe_prelaunch.py [--shapes 2048x2048x2048,512x4096x4096] [--calls 200]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _busy_us(fn, calls: int) -> float:
+    """Median host us of one call of `fn`, made back to back behind ~0.1 s of GPU sleep."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) / 1e3
+
+
+def _idle_us(fn, calls: int) -> float:
+    """Median host us of one call of `fn`, each made after a synchronize."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    torch.cuda.synchronize()
+    return statistics.median(times) / 1e3
+
+
+def _split(lean, x, w, counts, nl, calls: int, idle: bool) -> tuple:
+    """(median us before the launch, median us from the launch's entry to the return)."""
+    marks = []
+    original = nl.launch_as_written
+
+    def marked(grid_x, stream):
+        marks.append(time.perf_counter_ns())
+        return original(grid_x, stream)
+
+    nl.launch_as_written = marked
+    pre, post = [], []
+    try:
+        torch.cuda.synchronize()
+        if not idle:
+            torch.cuda._sleep(200_000_000)
+        for _ in range(calls):
+            if idle:
+                torch.cuda.synchronize()
+            del marks[:]
+            t0 = time.perf_counter_ns()
+            taken = lean(x, w, counts)
+            t1 = time.perf_counter_ns()
+            if taken is None or len(marks) != 1:
+                raise SystemExit("probe_prelaunch: the lean call did not take the native "
+                                 f"launch once (taken: {taken is not None}, {len(marks)})")
+            pre.append(marks[0] - t0)
+            post.append(t1 - marks[0])
+            del taken
+        torch.cuda.synchronize()
+    finally:
+        del nl.launch_as_written  # the class's method again
+    return statistics.median(pre) / 1e3, statistics.median(post) / 1e3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="2048x2048x2048,512x4096x4096")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_prelaunch needs a GPU")
+    import rocmoe
+    from rocmoe import ops
+    from rocmoe.bench.fused_gpu import idle_ms
+    from rocmoe.ops.outputs import capturing
+    ctx = rocmoe.init(backend="ipc", heap_size=2 << 30)
+    dtype, dev = torch.bfloat16, ctx.device
+    g = torch.Generator(device=dev).manual_seed(5)
+    for shape in a.shapes.split(","):
+        m, k, n = (int(v) for v in shape.split("x"))
+        x = torch.randn(m, k, device=dev, generator=g).to(dtype)
+        w = (torch.randn(k, n, device=dev, generator=g) / k ** 0.5).to(dtype)
+        counts = [m]
+        h = ops.GemmAllToAll(ctx, m, k, n, dtype)
+        with torch.no_grad():
+            for _ in range(5):
+                h(x, w, counts)
+            torch.cuda.synchronize()
+            lean = h.__dict__["_lean"]
+            cells = dict(zip(lean.__code__.co_freevars,
+                             (c.cell_contents for c in lean.__closure__)))
+            take, stream, ints, plan_of = (cells["take"], cells["stream"], cells["ints"],
+                                           cells["plan_of"])
+            status, clear = cells["status"], cells["clear"]
+            plan, fast = plan_of(m.bit_length() if m > 1 else 1)
+            if fast is None:
+                raise SystemExit(f"probe_prelaunch: no lean launch for {shape}")
+            nl, s = fast.nl, stream()
+            counts_t = ints(counts)
+            out, recv = take(capturing(), s)  # held: the pieces below launch into it
+            if fast(x, w, counts_t, out, recv, s) is not True:
+                raise SystemExit(f"probe_prelaunch: the lean launch declined {shape}")
+            pieces = {
+                "status_read": lambda: status.tobytes() != clear,
+                "stream": stream,
+                "capturing": capturing,
+                "device_counts": lambda: ints(counts),
+                "ring_take": lambda: take(capturing(), s),
+                "lean_launch": lambda: fast(x, w, counts_t, out, recv, s),
+                "launch_alone": lambda: nl.launch_as_written(plan.nprog, s),
+                "torch_empty": lambda: torch.empty((m, n), dtype=dtype, device=dev),
+            }
+            rec = dict(probe="prelaunch", shape=dict(m=m, k=k, n=n),
+                       device=torch.cuda.get_device_name(), calls=a.calls)
+            rec["pieces_busy_us"] = {name: round(_busy_us(fn, a.calls), 3)
+                                     for name, fn in pieces.items()}
+            del out, recv
+            for mode in ("busy", "idle"):
+                pre, post = _split(lean, x, w, counts, nl, a.calls, mode == "idle")
+                rec[f"lean_pre_launch_{mode}_us"] = round(pre, 3)
+                rec[f"lean_post_launch_{mode}_us"] = round(post, 3)
+            call = lambda: h(x, w, counts)  # noqa: E731
+            mm = lambda: torch.matmul(x, w)  # noqa: E731
+            rec["handle_host_busy_us"] = round(_busy_us(call, a.calls), 3)
+            rec["handle_host_idle_us"] = round(_idle_us(call, a.calls), 3)
+            rec["torch_host_busy_us"] = round(_busy_us(mm, a.calls), 3)
+            rec["torch_host_idle_us"] = round(_idle_us(mm, a.calls), 3)
+            idle = idle_ms({"handle": call, "torch": mm}, a.reps)
+            rec["handle_idle_start_us"] = round(idle["handle"] * 1e3, 2)
+            rec["torch_idle_start_us"] = round(idle["torch"] * 1e3, 2)
+            print(json.dumps(rec), flush=True)
+        h.close()
+    ctx.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
