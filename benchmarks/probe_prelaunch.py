@@ -17,7 +17,11 @@ lean_gemm_call) does all of it before. This probe times, on the handle's lean ca
   the stream getter, the capture check, the device counts, the output ring's take, the lean
   launch (pointer writes and the launch) and the launch alone;
 * torch.matmul's and torch.empty's host time, busy and idle, and the idle-start time of the
-  handle and of torch.matmul (rocmoe.bench.fused_gpu.idle_ms).
+  handle and of torch.matmul (rocmoe.bench.fused_gpu.idle_ms), interleaved and each alone.
+
+The thirty-first session's H100 (results/probe_prelaunch_h100_thirtyfirst_session.jsonl,
+before the `alone` figures): 6.7-7.2 us before the launch, busy or idle, and a whole call
+shorter than torch's, yet 4.5-5.7 us slower from an idle GPU: the gap is on the GPU.
 
 One JSON line per shape. Needs a GPU.
 
@@ -162,6 +166,11 @@ def main(argv=None) -> int:
             idle = idle_ms({"handle": call, "torch": mm}, a.reps)
             rec["handle_idle_start_us"] = round(idle["handle"] * 1e3, 2)
             rec["torch_idle_start_us"] = round(idle["torch"] * 1e3, 2)
+            # each alone (no other kernel between its samples): a gap that only the
+            # interleaved loop shows comes from following the other kernel (its shared
+            # memory configuration, its code in the instruction caches), not from our launch
+            rec["handle_idle_start_alone_us"] = round(idle_ms({"h": call}, a.reps)["h"] * 1e3, 2)
+            rec["torch_idle_start_alone_us"] = round(idle_ms({"t": mm}, a.reps)["t"] * 1e3, 2)
             print(json.dumps(rec), flush=True)
         h.close()
     ctx.finalize()
