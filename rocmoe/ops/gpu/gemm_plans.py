@@ -661,7 +661,7 @@ def lean_gemm_call(handle, plans: dict, team: Team):
     status, clear = handle._status, handle._status_clear
     max_rows = handle.max_rows
     out_shape = (handle.capacity_rows, handle.N)
-    ints = _device_ints(handle)
+    ints_of = _device_ints(handle).of_ints
     descriptors = handle.__dict__.setdefault("_w_descriptors", {})
     is_grad_enabled, empty, int64, tensor_type = (torch.is_grad_enabled, torch.empty,
                                                   torch.int64, torch.Tensor)
@@ -719,7 +719,7 @@ def lean_gemm_call(handle, plans: dict, team: Team):
                 total += c
             if total > rows:
                 return None
-            counts = ints(send_counts)
+            counts = ints_of(send_counts)  # (plain ints: checked just above)
             whole = exact and world == 1 and total == rows and rows < capacity_rows
         elif (type(send_counts) is tensor_type and send_counts.dtype is int64
               and send_counts.shape == want_counts and send_counts.get_device() == index):
