@@ -118,3 +118,58 @@ def test_record_refuses_a_plan_launch_that_did_not_write_every_argument():
     lean.record(x, w, nl.generation)  # the plan went through the JIT: no generation moved
     out, counts, recv = _outputs()
     assert not lean(x, w, counts, out, recv, STREAM)
+
+
+class CountingCell:
+    """A pointer cell that counts its writes."""
+
+    def __init__(self):
+        self.value, self.writes = 0, 0
+
+    def __getitem__(self, i):
+        return self.value
+
+    def __setitem__(self, i, v):
+        self.value, self.writes = v, self.writes + 1
+
+
+def _counting_setup():
+    nl, lean, x, w = _setup()
+    nl.cells = {pos: CountingCell() for pos in (2, 3, 6)}
+    lean.out_cell, lean.counts_cell, lean.recv_cell = nl.cells[2], nl.cells[3], nl.cells[6]
+    return nl, lean, x, w
+
+
+def test_outputs_at_the_addresses_already_written_are_not_written_again():
+    nl, lean, x, w = _counting_setup()
+    out, counts, recv = _outputs()
+    assert lean(x, w, counts, out, recv, STREAM)
+    assert lean(x, w, counts, out, recv, STREAM)
+    assert [nl.cells[p].writes for p in (2, 3, 6)] == [1, 1, 1]
+    assert [c for _, _, c in nl.launched] == [
+        {2: out.data_ptr(), 3: counts.data_ptr(), 6: recv.data_ptr()}] * 2
+
+
+def test_an_output_at_another_address_is_written():
+    nl, lean, x, w = _counting_setup()
+    out, counts, recv = _outputs()
+    assert lean(x, w, counts, out, recv, STREAM)
+    out2 = torch.empty(64, 8)
+    assert lean(x, w, counts, out2, recv, STREAM)
+    assert nl.launched[-1][2] == {2: out2.data_ptr(), 3: counts.data_ptr(), 6: recv.data_ptr()}
+    assert [nl.cells[p].writes for p in (2, 3, 6)] == [2, 1, 1]
+
+
+def test_after_a_launch_through_the_plan_every_pointer_is_written_again():
+    nl, lean, x, w = _counting_setup()
+    out, counts, recv = _outputs()
+    assert lean(x, w, counts, out, recv, STREAM)
+    # the plan launches another call's arguments (its own outputs), then the lean launch
+    # takes that launch as its base
+    before = nl.generation
+    nl.full_launch()
+    for cell in nl.cells.values():
+        cell[0] = 0xBAD0
+    lean.record(x, w, before)
+    assert lean(x, w, counts, out, recv, STREAM)
+    assert nl.launched[-1][2] == {2: out.data_ptr(), 3: counts.data_ptr(), 6: recv.data_ptr()}

@@ -574,8 +574,8 @@ class _LeanGemmLaunch:
     last launch written into its parameter buffer. A lean call has already checked X
     row-major [M, K] and W of the handle's shape, dtype and GPU; with M and W's
     contiguity as in the last launch through the plan (the fields M, the strides and X's
-    map shape depend on), only the pointers can differ: out, counts and recv are written,
-    X's and W's maps re-made only when their address moved. Anything else (another M, a
+    map shape depend on), only the pointers can differ: out, counts and recv are written
+    when their address moved, X's and W's maps re-made only when theirs did. Anything else (another M, a
     strided W, a pointer of another alignment, a launch through the plan in between, which
     `NativeLaunch.generation` shows) goes through the plan, which rewrites every argument;
     `record` then takes that launch as the new base."""
@@ -587,11 +587,17 @@ class _LeanGemmLaunch:
         self.counts_cell, self.counts_aligned = native.pointer_cell(3)
         self.recv_cell, self.recv_aligned = native.pointer_cell(6)
         self.gen, self.m, self.xp, self.wp = -1, -1, 0, 0
+        # the out / counts / recv addresses in the buffer since the last record (-1: not
+        # known): an output ring and the device counts give the same tensors call after
+        # call, and an address written already needs neither its alignment check nor its
+        # write (a cffi store), host time before the launch
+        self.out_p = self.counts_p = self.recv_p = -1
 
     def record(self, x: torch.Tensor, w: torch.Tensor, gen_before: int) -> None:
         """After a launch through the plan: the base of the next lean launches, when that
         launch wrote every argument of this kernel (and M > 1, W contiguous)."""
         nl = self.nl
+        self.out_p = self.counts_p = self.recv_p = -1  # the plan wrote every argument
         if nl.generation > gen_before and nl.written and x.shape[0] > 1 and w.is_contiguous():
             self.gen, self.m = nl.generation, x.shape[0]
             self.xp, self.wp = x.data_ptr(), w.data_ptr()
@@ -614,17 +620,20 @@ class _LeanGemmLaunch:
                 return False
             self.wp = wp
         p = out.data_ptr()
-        if ((p & 15) == 0) is not self.out_aligned:
-            return False
-        self.out_cell[0] = p
+        if p != self.out_p:
+            if ((p & 15) == 0) is not self.out_aligned:
+                return False
+            self.out_cell[0] = self.out_p = p
         p = counts.data_ptr()
-        if ((p & 15) == 0) is not self.counts_aligned:
-            return False
-        self.counts_cell[0] = p
+        if p != self.counts_p:
+            if ((p & 15) == 0) is not self.counts_aligned:
+                return False
+            self.counts_cell[0] = self.counts_p = p
         p = recv.data_ptr()
-        if ((p & 15) == 0) is not self.recv_aligned:
-            return False
-        self.recv_cell[0] = p
+        if p != self.recv_p:
+            if ((p & 15) == 0) is not self.recv_aligned:
+                return False
+            self.recv_cell[0] = self.recv_p = p
         plan = self.plan
         nl.launch_as_written(plan.nprog, stream)
         if not plan.local:
