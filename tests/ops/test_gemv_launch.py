@@ -54,3 +54,14 @@ def test_a_non_contiguous_w_is_passed_as_a_contiguous_copy(monkeypatch):
     w_t = torch.arange(24.).reshape(4, 6).t()  # [6, 4], column-major
     launch(w_t, torch.zeros(4), torch.zeros(6))
     assert seen[-1]["w"] != w_t.data_ptr() and seen[-1]["k"] == 4
+
+
+def test_each_call_lands_its_own_words_whichever_changed_since_the_last(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    w, x, y = torch.zeros(6, 4), torch.zeros(4), torch.zeros(6)
+    w2, x2, y2 = torch.zeros(6, 5), torch.zeros(5), torch.zeros(6)
+    calls = [(w, x, y), (w, x, y), (w, x, y2), (w2, x2, y2), (w, x, y)]
+    for args in calls:
+        launch(*args)
+    assert [(s["k"], s["w"], s["x"], s["out"]) for s in seen] == [
+        (a.shape[1], a.data_ptr(), b.data_ptr(), c.data_ptr()) for a, b, c in calls]

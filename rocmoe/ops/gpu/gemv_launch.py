@@ -12,7 +12,7 @@ from .team import team_for
 class GemvLaunch(_StructLaunch):
     """A GemvAllReduce handle's rocmoe_gpu_gemv_args, written once; a call writes its five
     per-call words (stream, K, W, x, y) through an int64 view of the struct (see
-    _word_view). The caller has checked W [N, K] and x [K] (K is the call's: the functional
+    _word_view) when they differ from the last call's. The caller has checked W [N, K] and x [K] (K is the call's: the functional
     op's cached handle serves every K of an N); a non-contiguous W or x is made contiguous
     here (the kernel reads rows of W and x as plain arrays)."""
 
@@ -25,16 +25,18 @@ class GemvLaunch(_StructLaunch):
             "stream": ("fused", "stream"), "k": ("k",), "w": ("w",), "x": ("x",),
             "out": ("out",)})
         super().__init__(handle, args, lib.rocmoe_gpu_gemv_allreduce)
+        # the five words as last written (the C side takes the struct as const): a call
+        # that repeats them, as an output ring and a model's fixed W and x do, writes none
+        self._words: tuple = ()
 
     def __call__(self, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor) -> None:
         wc = w_local if w_local.is_contiguous() else w_local.contiguous()
         xc = x_local if x_local.is_contiguous() else x_local.contiguous()
-        v, at = self.view, self.at
-        v[at["stream"]] = self.stream()
-        v[at["k"]] = wc.shape[1]
-        v[at["w"]] = wc.data_ptr()
-        v[at["x"]] = xc.data_ptr()
-        v[at["out"]] = out.data_ptr()
+        words = (self.stream(), wc.shape[1], wc.data_ptr(), xc.data_ptr(), out.data_ptr())
+        if words != self._words:
+            v, at = self.view, self.at
+            v[at["stream"]], v[at["k"]], v[at["w"]], v[at["x"]], v[at["out"]] = words
+            self._words = words
         self._launch("GemvAllReduce (GPU)")
         del wc, xc  # a copy made here is freed into stream order: reused after the kernel
 
