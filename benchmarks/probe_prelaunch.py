@@ -26,6 +26,10 @@ shorter than torch's, yet 4.5-5.7 us slower from an idle GPU: the gap is on the 
 One JSON line per shape. Needs a GPU.
 
     python3 benchmarks/probe_prelaunch.py [--shapes 2048x2048x2048,512x4096x4096] [--calls 200]
+        [--gemv 8192x8192:bf16,8192x8192:fp32]
+
+A GemvAllReduce handle gets the same split (`prelaunch_gemv` lines): the host time before
+and after its C launch function, and idle-start against torch.mv.
 """
 
 import argparse
@@ -104,6 +108,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="2048x2048x2048,512x4096x4096")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gemv", default="8192x8192:bf16,8192x8192:fp32",
+                    help="GemvAllReduce shapes NxK:dtype (empty: none)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("probe_prelaunch needs a GPU")
@@ -173,8 +179,78 @@ def main(argv=None) -> int:
             rec["torch_idle_start_alone_us"] = round(idle_ms({"t": mm}, a.reps)["t"] * 1e3, 2)
             print(json.dumps(rec), flush=True)
         h.close()
+    for shape in filter(None, a.gemv.split(",")):
+        try:
+            print(json.dumps(_gemv_record(ctx, shape, a)), flush=True)
+        except Exception as exc:  # noqa: BLE001 - the GEMM lines above stand on their own
+            print(json.dumps(dict(probe="prelaunch_gemv", shape=shape,
+                                  error=f"{type(exc).__name__}: {exc}")), flush=True)
     ctx.finalize()
     return 0
+
+
+def _gemv_record(ctx, shape: str, a) -> dict:
+    """The same split for a GemvAllReduce handle (`NxK:dtype`) against torch.mv: host time
+    before the C launch function (GemvLaunch.fn, wrapped) and after, busy and idle, and
+    idle-start interleaved and alone."""
+    from rocmoe import ops
+    from rocmoe.bench.fused_gpu import idle_ms
+    dims, _, dname = shape.partition(":")
+    n, k = (int(v) for v in dims.split("x"))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dname or "bf16"]
+    dev = ctx.device
+    w = torch.randn(n, k, device=dev).to(dtype)
+    x = torch.randn(k, device=dev).to(dtype)
+    h = ops.GemvAllReduce(ctx, n, k, dtype)
+    rec = dict(probe="prelaunch_gemv", shape=dict(n=n, k=k), dtype=dname or "bf16",
+               device=torch.cuda.get_device_name(), calls=a.calls)
+    try:
+        with torch.no_grad():
+            for _ in range(5):
+                h(w, x)
+            torch.cuda.synchronize()
+            launch = h.__dict__["_gemv_launch"]
+            original, marks = launch.fn, []
+
+            def marked(args, abort):
+                marks.append(time.perf_counter_ns())
+                return original(args, abort)
+
+            call = lambda: h(w, x)  # noqa: E731
+            mv = lambda: torch.mv(w, x)  # noqa: E731
+            launch.fn = marked
+            try:
+                for mode in ("busy", "idle"):
+                    pre, post = [], []
+                    torch.cuda.synchronize()
+                    if mode == "busy":
+                        torch.cuda._sleep(200_000_000)
+                    for _ in range(a.calls):
+                        if mode == "idle":
+                            torch.cuda.synchronize()
+                        del marks[:]
+                        t0 = time.perf_counter_ns()
+                        call()
+                        t1 = time.perf_counter_ns()
+                        pre.append(marks[0] - t0)
+                        post.append(t1 - marks[0])
+                    torch.cuda.synchronize()
+                    rec[f"pre_launch_{mode}_us"] = round(statistics.median(pre) / 1e3, 3)
+                    rec[f"post_launch_{mode}_us"] = round(statistics.median(post) / 1e3, 3)
+            finally:
+                launch.fn = original
+            rec["handle_host_busy_us"] = round(_busy_us(call, a.calls), 3)
+            rec["handle_host_idle_us"] = round(_idle_us(call, a.calls), 3)
+            rec["torch_host_busy_us"] = round(_busy_us(mv, a.calls), 3)
+            rec["torch_host_idle_us"] = round(_idle_us(mv, a.calls), 3)
+            idle = idle_ms({"handle": call, "torch": mv}, a.reps)
+            rec["handle_idle_start_us"] = round(idle["handle"] * 1e3, 2)
+            rec["torch_idle_start_us"] = round(idle["torch"] * 1e3, 2)
+            rec["handle_idle_start_alone_us"] = round(idle_ms({"h": call}, a.reps)["h"] * 1e3, 2)
+            rec["torch_idle_start_alone_us"] = round(idle_ms({"t": mv}, a.reps)["t"] * 1e3, 2)
+    finally:
+        h.close()
+    return rec
 
 
 if __name__ == "__main__":
