@@ -209,3 +209,31 @@ def test_stacked_lookups_the_kernel_cannot_take_as_they_are_go_to_the_general_pa
     weights, _, _ = _inputs()
     idx, off, batch = change(*_stacked())
     assert launch.prepare(weights, idx, off, batch) is None and not seen
+
+
+def _stacked_records(seen):
+    return [(t["indices"], t["offsets"], t["num_indices"]) for t in seen[-1]["tables"]]
+
+
+def _rows_of(idx, off):
+    return [(i.data_ptr(), o.data_ptr(), i.numel()) for i, o in zip(idx, off)]
+
+
+def test_a_stacked_call_after_a_listed_one_writes_its_own_words_again(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, indices, offsets = _inputs()
+    idx, off = _stacked(4)
+    assert _call(launch, weights, idx, off) == BATCH
+    assert _call(launch, weights, indices, offsets) == BATCH
+    assert _call(launch, weights, idx, off) == BATCH  # the same stacked tensors as before
+    assert _stacked_records(seen) == _rows_of(idx, off)
+
+
+def test_stacked_calls_each_write_their_tensors_words(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, _, _ = _inputs()
+    first, second = _stacked(4), _stacked(2, width=5)
+    fewer = (first[0][:, :2], first[1])  # the same addresses and steps, fewer lookups
+    for idx, off in (first, first, second, first, fewer, first):
+        assert _call(launch, weights, idx, off) == BATCH
+        assert _stacked_records(seen) == _rows_of(idx, off)

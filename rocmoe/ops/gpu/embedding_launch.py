@@ -181,6 +181,11 @@ class TableEmbeddingLaunch(_StructLaunch):
         # the tables adopted last (held: compared by identity; None matches no tensor)
         self.weights: tuple = (None,) * nt
         self.weight_ptrs: list = []   # and their data pointers then
+        # what the stacked lookups' words in the records were made from (the two tensors'
+        # addresses and row steps, the lookups a bag), None after a listed call wrote them:
+        # a stacked call that repeats it (the same batch tensors, or new ones the caching
+        # allocator put at the same addresses) has its records written already
+        self.stacked_words: Optional[tuple] = None
 
     def _adopt(self, weights) -> bool:
         """Take `weights` as the handle's tables when each is a contiguous, 16-byte aligned
@@ -219,6 +224,7 @@ class TableEmbeddingLaunch(_StructLaunch):
         rec, index, most, i64, tensor = self.records, self.index, self.most, _I64, _TENSOR
         stride, f_idx, f_off, f_num = len(_REC), _REC["indices"], _REC["offsets"], \
             _REC["num_indices"]
+        self.stacked_words = None  # the records get this call's words, whatever comes
         at = 0
         for w, idx, off, ptr in zip(weights, indices, offsets, self.weight_ptrs):
             if not (type(idx) is tensor and type(off) is tensor and idx.dtype is i64
@@ -267,16 +273,21 @@ class TableEmbeddingLaunch(_StructLaunch):
                 list(map(_DATA_PTR, weights)) != self.weight_ptrs:
             if not self._adopt(weights):  # new tables, or one whose storage moved
                 return None
-        rec, stride = self.records, len(_REC)
-        f_idx, f_off, f_num = _REC["indices"], _REC["offsets"], _REC["num_indices"]
         at_i, at_o = indices.data_ptr(), offsets.data_ptr()
         step_i, step_o = step_i * 8, step_o * 8  # int64 rows
+        words = (at_i, step_i, at_o, step_o, lookups)
+        if words == self.stacked_words:
+            return batch  # the records hold these words (three a table) already
+        self.stacked_words = None  # (until the loop below has written them all)
+        rec, stride = self.records, len(_REC)
+        f_idx, f_off, f_num = _REC["indices"], _REC["offsets"], _REC["num_indices"]
         for at in range(0, nt * stride, stride):
             rec[at + f_idx] = at_i
             rec[at + f_off] = at_o
             rec[at + f_num] = lookups
             at_i += step_i
             at_o += step_o
+        self.stacked_words = words
         return batch
 
     def fire(self, batch: int, out: torch.Tensor) -> None:
