@@ -70,3 +70,15 @@ def test_int32_indices_and_offsets_are_widened_before_the_launch(monkeypatch):
     launch(torch.zeros(15, 8), idx32, torch.arange(13, dtype=torch.int32), None, 4,
            torch.zeros(4, 5, 8))
     assert seen["indices"] != idx32.data_ptr() and seen["num_indices"] == 5
+
+
+def test_each_call_lands_its_own_words_whichever_changed_since_the_last(monkeypatch):
+    launch, _, seen = _launch(monkeypatch)
+    weight, out, out2 = torch.zeros(15, 8), torch.zeros(4, 5, 8), torch.zeros(2, 5, 8)
+    idx, off = torch.zeros(11, dtype=torch.int64), torch.arange(13, dtype=torch.int64)
+    idx2 = torch.zeros(7, dtype=torch.int64)
+    calls = [(idx, 4, out), (idx, 4, out), (idx2, 4, out), (idx2, 2, out2), (idx, 4, out)]
+    for i, batch, o in calls:
+        launch(weight, i, off, None, batch, o)
+        assert (seen["indices"], seen["num_indices"], seen["batch"], seen["out"]) == \
+            (i.data_ptr(), i.numel(), batch, o.data_ptr())

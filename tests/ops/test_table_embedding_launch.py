@@ -237,3 +237,13 @@ def test_stacked_calls_each_write_their_tensors_words(monkeypatch):
     for idx, off in (first, first, second, first, fewer, first):
         assert _call(launch, weights, idx, off) == BATCH
         assert _stacked_records(seen) == _rows_of(idx, off)
+
+
+def test_each_fire_lands_its_own_batch_and_output(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, indices, offsets = _inputs()
+    out, out2 = torch.zeros(BATCH, 5, DIM), torch.zeros(BATCH, 5, DIM)
+    for o in (out, out, out2, out):
+        assert launch.prepare(weights, indices, offsets, BATCH) == BATCH
+        launch.fire(BATCH, o)
+        assert (seen[-1]["batch"], seen[-1]["out"]) == (BATCH, o.data_ptr())

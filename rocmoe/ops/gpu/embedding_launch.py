@@ -109,8 +109,10 @@ class PackedEmbeddingLaunch(_StructLaunch):
         fields = {"stream": ("fused", "stream"), "batch": ("batch",), "out": ("out",)}
         for field in ("weights", "indices", "offsets", "per_sample_weights", "num_indices"):
             fields[field] = ("packed", field)
-        self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_embedding_args", fields)
+        view, at = _word_view(ffi, args, "rocmoe_gpu_embedding_args", fields)
         super().__init__(handle, args, lib.rocmoe_gpu_embedding_a2a)
+        self._per_call_words(view, at, ("stream", "batch", "out", "weights", "indices",
+                                        "offsets", "per_sample_weights", "num_indices"))
 
     def __call__(self, weight, indices, offsets, psw, batch: int, out: torch.Tensor) -> None:
         # 16-byte vector loads need 16-byte aligned rows; the kernel reads int64 and fp32
@@ -123,15 +125,8 @@ class PackedEmbeddingLaunch(_StructLaunch):
             offsets.contiguous().to(i64)
         ps = None if psw is None else (psw if psw.dtype == torch.float32 and psw.is_contiguous()
                                        else psw.contiguous().float())
-        v, at = self.view, self.at
-        v[at["stream"]] = self.stream()
-        v[at["batch"]] = batch
-        v[at["out"]] = out.data_ptr()
-        v[at["weights"]] = w.data_ptr()
-        v[at["indices"]] = idx.data_ptr()
-        v[at["offsets"]] = off.data_ptr()
-        v[at["per_sample_weights"]] = 0 if ps is None else ps.data_ptr()
-        v[at["num_indices"]] = idx.numel()
+        self._write_words((self.stream(), batch, out.data_ptr(), w.data_ptr(), idx.data_ptr(),
+                           off.data_ptr(), 0 if ps is None else ps.data_ptr(), idx.numel()))
         self._launch("EmbeddingAllToAll.batched (GPU)")
         del w, idx, off, ps  # freed into stream order: reused only after the kernel
 
@@ -168,12 +163,13 @@ class TableEmbeddingLaunch(_StructLaunch):
         _table_records(ffi, tables, max(nt, 1))  # checks the record layout against _REC
         args.tables, args.device_tables = tables, ffi.NULL
         args.packed.weights = ffi.NULL  # the per-table records, not the packed layout
-        self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_embedding_args", {
+        view, at = _word_view(ffi, args, "rocmoe_gpu_embedding_args", {
             "stream": ("fused", "stream"), "batch": ("batch",), "out": ("out",)})
         # the records as flat int64 words: table t's field f is word t * len(_REC) + f
         self.records = memoryview(ffi.buffer(tables)).cast("B").cast("q")
         self.tables = tables  # args.tables points into it and does not own it
         super().__init__(handle, args, lib.rocmoe_gpu_embedding_a2a)
+        self._per_call_words(view, at, ("stream", "batch", "out"))
         self.index = handle._device_index  # what get_device() says of the handle's tensors
         self.num_tables, self.world, self.max_batch = nt, handle.world, handle.max_batch
         self.most = handle.max_lookups
@@ -292,10 +288,7 @@ class TableEmbeddingLaunch(_StructLaunch):
 
     def fire(self, batch: int, out: torch.Tensor) -> None:
         """Launch the call `prepare` wrote, into `out` [batch / world, total_tables, dim]."""
-        v, at = self.view, self.at
-        v[at["stream"]] = self.stream()
-        v[at["batch"]] = batch
-        v[at["out"]] = out.data_ptr()
+        self._write_words((self.stream(), batch, out.data_ptr()))
         self._launch("EmbeddingAllToAll (GPU)")
 
 

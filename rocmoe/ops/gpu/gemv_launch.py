@@ -21,22 +21,17 @@ class GemvLaunch(_StructLaunch):
         args = ffi.new("rocmoe_gpu_gemv_args *")
         _fill(ffi, args, team_for(handle.ctx), handle)
         args.n = handle.N
-        self.view, self.at = _word_view(ffi, args, "rocmoe_gpu_gemv_args", {
+        view, at = _word_view(ffi, args, "rocmoe_gpu_gemv_args", {
             "stream": ("fused", "stream"), "k": ("k",), "w": ("w",), "x": ("x",),
             "out": ("out",)})
         super().__init__(handle, args, lib.rocmoe_gpu_gemv_allreduce)
-        # the five words as last written (the C side takes the struct as const): a call
-        # that repeats them, as an output ring and a model's fixed W and x do, writes none
-        self._words: tuple = ()
+        self._per_call_words(view, at, ("stream", "k", "w", "x", "out"))
 
     def __call__(self, w_local: torch.Tensor, x_local: torch.Tensor, out: torch.Tensor) -> None:
         wc = w_local if w_local.is_contiguous() else w_local.contiguous()
         xc = x_local if x_local.is_contiguous() else x_local.contiguous()
-        words = (self.stream(), wc.shape[1], wc.data_ptr(), xc.data_ptr(), out.data_ptr())
-        if words != self._words:
-            v, at = self.view, self.at
-            v[at["stream"]], v[at["k"]], v[at["w"]], v[at["x"]], v[at["out"]] = words
-            self._words = words
+        self._write_words((self.stream(), wc.shape[1], wc.data_ptr(), xc.data_ptr(),
+                           out.data_ptr()))
         self._launch("GemvAllReduce (GPU)")
         del wc, xc  # a copy made here is freed into stream order: reused after the kernel
 

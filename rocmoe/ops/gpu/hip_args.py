@@ -67,14 +67,32 @@ def _word_view(ffi, args, name: str, fields: dict) -> tuple:
 
 class _StructLaunch:
     """What the per-handle argument writers below share: a C args struct written once, the
-    C launch function that takes it, the current-stream getter, and the first call's longer
-    wait (_fill), cut to the context's timeout once that call is launched."""
+    C launch function that takes it, the current-stream getter, the first call's longer
+    wait (_fill), cut to the context's timeout once that call is launched, and the per-call
+    words (_per_call_words, _write_words)."""
 
     def __init__(self, handle, args, fn):
         from ..._native import check
         self.args, self.fn, self.check = args, fn, check
         self.handle, self.first = handle, True
         self.stream = native_launch.stream_getter(handle.ctx.device)
+        self.view, self.word_at, self.last_words = None, (), ()
+
+    def _per_call_words(self, view, at: dict, names: tuple) -> None:
+        """The words a call writes: `names`' indices in `view` (_word_view's), in the order
+        _write_words takes their values."""
+        self.view, self.word_at, self.last_words = view, tuple(at[n] for n in names), ()
+
+    def _write_words(self, words: tuple) -> None:
+        """Write a call's words, unless they are the last call's: an output ring, a model's
+        fixed tensors and the caching allocator give the same addresses call after call, and
+        each numpy word write is host time before the launch. The C launch functions take
+        the struct as const, so what was written stays."""
+        if words != self.last_words:
+            view = self.view
+            for at, value in zip(self.word_at, words):
+                view[at] = value
+            self.last_words = words
 
     def _launch(self, what: str) -> None:
         rc = self.fn(self.args, 0)
