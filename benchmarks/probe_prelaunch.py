@@ -69,6 +69,24 @@ def _idle_us(fn, calls: int) -> float:
     return statistics.median(times) / 1e3
 
 
+def _against_torch(call, theirs, a) -> dict:
+    """Host us of the handle's call and of torch's op, busy and idle, and their idle-start
+    us interleaved and each alone (no other kernel between its samples: a gap that only the
+    interleaved loop shows comes from following the other kernel, its shared-memory
+    configuration or its code in the instruction caches, not from our launch)."""
+    from rocmoe.bench.fused_gpu import idle_ms
+    idle = idle_ms({"handle": call, "torch": theirs}, a.reps)
+    return dict(
+        handle_host_busy_us=round(_busy_us(call, a.calls), 3),
+        handle_host_idle_us=round(_idle_us(call, a.calls), 3),
+        torch_host_busy_us=round(_busy_us(theirs, a.calls), 3),
+        torch_host_idle_us=round(_idle_us(theirs, a.calls), 3),
+        handle_idle_start_us=round(idle["handle"] * 1e3, 2),
+        torch_idle_start_us=round(idle["torch"] * 1e3, 2),
+        handle_idle_start_alone_us=round(idle_ms({"h": call}, a.reps)["h"] * 1e3, 2),
+        torch_idle_start_alone_us=round(idle_ms({"t": theirs}, a.reps)["t"] * 1e3, 2))
+
+
 def _split(lean, x, w, counts, nl, calls: int, idle: bool) -> tuple:
     """(median us before the launch, median us from the launch's entry to the return)."""
     marks = []
@@ -115,7 +133,6 @@ def main(argv=None) -> int:
         raise SystemExit("probe_prelaunch needs a GPU")
     import rocmoe
     from rocmoe import ops
-    from rocmoe.bench.fused_gpu import idle_ms
     from rocmoe.ops.outputs import capturing
     ctx = rocmoe.init(backend="ipc", heap_size=2 << 30)
     dtype, dev = torch.bfloat16, ctx.device
@@ -133,14 +150,14 @@ def main(argv=None) -> int:
             lean = h.__dict__["_lean"]
             cells = dict(zip(lean.__code__.co_freevars,
                              (c.cell_contents for c in lean.__closure__)))
-            take, stream, ints, plan_of = (cells["take"], cells["stream"], cells["ints"],
-                                           cells["plan_of"])
+            take, stream, ints_of, plan_of = (cells["take"], cells["stream"],
+                                              cells["ints_of"], cells["plan_of"])
             status, clear = cells["status"], cells["clear"]
             plan, fast = plan_of(m.bit_length() if m > 1 else 1)
             if fast is None:
                 raise SystemExit(f"probe_prelaunch: no lean launch for {shape}")
             nl, s = fast.nl, stream()
-            counts_t = ints(counts)
+            counts_t = ints_of(counts)
             out, recv = take(capturing(), s)  # held: the pieces below launch into it
             if fast(x, w, counts_t, out, recv, s) is not True:
                 raise SystemExit(f"probe_prelaunch: the lean launch declined {shape}")
@@ -148,7 +165,7 @@ def main(argv=None) -> int:
                 "status_read": lambda: status.tobytes() != clear,
                 "stream": stream,
                 "capturing": capturing,
-                "device_counts": lambda: ints(counts),
+                "device_counts": lambda: ints_of(counts),
                 "ring_take": lambda: take(capturing(), s),
                 "lean_launch": lambda: fast(x, w, counts_t, out, recv, s),
                 "launch_alone": lambda: nl.launch_as_written(plan.nprog, s),
@@ -158,25 +175,14 @@ def main(argv=None) -> int:
                        device=torch.cuda.get_device_name(), calls=a.calls)
             rec["pieces_busy_us"] = {name: round(_busy_us(fn, a.calls), 3)
                                      for name, fn in pieces.items()}
-            del out, recv
+            out = recv = None  # (the lean calls below may take them from the ring again)
             for mode in ("busy", "idle"):
                 pre, post = _split(lean, x, w, counts, nl, a.calls, mode == "idle")
                 rec[f"lean_pre_launch_{mode}_us"] = round(pre, 3)
                 rec[f"lean_post_launch_{mode}_us"] = round(post, 3)
             call = lambda: h(x, w, counts)  # noqa: E731
             mm = lambda: torch.matmul(x, w)  # noqa: E731
-            rec["handle_host_busy_us"] = round(_busy_us(call, a.calls), 3)
-            rec["handle_host_idle_us"] = round(_idle_us(call, a.calls), 3)
-            rec["torch_host_busy_us"] = round(_busy_us(mm, a.calls), 3)
-            rec["torch_host_idle_us"] = round(_idle_us(mm, a.calls), 3)
-            idle = idle_ms({"handle": call, "torch": mm}, a.reps)
-            rec["handle_idle_start_us"] = round(idle["handle"] * 1e3, 2)
-            rec["torch_idle_start_us"] = round(idle["torch"] * 1e3, 2)
-            # each alone (no other kernel between its samples): a gap that only the
-            # interleaved loop shows comes from following the other kernel (its shared
-            # memory configuration, its code in the instruction caches), not from our launch
-            rec["handle_idle_start_alone_us"] = round(idle_ms({"h": call}, a.reps)["h"] * 1e3, 2)
-            rec["torch_idle_start_alone_us"] = round(idle_ms({"t": mm}, a.reps)["t"] * 1e3, 2)
+            rec.update(_against_torch(call, mm, a))
             print(json.dumps(rec), flush=True)
         h.close()
     for shape in filter(None, a.gemv.split(",")):
@@ -194,7 +200,6 @@ def _gemv_record(ctx, shape: str, a) -> dict:
     before the C launch function (GemvLaunch.fn, wrapped) and after, busy and idle, and
     idle-start interleaved and alone."""
     from rocmoe import ops
-    from rocmoe.bench.fused_gpu import idle_ms
     dims, _, dname = shape.partition(":")
     n, k = (int(v) for v in dims.split("x"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dname or "bf16"]
@@ -239,15 +244,7 @@ def _gemv_record(ctx, shape: str, a) -> dict:
                     rec[f"post_launch_{mode}_us"] = round(statistics.median(post) / 1e3, 3)
             finally:
                 launch.fn = original
-            rec["handle_host_busy_us"] = round(_busy_us(call, a.calls), 3)
-            rec["handle_host_idle_us"] = round(_idle_us(call, a.calls), 3)
-            rec["torch_host_busy_us"] = round(_busy_us(mv, a.calls), 3)
-            rec["torch_host_idle_us"] = round(_idle_us(mv, a.calls), 3)
-            idle = idle_ms({"handle": call, "torch": mv}, a.reps)
-            rec["handle_idle_start_us"] = round(idle["handle"] * 1e3, 2)
-            rec["torch_idle_start_us"] = round(idle["torch"] * 1e3, 2)
-            rec["handle_idle_start_alone_us"] = round(idle_ms({"h": call}, a.reps)["h"] * 1e3, 2)
-            rec["torch_idle_start_alone_us"] = round(idle_ms({"t": mv}, a.reps)["t"] * 1e3, 2)
+            rec.update(_against_torch(call, mv, a))
     finally:
         h.close()
     return rec
