@@ -484,14 +484,16 @@ def gemm_repeat(ctx, x, w, send_counts):
         return None
     handle = _GEMM_LAST.get(ctx)
     if (handle is None or handle.workspace is None or type(send_counts) is not list
-            or len(send_counts) != 1 or not isinstance(x, torch.Tensor) or x.dim() != 2
-            or send_counts[0] != x.shape[0]):
+            or len(send_counts) != 1 or not isinstance(x, torch.Tensor) or x.dim() != 2):
+        return None
+    rows = x.shape[0]
+    if send_counts[0] != rows:
         return None
     lean = handle.__dict__.get("_lean")
     taken = lean(x, w, send_counts, True) if lean is not None else None
     if taken is None:
         return None
-    rows, out = x.shape[0], taken[0]
+    out = taken[0]
     # the whole output when it has exactly the rows (a slice is a dispatcher call: ~1 us)
     return (out if out.shape[0] == rows else out[:rows]), [rows]
 
@@ -506,9 +508,9 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
     rows for destination d are G consecutive segments, segment (d, g) multiplied by w[g]."""
     world = ctx.world_size
     if repeat and world == 1 and w is not None:  # (gemm_repeat checks ROCMOE_REPEAT_CALLS)
-        repeat = gemm_repeat(ctx, x, w, send_counts)
-        if repeat is not None:
-            return repeat
+        repeated = gemm_repeat(ctx, x, w, send_counts)
+        if repeated is not None:
+            return repeated
     problem, n, dcode, counts, group_counts, groups = None, -1, -1, [0] * world, None, 0
     try:
         check_float_dtype(x, f"{op}: X")

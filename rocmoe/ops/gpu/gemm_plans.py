@@ -575,10 +575,10 @@ class _LeanGemmLaunch:
     row-major [M, K] and W of the handle's shape, dtype and GPU; with M and W's
     contiguity as in the last launch through the plan (the fields M, the strides and X's
     map shape depend on), only the pointers can differ: out, counts and recv are written
-    when their address moved, X's and W's maps re-made only when theirs did. Anything else (another M, a
-    strided W, a pointer of another alignment, a launch through the plan in between, which
-    `NativeLaunch.generation` shows) goes through the plan, which rewrites every argument;
-    `record` then takes that launch as the new base."""
+    when their address moved, X's and W's maps re-made only when theirs did. Anything else
+    (another M, a strided W, a pointer of another alignment, a launch through the plan in
+    between, which `NativeLaunch.generation` shows) goes through the plan, which rewrites
+    every argument; `record` then takes that launch as the new base."""
 
     def __init__(self, plan: "_GemmLaunch", team: Team, native):
         self.plan, self.team, self.nl = plan, team, native

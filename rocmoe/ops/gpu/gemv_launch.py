@@ -12,9 +12,10 @@ from .team import team_for
 class GemvLaunch(_StructLaunch):
     """A GemvAllReduce handle's rocmoe_gpu_gemv_args, written once; a call writes its five
     per-call words (stream, K, W, x, y) through an int64 view of the struct (see
-    _word_view) when they differ from the last call's. The caller has checked W [N, K] and x [K] (K is the call's: the functional
-    op's cached handle serves every K of an N); a non-contiguous W or x is made contiguous
-    here (the kernel reads rows of W and x as plain arrays)."""
+    _word_view) when they differ from the last call's. The caller has checked W [N, K] and
+    x [K] (K is the call's: the functional op's cached handle serves every K of an N); a
+    non-contiguous W or x is made contiguous here (the kernel reads rows of W and x as plain
+    arrays)."""
 
     def __init__(self, handle):
         from ..._native import ffi, lib
