@@ -133,3 +133,17 @@ def test_function_layers_cpu_probe_times_every_layer_for_both_output_capacities(
         (c, layer) for c in (512, 4096)
         for layer in ("lean", "repeat", "rows_exchange", "function")}
     assert all(r["host_us"] > 0 for r in records), records
+
+
+def test_lean_call_cpu_probe_times_both_outputs_with_one_launch_a_call():
+    # benchmarks/probe_lean_call_cpu.py times the lean GEMM call's own Python against the
+    # stand-ins its tests use: every timed call must have been taken and launched
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "probe_lean_call_cpu.py"),
+                           "--calls", "20", "--rows", "64"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["exact"] for r in records] == [False, True]
+    # 3 warm-up calls and 5 repeats of 20 per case, each launched once
+    assert [r["launches"] for r in records] == [103, 206]
+    assert all(r["host_us"] > 0 for r in records)

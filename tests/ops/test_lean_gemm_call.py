@@ -1,19 +1,14 @@
 """A GemmAllToAll handle's lean call (rocmoe/ops/gpu/gemm_plans.py: lean_gemm_call) without a
-GPU: a stand-in handle and the stand-in native launch of test_lean_gemm_launch.py (CPU
-tensors, the device index a CPU tensor reports, stream 0). What is specified is which calls
+GPU: the stand-in handle and native launch of lean_gemm_standins.py (CPU tensors, the
+device index a CPU tensor reports, stream 0). What is specified is which calls
 it takes and launches, which it leaves to the general path (None, nothing launched), and the
 outputs it hands out; the product itself is the GPU tests' (tests/ops_gpu/
 fused_gpu_script.py: check_lean, check_function_rows)."""
 
-import types
-
-import numpy as np
 import pytest
 import torch
 
-from rocmoe import native_launch
-from rocmoe.ops.gpu import gemm_plans
-from test_lean_gemm_launch import FakeNative, FakePlan
+from lean_gemm_standins import FakeNative, lean_call_on_cpu
 
 M, K, N = 64, 16, 8
 CAPACITY = 2 * M
@@ -23,21 +18,8 @@ CAPACITY = 2 * M
 def lean(monkeypatch):
     """(the lean call, its stand-in native launch, X, W) for a one-rank handle of max_rows M
     whose plan for X's rows class has a lean launch."""
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: -1)  # a CPU tensor's index
-    monkeypatch.setattr(native_launch, "stream_getter", lambda device: (lambda: 0))
     nl = FakeNative()
-    launch = gemm_plans._LeanGemmLaunch(FakePlan(), None, nl)
-    x, w = torch.randn(M, K), torch.randn(K, N)
-    before = nl.generation
-    nl.full_launch()
-    launch.record(x, w, before)
-    status = np.zeros(4, dtype=np.int32)
-    handle = types.SimpleNamespace(
-        dtype=torch.float32, K=K, N=N, groups=1, max_rows=M, capacity_rows=CAPACITY,
-        ctx=types.SimpleNamespace(device=torch.device("cpu"), finalized=False),
-        _status=status, _status_clear=status.tobytes(), broken=None, _outputs={}, epoch=0)
-    call = gemm_plans.lean_gemm_call(handle, {M.bit_length(): (FakePlan(), launch)},
-                                     types.SimpleNamespace(world=1))
+    call, x, w = lean_call_on_cpu(M, K, N, CAPACITY, nl, monkeypatch.setattr)
     with torch.no_grad():
         yield call, nl, x, w
 

@@ -7,39 +7,9 @@ import torch
 
 from rocmoe.ops.gpu.gemm_plans import _LeanGemmLaunch
 
-
-class FakeNative:
-    """Stands for a NativeLaunch: steps that record what they wrote, pointer cells, the
-    generation counter and the launches made as written."""
-
-    def __init__(self):
-        self.generation, self.written = 0, False
-        self.cells = {pos: [0] for pos in (2, 3, 6)}
-        self.stepped, self.launched = [], []
-        self.step_ok = True
-
-    def step(self, pos):
-        def write(a):
-            self.stepped.append((pos, a.data_ptr()))
-            return self.step_ok
-        return write
-
-    def pointer_cell(self, pos):
-        return self.cells[pos], True
-
-    def launch_as_written(self, grid_x, stream):
-        self.launched.append((grid_x, stream, dict((p, c[0]) for p, c in self.cells.items())))
-
-    def full_launch(self):  # what the plan's launch does to the native launch
-        self.generation += 1
-        self.written = True
-
+from lean_gemm_standins import FakeNative, FakePlan
 
 STREAM = 0x5EED  # a raw stream handle the launch must be given
-
-
-class FakePlan:
-    nprog, local = 7, True
 
 
 def _setup(m=64):
