@@ -669,16 +669,21 @@ def lean_gemm_call(handle, plans: dict, team: Team):
     index = device.index if device.index is not None else torch.cuda.current_device()
     status, clear = handle._status, handle._status_clear
     max_rows = handle.max_rows
-    out_shape = (handle.capacity_rows, handle.N)
     ints_of = _device_ints(handle).of_ints
     descriptors = handle.__dict__.setdefault("_w_descriptors", {})
     is_grad_enabled, empty, int64, tensor_type = (torch.is_grad_enabled, torch.empty,
                                                   torch.int64, torch.Tensor)
     plain = PLAIN_TENSORS  # (W is a Parameter in a model: taken, outside autograd)
+    n_cols = handle.N
+
+    def outputs_of(rows):
+        """What makes a call's outputs: `rows` rows of Y and the received counts."""
+        return lambda: (empty((rows, n_cols), dtype=dtype, device=device),
+                        empty(world, dtype=int64, device=device))
+
     # the rows and the received counts, reused once the caller dropped them (an allocation
     # costs as much host time as the launch: rocmoe/ops/outputs.py)
-    ring = handle._outputs["gemm"] = OutputRing(lambda: (
-        empty(out_shape, dtype=dtype, device=device), empty(world, dtype=int64, device=device)))
+    ring = handle._outputs["gemm"] = OutputRing(outputs_of(handle.capacity_rows))
     take, stream = ring.take, native_launch.stream_getter(device)
     plan_of = plans.get
     # `exact` (the functional op's calls; a handle's own call returns its capacity rows): at
@@ -687,7 +692,7 @@ def lean_gemm_call(handle, plans: dict, team: Team):
     # dispatcher call, 1-2.5 us of host time). Its ring is made when the same rows come
     # twice running, so calls whose rows change every time (a model's routed tokens) keep
     # the capacity ring and make no output of their own.
-    n_cols, capacity_rows, outputs = handle.N, handle.capacity_rows, handle._outputs
+    capacity_rows, outputs = handle.capacity_rows, handle._outputs
     last_whole_rows = -1  # the rows of the last call that sent all of X's rows
 
     def exact_take(rows, current):
@@ -697,9 +702,7 @@ def lean_gemm_call(handle, plans: dict, team: Team):
             repeated, last_whole_rows = last_whole_rows == rows, rows
             if not repeated:
                 return None
-            ring = outputs["gemm_exact"] = OutputRing(lambda: (
-                empty((rows, n_cols), dtype=dtype, device=device),
-                empty(world, dtype=int64, device=device)), key=rows)
+            ring = outputs["gemm_exact"] = OutputRing(outputs_of(rows), key=rows)
         return ring.take(capturing(), current)
 
     def call(x, w, send_counts, exact=False):
