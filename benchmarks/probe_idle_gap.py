@@ -53,37 +53,51 @@ def idle(fn, reps=REPS):
     return round(statistics.median(ev), 2), round(statistics.median(host), 2)
 
 
-def traced(fn, reps=12):
+def traced(fns, reps=12):
     """Per iteration from a CUPTI trace (medians, us): host from the start event's record to
     the first launch call, that call's length, launch call to first GPU op start, GPU ops'
-    total time, first op start to last op end, GPU ops per iteration (names)."""
+    total time, first op start to last op end, GPU ops per iteration (names). `fns`: one
+    callable, or a dict of them run in turn within each of the `reps` rounds (each call
+    then follows the previous one's kernels: benchmarks/probe_prelaunch.py --trace); a dict
+    gets a dict of results by name."""
+    named = fns if isinstance(fns, dict) else {"call": fns}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(reps):
-            torch.cuda.synchronize()
-            with record_function(f"probe_iter_{i}"):
-                s = torch.cuda.Event()
-                s.record()
-                fn()
-            torch.cuda.synchronize()
+            for name, fn in named.items():
+                torch.cuda.synchronize()
+                with record_function(f"probe_iter_{i}:{name}"):
+                    s = torch.cuda.Event()
+                    s.record()
+                    fn()
+                torch.cuda.synchronize()
     path = os.path.join(OUT, "_trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     os.remove(path)
     xs = [e for e in events if e.get("ph") == "X"]
-    iters = sorted((e for e in xs if str(e.get("name", "")).startswith("probe_iter_")),
-                   key=lambda e: e["ts"])
     apis = [e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     gpu_ops = {}
     for e in xs:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             gpu_ops.setdefault(e.get("args", {}).get("correlation"), []).append(e)
+    results = {}
+    for name in named:
+        iters = sorted((e for e in xs if str(e.get("name", "")).startswith("probe_iter_")
+                        and str(e["name"]).partition(":")[2] == name), key=lambda e: e["ts"])
+        results[name] = _traced_rows(iters[2:], apis, gpu_ops)  # two rounds warm it up
+    return results if isinstance(fns, dict) else results["call"]
+
+
+def _traced_rows(iters, apis, gpu_ops) -> dict:
+    """`traced`'s medians over the iterations `iters` of one callable."""
     rows = []
     names = set()
-    for it in iters[2:]:  # the first two warm the profiler up
+    for it in iters:
         lo, hi = it["ts"], it["ts"] + it["dur"]
         mine = sorted((a for a in apis if lo <= a["ts"] <= hi), key=lambda a: a["ts"])
-        rec = [a for a in mine if a["name"] == "cudaEventRecord"]
+        # (the start event: cudaEventRecordWithFlags in the traces of torch 2.5 and later)
+        rec = [a for a in mine if a["name"].startswith("cudaEventRecord")]
         launches = [a for a in mine if a["name"] in _LAUNCH_APIS]
         ops_ = sorted((g for a in launches for g in gpu_ops.get(a.get("args", {}).get(
             "correlation"), [])), key=lambda g: g["ts"])
@@ -102,6 +116,7 @@ def traced(fn, reps=12):
     if not rows:
         return {"error": "no launches traced"}
     out = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
+    out["samples"] = len(rows)
     out["ops"] = sorted(names)
     out["api_names"] = sorted({a["name"] for a in apis})
     return out
