@@ -155,6 +155,13 @@ _TUNE_SKINNY = (
     # 64 x 128 with a deeper ring (8 stages, 192 KiB: one program an SM): one wave of 128
     # tiles at 256 x 4096^2 with more loads in flight than the 4-stage 64 x 128 above
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=8),
+    # 128 x 128 with 6 stages (192 KiB), the tile and depth of cuBLAS's kernel at 512 x
+    # 4096^2 (nvjet_sm90_tst_128x128_64x6_2x1): on an H100 it took that shape from 0.960 /
+    # 0.959 / 0.902 of torch.matmul (idle-start / queued / graph, the 4-stage tile the
+    # tuner kept) to 1.019 / 0.991 / 0.972 (5 stages: 1.004 / 1.011 / 0.972; two warp
+    # groups or a K step of 128 no better; results/probe_gemm_tiles_h100_thirtysecond_
+    # session.jsonl)
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=6),
 )
 
 
