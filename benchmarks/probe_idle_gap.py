@@ -75,6 +75,14 @@ def traced(fns, reps=12):
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     os.remove(path)
+    results = trace_results(events, list(named))
+    return results if isinstance(fns, dict) else results["call"]
+
+
+def trace_results(events, names) -> dict:
+    """`traced`'s medians by name from a Chrome trace's events: each name's iterations are
+    the `probe_iter_<round>:<name>` ranges, the first two rounds left out (they warm the
+    profiler up)."""
     xs = [e for e in events if e.get("ph") == "X"]
     apis = [e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     gpu_ops = {}
@@ -82,11 +90,11 @@ def traced(fns, reps=12):
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             gpu_ops.setdefault(e.get("args", {}).get("correlation"), []).append(e)
     results = {}
-    for name in named:
+    for name in names:
         iters = sorted((e for e in xs if str(e.get("name", "")).startswith("probe_iter_")
                         and str(e["name"]).partition(":")[2] == name), key=lambda e: e["ts"])
-        results[name] = _traced_rows(iters[2:], apis, gpu_ops)  # two rounds warm it up
-    return results if isinstance(fns, dict) else results["call"]
+        results[name] = _traced_rows(iters[2:], apis, gpu_ops)
+    return results
 
 
 def _traced_rows(iters, apis, gpu_ops) -> dict:

@@ -147,3 +147,50 @@ def test_lean_call_cpu_probe_times_both_outputs_with_one_launch_a_call():
     # 3 warm-up calls and 5 repeats of 20 per case, each launched once
     assert [r["launches"] for r in records] == [103, 206]
     assert all(r["host_us"] > 0 for r in records)
+
+
+def _synthetic_trace(rounds, calls):
+    """Chrome-trace events as torch.profiler exports them for probe_idle_gap.traced: per
+    round and call, the iteration's range, its start event's record, its launch and the
+    kernel the launch's correlation id names. `calls`: name -> (record to launch, launch to
+    kernel start, kernel us)."""
+    events, t, corr = [], 0.0, 0
+    for i in range(rounds):
+        for name, (to_launch, to_gpu, kernel) in calls.items():
+            corr += 1
+            launch_at = t + 1 + to_launch
+            events += [
+                dict(ph="X", name=f"probe_iter_{i}:{name}", ts=t, dur=100, cat="user_annotation"),
+                dict(ph="X", name="cudaEventRecordWithFlags", ts=t + 1, dur=0.5,
+                     cat="cuda_runtime"),
+                dict(ph="X", name="cuLaunchKernel", ts=launch_at, dur=3, cat="cuda_driver",
+                     args=dict(correlation=corr)),
+                dict(ph="X", name=f"{name}_kernel", ts=launch_at + to_gpu, dur=kernel,
+                     cat="kernel", args=dict(correlation=corr)),
+            ]
+            t += 200
+    return events
+
+
+def test_idle_gap_trace_results_split_interleaved_calls_by_name_from_their_start_event():
+    # benchmarks/probe_idle_gap.py (used by probe_prelaunch.py --trace) reads the launch to
+    # kernel start and the kernel's time of each call kind out of one interleaved trace,
+    # host time counted from the start event's record, the first two rounds left out
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from probe_idle_gap import trace_results
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    events = _synthetic_trace(6, {"handle": (5.0, 7.0, 26.0), "torch": (9.0, 8.0, 23.0)})
+    # the warm-up rounds are slower: left out, they change no median
+    for e in events:
+        if e["name"].endswith("_kernel") and e["ts"] < 2 * 400:
+            e["dur"] = 90.0
+    got = trace_results(events, ["handle", "torch"])
+    for name, (to_launch, to_gpu, kernel) in {"handle": (5.0, 7.0, 26.0),
+                                              "torch": (9.0, 8.0, 23.0)}.items():
+        r = got[name]
+        assert r["samples"] == 4, r
+        assert (r["host_to_launch"], r["launch_to_gpu"], r["gpu_busy"]) == (
+            to_launch, to_gpu, kernel), r
+        assert r["ops"] == [f"{name}_kernel"] and r["gpu_ops"] == 1
