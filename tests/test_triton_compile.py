@@ -287,6 +287,21 @@ def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
     assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
 
 
+# the most shared memory a block may take on an H100 or H200 (227 KiB)
+HOPPER_SHARED_BYTES = 232448
+
+
+@pytest.mark.parametrize("extra", [c for c in gpu_ops.tune_candidates("cuda", rows=1)
+                                   if "BLOCK_M" in c or "num_stages" in c], ids=_tile_id)
+def test_every_tuning_tile_fits_hoppers_shared_memory_in_bf16(extra):
+    # a bf16 candidate that cannot run on Hopper would only cost every first call of a shape
+    # its compile time (the tuner skips it there); its pipeline's stages are its shared
+    # memory: 128 x 128 x 64 at 6 stages takes 192 KiB, 8 would not fit
+    src, options = _local_tma_source(extra)
+    compiled = triton.compile(src, target=TARGETS["sm90"][0], options=options)
+    assert 0 < compiled.metadata.shared <= HOPPER_SHARED_BYTES, compiled.metadata.shared
+
+
 @pytest.mark.parametrize("tile", [{}, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4,
                                            num_stages=8)], ids=["default", "64x128"])
 def test_direct_path_reads_the_count_after_its_k_loop_on_sm90(tile):
