@@ -302,6 +302,17 @@ def test_every_tuning_tile_fits_hoppers_shared_memory_in_bf16(extra):
     assert 0 < compiled.metadata.shared <= HOPPER_SHARED_BYTES, compiled.metadata.shared
 
 
+@pytest.mark.parametrize("extra", [c for c in gpu_ops.tune_candidates("cuda", rows=1, fp32=True)
+                                   if "BLOCK_M" in c or "num_stages" in c], ids=_tile_id)
+def test_every_fp32_tuning_tile_fits_hoppers_shared_memory(extra):
+    # float32 tiles take twice the bytes a stage: the deep 16-bit rings (328-344 KiB in
+    # float32) are not float32 candidates; the rest must fit as the tuner runs them (the
+    # float32 default has no TMA loads)
+    build = aot.gemm_source("cuda", "fp32", "direct", extra, even=True, world_p2=2)
+    compiled = triton.compile(build.source, target=TARGETS["sm90"][0], options=build.options)
+    assert 0 < compiled.metadata.shared <= HOPPER_SHARED_BYTES, compiled.metadata.shared
+
+
 @pytest.mark.parametrize("tile", [{}, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4,
                                            num_stages=8)], ids=["default", "64x128"])
 def test_direct_path_reads_the_count_after_its_k_loop_on_sm90(tile):

@@ -152,6 +152,13 @@ _SKINNY_ROWS = 1024
 _TUNE_SKINNY = (
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=6),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+)
+
+
+# deep rings sized for 16-bit types: in float32 their stages take 328-344 KiB, more than a
+# Hopper SM has (227 KiB), and each cost the tuner a compile (2-8 s on this project's CI
+# host) of a kernel that cannot load (tests/test_triton_compile.py checks both types' fit)
+_TUNE_SKINNY_16BIT = (
     # 64 x 128 with a deeper ring (8 stages, 192 KiB: one program an SM): one wave of 128
     # tiles at 256 x 4096^2 with more loads in flight than the 4-stage 64 x 128 above
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=8),
@@ -224,7 +231,9 @@ def tune_candidates(platform: str, rows: int, fp32: bool = False) -> tuple:
     if platform == "hip":
         return _TUNE_CANDIDATES_CDNA + ((_TUNE_SKINNY_CDNA_FP32 if fp32 else _TUNE_SKINNY_CDNA)
                                         if skinny else ())
-    return _TUNE_CANDIDATES + (_TUNE_SKINNY if skinny else ())
+    if not skinny:
+        return _TUNE_CANDIDATES
+    return _TUNE_CANDIDATES + _TUNE_SKINNY + (() if fp32 else _TUNE_SKINNY_16BIT)
 
 
 class _GemmLaunch:
