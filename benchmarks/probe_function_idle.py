@@ -46,14 +46,13 @@ def main(argv=None) -> int:
         raise SystemExit("probe_function_idle needs a GPU")
     import rocmoe
     from rocmoe import ops
-    from rocmoe.bench.fused_gpu import _gemm_plan, idle_ms, stream_ms
+    from rocmoe.bench.fused_gpu import _gemm_plan, idle_ms, random_gemm_inputs, stream_ms
     from rocmoe.bench.timing import host_us_median
     from rocmoe.ops import _kernels
     ctx = rocmoe.init(backend="ipc", heap_size=2 << 30)
     m, kn, dtype, dev = a.rows, a.kn, torch.bfloat16, ctx.device
     g = torch.Generator(device=dev).manual_seed(3)
-    x = torch.randn(m, kn, device=dev, generator=g).to(dtype)
-    w = (torch.randn(kn, kn, device=dev, generator=g) / kn ** 0.5).to(dtype)
+    x, w = random_gemm_inputs(m, kn, kn, dev, g, dtype)
     counts = [m]
     with torch.no_grad():
         ops.gemm_all_to_all(torch.randn(a.first_rows, kn, device=dev).to(dtype), w,

@@ -11,8 +11,8 @@ ours 128 x 256 (24.5 against 23.6 us).
 For each shape, the tuned handle and then each config (ROCMOE_GEMM_CONFIG, which the
 handle's plan reads when it is made and which skips the tuner) is timed idle-start, queued
 and graph-replayed against torch.matmul (rocmoe.bench.fused_gpu.compare), its result
-checked against torch's. One JSON line per (shape, config); a config that fails to build or run gets its
-error instead.
+checked against torch's. One JSON line per (shape, config); a config that fails to build
+or run gets its error instead.
 
     python3 benchmarks/probe_gemm_tiles.py [--shapes 512x4096x4096,2048x2048x2048]
         [--reps 9] [--configs JSON_LIST]
@@ -63,14 +63,13 @@ def main(argv=None) -> int:
         raise SystemExit("probe_gemm_tiles needs a GPU")
     import rocmoe
     from rocmoe import ops
-    from rocmoe.bench.fused_gpu import compare
+    from rocmoe.bench.fused_gpu import compare, random_gemm_inputs
     ctx = rocmoe.init(backend="ipc", heap_size=2 << 30)
     dtype, dev = torch.bfloat16, ctx.device
     g = torch.Generator(device=dev).manual_seed(11)
     for shape in a.shapes.split(","):
         m, k, n = (int(v) for v in shape.split("x"))
-        x = torch.randn(m, k, device=dev, generator=g).to(dtype)
-        w = (torch.randn(k, n, device=dev, generator=g) / k ** 0.5).to(dtype)
+        x, w = random_gemm_inputs(m, k, n, dev, g, dtype)
         want = torch.matmul(x, w).float()
         configs = json.loads(a.configs) if a.configs else (SKINNY if m <= 1024 else SQUARE)
         for cfg in [None] + configs:

@@ -83,8 +83,9 @@ def _against_torch(call, theirs, a) -> dict:
     handle's interleaved with a one-block kernel instead of torch's op."""
     from rocmoe.bench.fused_gpu import idle_ms
     idle = idle_ms({"handle": call, "torch": theirs}, a.reps)
-    tiny = torch.zeros(1, device="cuda")
-    after_tiny = idle_ms({"handle": call, "tiny": lambda: tiny.add_(1)}, a.reps)
+    word = torch.zeros(1, device="cuda")
+    tiny = lambda: word.add_(1)  # noqa: E731 - a one-block kernel of torch's
+    after_tiny = idle_ms({"handle": call, "tiny": tiny}, a.reps)
     return dict(
         handle_host_busy_us=round(_busy_us(call, a.calls), 3),
         handle_host_idle_us=round(_idle_us(call, a.calls), 3),
@@ -95,10 +96,10 @@ def _against_torch(call, theirs, a) -> dict:
         handle_idle_start_alone_us=round(idle_ms({"h": call}, a.reps)["h"] * 1e3, 2),
         torch_idle_start_alone_us=round(idle_ms({"t": theirs}, a.reps)["t"] * 1e3, 2),
         handle_idle_start_after_tiny_us=round(after_tiny["handle"] * 1e3, 2),
-        **(_traces(call, theirs, a.trace) if a.trace else {}))
+        **(_traces(call, theirs, tiny, a.trace) if a.trace else {}))
 
 
-def _traces(call, theirs, rounds: int) -> dict:
+def _traces(call, theirs, tiny, rounds: int) -> dict:
     """CUPTI's view of the idle-start calls (benchmarks/probe_idle_gap.py: traced), the two
     calls interleaved and each alone: from the launch call to the kernel's start on the GPU,
     and the kernel's own time. Which of the two grows when a call follows the other's
@@ -111,10 +112,9 @@ def _traces(call, theirs, rounds: int) -> dict:
         return {k: v for k, v in r.items() if k in keep}
     try:
         both = traced({"handle": call, "torch": theirs}, rounds)
-        # after a one-block kernel of torch's instead: is it any other kernel before ours,
-        # or the GEMM's (its L2 lines, its shared-memory carve-out)?
-        tiny = torch.zeros(1, device="cuda")
-        after_tiny = traced({"handle": call, "tiny": lambda: tiny.add_(1)}, rounds)
+        # after a one-block kernel (`tiny`) instead: is it any other kernel before ours, or
+        # the GEMM's (its L2 lines, its shared-memory carve-out)?
+        after_tiny = traced({"handle": call, "tiny": tiny}, rounds)
         return dict(trace_interleaved={k: brief(v) for k, v in both.items()},
                     trace_after_tiny=brief(after_tiny["handle"]),
                     trace_alone={"handle": brief(traced(call, rounds)),
@@ -172,14 +172,14 @@ def main(argv=None) -> int:
         raise SystemExit("probe_prelaunch needs a GPU")
     import rocmoe
     from rocmoe import ops
+    from rocmoe.bench.fused_gpu import random_gemm_inputs
     from rocmoe.ops.outputs import capturing
     ctx = rocmoe.init(backend="ipc", heap_size=2 << 30)
     dtype, dev = torch.bfloat16, ctx.device
     g = torch.Generator(device=dev).manual_seed(5)
     for shape in a.shapes.split(","):
         m, k, n = (int(v) for v in shape.split("x"))
-        x = torch.randn(m, k, device=dev, generator=g).to(dtype)
-        w = (torch.randn(k, n, device=dev, generator=g) / k ** 0.5).to(dtype)
+        x, w = random_gemm_inputs(m, k, n, dev, g, dtype)
         counts = [m]
         h = ops.GemmAllToAll(ctx, m, k, n, dtype)
         with torch.no_grad():

@@ -335,6 +335,14 @@ def case_gemv(ctx, shape, reps, copy_tbps, api="handle"):
     return judge(rec, 1.0)
 
 
+def random_gemm_inputs(m: int, k: int, n: int, device, generator, dtype=torch.bfloat16) -> tuple:
+    """X [m, k] and W [k, n] drawn from `generator`, W scaled by 1/sqrt(k) so that X @ W's
+    entries are of order one (the benchmark's and the GEMM probes' operands)."""
+    x = torch.randn(m, k, device=device, generator=generator).to(dtype)
+    w = (torch.randn(k, n, device=device, generator=generator) / k ** 0.5).to(dtype)
+    return x, w
+
+
 def case_gemm(ctx, shape, reps, api="handle", first_rows=None):
     """`first_rows` (functions): one call with that many rows first, so that the timed calls
     run on a cached handle made for more rows than they have (as a model's calls with
@@ -342,9 +350,7 @@ def case_gemm(ctx, shape, reps, api="handle", first_rows=None):
     from .. import ops
     m, k, n = shape
     dtype, dev = torch.bfloat16, ctx.device
-    g = torch.Generator(device=dev).manual_seed(3)
-    x = torch.randn(m, k, device=dev, generator=g).to(dtype)
-    w = (torch.randn(k, n, device=dev, generator=g) / k ** 0.5).to(dtype)
+    x, w = random_gemm_inputs(m, k, n, dev, torch.Generator(device=dev).manual_seed(3), dtype)
     if first_rows and api == "function":
         with torch.no_grad():
             ops.gemm_all_to_all(torch.randn(first_rows, k, device=dev).to(dtype), w,

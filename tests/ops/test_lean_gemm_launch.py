@@ -7,7 +7,7 @@ import torch
 
 from rocmoe.ops.gpu.gemm_plans import _LeanGemmLaunch
 
-from lean_gemm_standins import FakeNative, FakePlan
+from lean_gemm_standins import POINTER_POSITIONS, FakeNative, FakePlan
 
 STREAM = 0x5EED  # a raw stream handle the launch must be given
 
@@ -105,7 +105,7 @@ class CountingCell:
 
 def _counting_setup():
     nl, lean, x, w = _setup()
-    nl.cells = {pos: CountingCell() for pos in (2, 3, 6)}
+    nl.cells = {pos: CountingCell() for pos in POINTER_POSITIONS}
     lean.out_cell, lean.counts_cell, lean.recv_cell = nl.cells[2], nl.cells[3], nl.cells[6]
     return nl, lean, x, w
 
