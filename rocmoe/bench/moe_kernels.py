@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         tokens, hidden, ffn, experts = shape
         gen, x, w1, w2 = expert_inputs(shape, device, dtype)
         ids, _ = make_routing(tokens, experts, 2, "uniform", device, dtype, gen)
-        _, topo, x_perm = route_and_permute(x, ids, experts, args.block_size, ffn)
+        plan, topo, x_perm = route_and_permute(x, ids, experts, args.block_size, ffn)
         grad = torch.randn(topo.num_rows, hidden, device=device, dtype=dtype, generator=gen)
         flops = 2.0 * tokens * 2 * hidden * ffn
         xd = torch.randn(tokens * 2, hidden, device=device, dtype=dtype, generator=gen)
@@ -118,7 +118,10 @@ def main(argv=None) -> int:
                     bs.set_kernel_config(**sweep_config(start, cfg, bs.OPS))
                 select()
                 try:
-                    calls = kernel_calls(bs, topo, x_perm, w1.detach(), w2.detach(), grad)
+                    # with the tokens and their plan: also the kernels the layer runs by
+                    # default, which gather the tokens' rows ("*_gathered", gather_rows)
+                    calls = kernel_calls(bs, topo, x_perm, w1.detach(), w2.detach(), grad,
+                                         x, plan)
                     for name, fn in calls.items():
                         if wanted and name not in wanted:
                             continue
