@@ -32,7 +32,7 @@ import time
 # first is the built-in default (since the H200 sweep of 2026-12-02 the register kernel, one
 # row a wave, 4 loads in flight, ld.global.nc: what reg_r1_u4_l0 names), the second the
 # kernel as it was (one wave per row, the persistent protocol kernel at world size 1, 32-row
-# tasks, L1-cached loads). The last five run only when named (or with --variants all).
+# tasks, L1-cached loads). The last eight run only when named (or with --variants all).
 VARIANTS = {
     "default": {},
     "legacy": {"ROCMOE_GEMV_DIRECT": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "1",
@@ -59,6 +59,15 @@ VARIANTS = {
                      "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "1"},
     "protocol_r2_u2": {"ROCMOE_GEMV_DIRECT": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",
                        "ROCMOE_GEMV_UNROLL": "2"},
+    # the default kernel's neighbours, never swept on an H100 (whose HBM3 wants fewer bytes
+    # in flight than an H200's HBM3e): eight loads in flight, and W's loads without L1
+    # allocation, with and without an L2 prefetch
+    "reg_r1_u8_l0": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "1",
+                     "ROCMOE_GEMV_UNROLL": "8", "ROCMOE_GEMV_LOAD": "0"},
+    "reg_r1_u4_l1": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "1",
+                     "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "1"},
+    "reg_r1_u4_l2": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "1",
+                     "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "2"},
     # the default kernel with W's chunks split evenly over the waves instead of its rows
     # (hip/src/gpu/fused_gemv.hip: walk_chunks); it applies where the rows outnumber the
     # resident grid's waves (4,224 on an H200), elsewhere it is the default
