@@ -66,8 +66,9 @@ ENV_KNOBS = (
                                 "(0: loads into registers)"),
     ("ROCMOE_GEMV_UNROLL", "4", "GEMV register kernels: 16-byte loads in flight per row and "
                                 "lane"),
-    ("ROCMOE_GEMV_LOAD", "0", "GEMV register kernel on NVIDIA: W's loads 0 ld.global.nc, "
-                              "1 + L1::no_allocate, 2 + L2::256B prefetch"),
+    ("ROCMOE_GEMV_LOAD", "", "GEMV register kernel on NVIDIA: W's loads 0 ld.global.nc, "
+                             "1 + L1::no_allocate, 2 + L2::256B prefetch (unset: 1 on an "
+                             "H100, 0 elsewhere)"),
     ("ROCMOE_GEMV_ROWS", "0", "GEMV protocol kernel: rows per phase-1 task (0: about N / "
                               "workgroups)"),
     ("ROCMOE_GEMV_PER_CU", "4", "GEMV: workgroups per compute unit (at most what fits)"),
