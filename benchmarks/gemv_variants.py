@@ -28,9 +28,19 @@ import subprocess
 import sys
 import time
 
+
+def _registers(rows: int, unroll: int, load: int) -> dict:
+    """The knobs of the register kernel at world size 1 (no cp.async ring) with `rows` rows
+    a wave, `unroll` 16-byte loads in flight and W's load flavour `load` (0 ld.global.nc,
+    1 + L1::no_allocate, 2 + L2::256B prefetch)."""
+    return {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": str(rows),
+            "ROCMOE_GEMV_UNROLL": str(unroll), "ROCMOE_GEMV_LOAD": str(load)}
+
+
 # name -> knobs (every other ROCMOE_GEMV_* is removed from the child's environment); the
 # first is the built-in default (since the H200 sweep of 2026-12-02 the register kernel, one
-# row a wave, 4 loads in flight, ld.global.nc: what reg_r1_u4_l0 names), the second the
+# row a wave, 4 loads in flight; its loads ld.global.nc, what reg_r1_u4_l0 names, except on
+# an H100, where since the thirty-third session they skip L1: reg_r1_u4_l1), the second the
 # kernel as it was (one wave per row, the persistent protocol kernel at world size 1, 32-row
 # tasks, L1-cached loads). The last eight run only when named (or with --variants all).
 VARIANTS = {
@@ -41,33 +51,24 @@ VARIANTS = {
     "async_r2_s3": {"ROCMOE_GEMV_ROWS_PER_WARP": "2", "ROCMOE_GEMV_STAGES": "3"},
     "async_r2_s4_cu3": {"ROCMOE_GEMV_ROWS_PER_WARP": "2", "ROCMOE_GEMV_STAGES": "4",
                         "ROCMOE_GEMV_PER_CU": "3"},
-    "reg_r2_u4_l2": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",
-                     "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "2"},
-    "reg_r4_u2_l2": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "4",
-                     "ROCMOE_GEMV_UNROLL": "2", "ROCMOE_GEMV_LOAD": "2"},
-    "reg_r2_u4_l0": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",
-                     "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "0"},
-    "reg_r1_u4_l0": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "1",
-                     "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "0"},
+    "reg_r2_u4_l2": _registers(2, 4, 2),
+    "reg_r4_u2_l2": _registers(4, 2, 2),
+    "reg_r2_u4_l0": _registers(2, 4, 0),
+    "reg_r1_u4_l0": _registers(1, 4, 0),
     "protocol_r2_u4": {"ROCMOE_GEMV_DIRECT": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",
                        "ROCMOE_GEMV_UNROLL": "4"},
     # on request only
     "async_r1_s4": {"ROCMOE_GEMV_ROWS_PER_WARP": "1", "ROCMOE_GEMV_STAGES": "4"},
-    "reg_r2_u2_l2": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",
-                     "ROCMOE_GEMV_UNROLL": "2", "ROCMOE_GEMV_LOAD": "2"},
-    "reg_r2_u4_l1": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",
-                     "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "1"},
+    "reg_r2_u2_l2": _registers(2, 2, 2),
+    "reg_r2_u4_l1": _registers(2, 4, 1),
     "protocol_r2_u2": {"ROCMOE_GEMV_DIRECT": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "2",
                        "ROCMOE_GEMV_UNROLL": "2"},
-    # the default kernel's neighbours, never swept on an H100 (whose HBM3 wants fewer bytes
-    # in flight than an H200's HBM3e): eight loads in flight, and W's loads without L1
-    # allocation, with and without an L2 prefetch
-    "reg_r1_u8_l0": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "1",
-                     "ROCMOE_GEMV_UNROLL": "8", "ROCMOE_GEMV_LOAD": "0"},
-    "reg_r1_u4_l1": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "1",
-                     "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "1"},
-    "reg_r1_u4_l2": {"ROCMOE_GEMV_STAGES": "0", "ROCMOE_GEMV_ROWS_PER_WARP": "1",
-                     "ROCMOE_GEMV_UNROLL": "4", "ROCMOE_GEMV_LOAD": "2"},
+    # the default kernel's neighbours, first swept on an H100 in the thirty-third session:
+    # eight loads in flight, and W's loads without L1 allocation, with and without an L2
+    # prefetch
+    "reg_r1_u8_l0": _registers(1, 8, 0),
+    "reg_r1_u4_l1": _registers(1, 4, 1),
+    "reg_r1_u4_l2": _registers(1, 4, 2),
     # the default kernel with W's chunks split evenly over the waves instead of its rows
     # (hip/src/gpu/fused_gemv.hip: walk_chunks); it applies where the rows outnumber the
     # resident grid's waves (4,224 on an H200), elsewhere it is the default
