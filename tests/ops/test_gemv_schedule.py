@@ -341,6 +341,30 @@ int main() {
 """
 
 
+LOAD_PROGRAM = PRELUDE + r"""
+using rocmoe::fused::kLoadCached;
+using rocmoe::fused::kLoadNoL1;
+using rocmoe::fused::load_for_device;
+
+int main() {
+    // the names the driver gives (cudaDeviceProp::name)
+    const char *no_l1[] = {"NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL"};
+    const char *cached[] = {"NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA H800", "NVIDIA A100-SXM4-80GB",
+                            "", nullptr};
+    for (const char *name : no_l1)
+        CHECK(load_for_device(name) == kLoadNoL1, "%s: load %d", name, load_for_device(name));
+    for (const char *name : cached)
+        CHECK(load_for_device(name) == kLoadCached, "%s: load %d", name ? name : "(null)",
+              load_for_device(name));
+    if (failures) {
+        std::printf("%d failures\n", failures);
+        return 1;
+    }
+    std::printf("gemv load flavour: all checks passed\n");
+    return 0;
+}
+"""
+
 def _build_and_run(tmp_path, program: str, name: str) -> str:
     """Compile `program` (a host program including the kernel file's schedule) and run it."""
     nvcc = require_tool("nvcc", "compiles the GEMV kernel file's schedule into a host program")
@@ -367,3 +391,11 @@ def test_gemv_split_and_pipeline_schedule_on_the_cpu(tmp_path):
 def test_gemv_balanced_split_takes_every_chunk_once_and_stores_every_row_once(tmp_path):
     out = _build_and_run(tmp_path, BALANCED_PROGRAM, "gemv_balanced")
     assert "gemv balanced split: all checks passed" in out, out
+
+
+def test_gemv_loads_skip_l1_by_default_on_an_h100_only(tmp_path):
+    """The default load flavour per device name (kNoL1Devices): L1::no_allocate on every H100
+    (the thirty-third session's two H100 sweeps), plain loads elsewhere (the H200 and others:
+    no sweep there has compared the two)."""
+    out = _build_and_run(tmp_path, LOAD_PROGRAM, "gemv_load")
+    assert "gemv load flavour: all checks passed" in out, out

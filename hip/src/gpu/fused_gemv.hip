@@ -119,6 +119,16 @@ constexpr int kProtocolUnroll = 4;
 
 enum WeightLoad : int { kLoadCached = 0, kLoadNoL1 = 1, kLoadNoL1Prefetch = 2 };
 
+// W's load flavour on a device of this name where ROCMOE_GEMV_LOAD is unset: kLoadNoL1 on the
+// models of kNoL1Devices, else kDefaultLoad. Host code (default_load asks the driver for the
+// name once; tests/ops/test_gemv_schedule.py runs it on the CPU).
+inline int load_for_device(const char *name) {
+    if (name != nullptr)
+        for (const char *model : kNoL1Devices)
+            if (std::strstr(name, model) != nullptr) return int(kLoadNoL1);
+    return kDefaultLoad;
+}
+
 struct GemvParams {
     const void *w;
     const void *x;
@@ -940,9 +950,7 @@ int default_load() {
         if (cudaGetDevice(&device) != cudaSuccess ||
             cudaGetDeviceProperties(&prop, device) != cudaSuccess)
             return kDefaultLoad;
-        for (const char *model : kNoL1Devices)
-            if (strstr(prop.name, model) != nullptr) return int(kLoadNoL1);
-        return kDefaultLoad;
+        return load_for_device(prop.name);
     }();
     return load;
 #else
