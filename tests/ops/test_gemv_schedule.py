@@ -349,8 +349,8 @@ using rocmoe::fused::load_for_device;
 int main() {
     // the names the driver gives (cudaDeviceProp::name)
     const char *no_l1[] = {"NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL"};
-    const char *cached[] = {"NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA H800", "NVIDIA A100-SXM4-80GB",
-                            "", nullptr};
+    const char *cached[] = {"NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA H800",
+                            "NVIDIA A100-SXM4-80GB", "", nullptr};
     for (const char *name : no_l1)
         CHECK(load_for_device(name) == kLoadNoL1, "%s: load %d", name, load_for_device(name));
     for (const char *name : cached)
@@ -364,6 +364,7 @@ int main() {
     return 0;
 }
 """
+
 
 def _build_and_run(tmp_path, program: str, name: str) -> str:
     """Compile `program` (a host program including the kernel file's schedule) and run it."""

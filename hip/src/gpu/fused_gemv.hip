@@ -940,19 +940,16 @@ struct Tuning {
     int balance;        // ROCMOE_GEMV_BALANCE
 };
 
-// W's load flavour where ROCMOE_GEMV_LOAD is unset: per device model (kNoL1Devices), read
-// once per process from the current device, as compute_units() is.
+// W's load flavour where ROCMOE_GEMV_LOAD is unset: per model of the current device
+// (kNoL1Devices). tuning() asks once per process, with the other knobs.
 int default_load() {
 #if defined(ROCMOE_PLATFORM_NVIDIA)
-    static const int load = [] {
-        int device = 0;
-        cudaDeviceProp prop;
-        if (cudaGetDevice(&device) != cudaSuccess ||
-            cudaGetDeviceProperties(&prop, device) != cudaSuccess)
-            return kDefaultLoad;
-        return load_for_device(prop.name);
-    }();
-    return load;
+    int device = 0;
+    cudaDeviceProp prop;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaGetDeviceProperties(&prop, device) != cudaSuccess)
+        return kDefaultLoad;
+    return load_for_device(prop.name);
 #else
     return kDefaultLoad;
 #endif
