@@ -88,13 +88,25 @@ def _direct(tensors) -> bool:
     return not has_torch_function(tensors)
 
 
-def _off_device(ctx, tensors) -> bool:
-    """A real (not traced) call with a tensor off the context's device. Such a call must not
-    go through the dispatcher: a meta tensor would select the fake kernel and the other ranks
-    would wait in vain; the eager path validates it and raises on every rank instead."""
+def _checked_eagerly(ctx, tensors) -> bool:
+    """A real (not traced) call with an argument that is not a tensor, or a tensor off the
+    context's device. Such a call must not go through the dispatcher: it would raise its own
+    RuntimeError for a list where it wants a tensor, and a meta tensor would select the fake
+    kernel, on this rank alone, while the other ranks wait in vain; the eager path validates
+    it and raises a RocmoeError on every rank instead."""
     if torch.compiler.is_compiling():
         return False
-    return any(isinstance(t, torch.Tensor) and t.device != ctx.device for t in tensors)
+    device = ctx.device
+    return any(not isinstance(t, torch.Tensor) or t.device != device for t in tensors)
+
+
+def _as_list(seq):
+    """A per-table argument as a list (a list, tuple, generator or a stacked tensor's rows);
+    anything that is not iterable as it is, for the checks to name on every rank."""
+    try:
+        return list(seq)
+    except TypeError:
+        return seq
 
 
 def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torch.Tensor],
@@ -109,19 +121,24 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
     row t is table t's; per_sample_weights: with mode="sum" only.
     Returns [B_global // world, T_total, D]: this rank's bags, all tables in global order."""
     ctx = resolve_context(ctx)
-    weights = list(weights)
+    weights = _as_list(weights)
     if (per_sample_weights is None and type(indices) is torch.Tensor
-            and type(offsets) is torch.Tensor and _direct(weights + [indices, offsets])):
+            and type(offsets) is torch.Tensor and type(weights) is list
+            and _direct(weights + [indices, offsets])):
         # stacked lookups: a repeat of the last call at world size 1 writes the tables'
         # records from the two tensors as they are (iterating their rows as tensors would
         # make a view of each: the host time of two tensors a table)
         repeat = _kernels.embedding_repeat(ctx, weights, indices, offsets, mode)
         if repeat is not None:
             return repeat[0]
-    indices, offsets = list(indices), list(offsets)
-    psw = None if per_sample_weights is None else list(per_sample_weights)
+    indices, offsets = _as_list(indices), _as_list(offsets)
+    psw = None if per_sample_weights is None else _as_list(per_sample_weights)
+    if not (type(weights) is list and type(indices) is list and type(offsets) is list
+            and (psw is None or type(psw) is list)):
+        # an argument that is not a sequence: the eager path names it on every rank
+        return _kernels.embedding_forward(ctx, weights, indices, offsets, mode, psw)[0]
     tensors = weights + indices + offsets + (psw or [])
-    if _direct(tensors) or _off_device(ctx, tensors):
+    if _direct(tensors) or _checked_eagerly(ctx, tensors):
         return _kernels.embedding_forward(ctx, weights, indices, offsets, mode, psw)[0]
     layout = ""
     if torch.compiler.is_compiling():
@@ -145,7 +162,7 @@ def gemv_all_reduce(W_local: torch.Tensor, x_local: torch.Tensor, ctx=None) -> t
     x_local [K_r]. Two-phase direct all-reduce: reduce-scatter by stores into each chunk's
     owner, then all-gather by stores."""
     ctx = resolve_context(ctx)
-    if _direct((W_local, x_local)) or _off_device(ctx, (W_local, x_local)):
+    if _direct((W_local, x_local)) or _checked_eagerly(ctx, (W_local, x_local)):
         return _kernels.gemv_forward(ctx, W_local, x_local)
     return torch.ops.rocmoe.gemv_all_reduce(W_local, x_local, context_id(ctx))
 
@@ -187,7 +204,7 @@ def gemm_all_to_all(X: torch.Tensor, W: torch.Tensor, send_counts, ctx=None) -> 
                 send_counts = [int(c) for c in send_counts]
         except (TypeError, ValueError):
             send_counts = list(BAD_COUNTS)
-    if direct or _off_device(ctx, (X, W)):
+    if direct or _checked_eagerly(ctx, (X, W)):
         return _kernels.rows_exchange(ctx, "gemm_all_to_all", X, W, send_counts,
                                       repeat=not declined)[0]
     anchor = _anchor(ctx)

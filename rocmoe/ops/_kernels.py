@@ -308,9 +308,13 @@ def embedding_repeat(ctx, weights, indices, offsets, mode):
     """_embedding_repeat where it applies (repeat paths on, world size 1), else None: for
     embedding_forward, and for a direct call (rocmoe.ops._direct: no autograd, no tracer,
     no mode) whose lookups are stacked, before they are split into rows."""
-    if not _REPEAT or ctx.world_size != 1:
-        return None
+    if (not _REPEAT or ctx.world_size != 1 or type(weights) is not list
+            or type(indices) not in _SEQUENCES or type(offsets) not in _SEQUENCES):
+        return None  # (what is not a sequence the general path names)
     return _embedding_repeat(ctx, weights, indices, offsets, mode)
+
+
+_SEQUENCES = (list, torch.Tensor)  # per-table lookups: listed, or stacked in one tensor
 
 
 def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
@@ -513,6 +517,9 @@ def rows_exchange(ctx, op: str, x: torch.Tensor, w: Optional[torch.Tensor], send
             return repeated
     problem, n, dcode, counts, group_counts, groups = None, -1, -1, [0] * world, None, 0
     try:
+        for name, t in (("X", x), ("W", w)):
+            if not isinstance(t, torch.Tensor) and (t is not None or name == "X"):
+                raise errors.InvalidArgumentError(f"{op}: {name} must be a tensor")
         check_float_dtype(x, f"{op}: X")
         check_device(ctx, x, f"{op}: X")
         if x.dim() != 2:

@@ -346,6 +346,8 @@ def check_errors():
                  bad_rank, good_gemv)
     expect_error("gemv device mismatch", "gemv_all_reduce",
                  lambda bad: ops.gemv_all_reduce(w, x.to("meta") if bad else x), bad_rank, good_gemv)
+    expect_error("gemv W that is not a tensor", "gemv_all_reduce",
+                 lambda bad: ops.gemv_all_reduce(w.tolist() if bad else w, x), bad_rank, good_gemv)
     if WORLD > 1:  # a cross-rank disagreement needs two ranks
         expect_error("gemv N differs across ranks", "gemv_all_reduce",
                      lambda bad: ops.gemv_all_reduce(torch.randn(7, 4) if bad else w, x),
@@ -372,6 +374,9 @@ def check_errors():
                  lambda bad: ops.gemm_all_to_all(
                      X, Wm, torch.tensor(counts, dtype=torch.float32) if bad else
                      torch.tensor(counts)), bad_rank, good_gemm)
+    expect_error("gemm X that is not a tensor", "gemm_all_to_all",
+                 lambda bad: ops.gemm_all_to_all(X.tolist() if bad else X, Wm, counts), bad_rank,
+                 good_gemm)
     expect_error("gemm inner dimension mismatch", "gemm_all_to_all",
                  lambda bad: ops.gemm_all_to_all(X, torch.randn(4, 5) if bad else Wm, counts),
                  bad_rank, good_gemm)
@@ -440,6 +445,13 @@ def check_errors():
                      bad_rank, good_emb)
         expect_error("embedding unsupported mode", "embedding_all_to_all",
                      lambda bad: emb_with(bad, mode="max"), bad_rank, good_emb)
+        expect_error("embedding indices that are not tensors", "embedding_all_to_all",
+                     lambda bad: ops.embedding_all_to_all(
+                         ew + [torch.randn(5, dim)], ei + [list(range(batch))],
+                         eo + [torch.arange(batch)]) if bad else good_emb(), bad_rank, good_emb)
+        if WORLD > 1:
+            expect_error("embedding modes differ across ranks", "embedding_all_to_all",
+                         lambda bad: emb_with(bad, mode="mean"), bad_rank, good_emb)
         expect_error("embedding indices on another device", "embedding_all_to_all",
                      lambda bad: ops.embedding_all_to_all(
                          ew + [torch.randn(5, dim)], ei + [torch.zeros(batch, dtype=torch.int64,

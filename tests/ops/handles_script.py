@@ -221,6 +221,9 @@ def check_abort():
                  lambda bad: gemm(torch.randn(20, 4) if bad else x, w,
                                   [20] + [0] * (WORLD - 1) if bad else counts), good,
                  rocmoe.errors.InvalidArgumentError)
+    expect_abort("GemmAllToAll X that is not a tensor", gemm,
+                 lambda bad: gemm(x.tolist() if bad else x, w, counts), good,
+                 rocmoe.errors.InvalidArgumentError)
     expect_abort("GemmAllToAll counts beyond the rows", gemm,
                  lambda bad: gemm(x, w, [3] + [2] * (WORLD - 1) if bad else counts), good,
                  rocmoe.errors.InvalidArgumentError)
@@ -234,6 +237,9 @@ def check_abort():
     idx, off = [torch.tensor([0, 1, 4, 2] * WORLD)], [torch.arange(0, 4 * WORLD)]
     expect_abort("EmbeddingAllToAll index outside the table", emb,
                  lambda bad: emb(tab, [torch.tensor([0, 1, 5, 2] * WORLD)] if bad else idx, off),
+                 lambda: emb(tab, idx, off), rocmoe.errors.InvalidArgumentError)
+    expect_abort("EmbeddingAllToAll indices that are not a sequence", emb,
+                 lambda bad: emb(tab, None if bad else idx, off),
                  lambda: emb(tab, idx, off), rocmoe.errors.InvalidArgumentError)
     expect_abort("EmbeddingAllToAll batch above max_batch", emb,
                  lambda bad: emb(tab, [torch.zeros(8 * WORLD, dtype=torch.long)] if bad else idx,

@@ -74,3 +74,8 @@ def test_four_ranks_forward_backward_and_bad_input_on_one_rank_fails_every_rank(
     # (the custom op) and off (the implementation called directly)
     for r in range(4):
         assert out.count(f"rank {r}/4 ok error embedding index >= table rows") == 2, out
+        # an argument that is not a tensor is named on every rank too, never left to the
+        # dispatcher (a RuntimeError on one rank, the others waiting for it)
+        for what in ("gemm X that is not a tensor", "gemv W that is not a tensor",
+                     "embedding indices that are not tensors"):
+            assert out.count(f"rank {r}/4 ok error {what}") == 2, out

@@ -202,9 +202,13 @@ class TableEmbeddingLaunch(_StructLaunch):
 
     def prepare(self, weights, indices, offsets, batch) -> Optional[int]:
         nt = self.num_tables
-        if type(indices) is _TENSOR:
-            return self._prepare_stacked(weights, indices, offsets, batch)
-        if not self.usable or len(weights) != nt or len(indices) != nt or len(offsets) != nt:
+        try:  # (free in CPython 3.11 while nothing raises)
+            if type(indices) is _TENSOR:
+                return self._prepare_stacked(weights, indices, offsets, batch)
+            if (not self.usable or len(weights) != nt or len(indices) != nt
+                    or len(offsets) != nt):
+                return None
+        except TypeError:  # an argument without a length: the general path names it
             return None
         if not all(map(is_, weights, self.weights)) and not self._adopt(weights):
             return None

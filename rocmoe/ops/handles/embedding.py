@@ -27,7 +27,18 @@ def _per_table(x, what: str) -> list:
                 f"EmbeddingAllToAll: {what} is a {x.dim()}-D tensor; pass one 1-D tensor a "
                 f"table, or a 2-D tensor [num_tables, n] whose row t is table t's")
         return list(x.unbind(0))
-    return list(x)
+    return _listed(x, what)
+
+
+def _listed(x, what: str) -> list:
+    """`x` as a list; a clear error for what is not a sequence (None, a number), which the
+    handle then reports to its peers instead of leaving them waiting."""
+    try:
+        return list(x)
+    except TypeError:
+        raise errors.InvalidArgumentError(
+            f"EmbeddingAllToAll: {what} must be a sequence of tensors, one a table (got "
+            f"{type(x).__name__})") from None
 
 
 class EmbeddingAllToAll(FusedHandle):
@@ -121,7 +132,7 @@ class EmbeddingAllToAll(FusedHandle):
                 return out
         self.check()
         try:
-            weights = list(weights)
+            weights = _listed(weights, "weights")
             indices = _per_table(indices, "indices")
             offsets = _per_table(offsets, "offsets")
             psw = None if per_sample_weights is None else _per_table(per_sample_weights,
