@@ -179,6 +179,31 @@ def check_create_mismatch():
                "field and each rank's value, with the heap as it was", text[:160])
     else:
         report(False, "a GemmAllToAll whose N differs across ranks was created")
+    # a size that is not an integer on one rank: that rank names it, the others name the rank
+    bad = RANK == WORLD - 1
+    makers = {
+        "GemmAllToAll with K=4.5": lambda: ops.GemmAllToAll(
+            ctx, max_rows=8, K=4.5 if bad else 4, N=5, dtype=torch.float32),
+        "GemvAllReduce with N=None": lambda: ops.GemvAllReduce(
+            ctx, None if bad else 6, 3, torch.float32),
+        "EmbeddingAllToAll with table_rows=5": lambda: ops.EmbeddingAllToAll(
+            ctx, 5 if bad else [5], dim=4, max_batch=4 * WORLD, max_lookups=16),
+    }
+    for what, make in makers.items():
+        before = heap_state()
+        try:
+            make()
+        except rocmoe.errors.InvalidArgumentError as exc:
+            text = str(exc)
+            named = ("must be an integer" in text or "must be a list of integers" in text
+                     if bad else f"rank(s) [{WORLD - 1}] rejected their arguments" in text)
+            report(named and heap_state() == before,
+                   f"a {what} on rank {WORLD - 1} raises on every rank, with the heap as it was",
+                   text[:160])
+        except Exception as exc:  # noqa: BLE001 - must be an InvalidArgumentError
+            report(False, f"a {what} on rank {WORLD - 1}", f"raised {type(exc).__name__}: {exc}")
+        else:
+            report(False, f"a {what} on rank {WORLD - 1} was created")
 
 
 def expect_abort(what: str, handle, call_bad, call_good, want_local):

@@ -82,3 +82,4 @@ def test_the_handle_works_after_refusing_a_call(emb):
     # one index a bag: bag b of table t is row indices[t * BATCH + b] of table t
     want = torch.stack([weight[indices[:BATCH]], weight[5 + indices[BATCH:]]], dim=1)
     torch.testing.assert_close(got, want)
+

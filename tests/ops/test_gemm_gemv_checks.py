@@ -57,3 +57,4 @@ def test_the_ops_work_after_refusing_bad_arguments(ctx):
         ops.gemv_all_reduce(w.t().tolist(), x[0])
     torch.testing.assert_close(ops.gemm_all_to_all(x, w, [6]), x @ w)
     torch.testing.assert_close(ops.gemv_all_reduce(w.t().contiguous(), x[0]), w.t() @ x[0])
+

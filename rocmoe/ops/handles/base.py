@@ -5,6 +5,7 @@ the abort of a call this rank rejects, the output ring.
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Optional
 
@@ -279,3 +280,21 @@ def _dtype_problem(dtype) -> Optional[Exception]:
     if dtype not in DTYPE_CODES:
         return errors.DTypeError(f"fused-op handles take float32, bfloat16 or float16, not {dtype}")
     return None
+
+
+def _integer_sizes(owner: str, **sizes) -> tuple[dict, Optional[Exception]]:
+    """A handle's size arguments as ints (Python, numpy or one-element torch integers), and
+    the problem with the first that is not one (a float, a string, None), for the creation to
+    raise on every rank: converting it with int() instead raised on this rank alone, or took
+    4.5 as 4, while the other ranks waited in the creation's exchange. What is not an
+    integer reads as 0 in the returned sizes."""
+    out, problem = {}, None
+    for name, value in sizes.items():
+        try:
+            out[name] = int(operator.index(value))
+        except TypeError:
+            out[name] = 0
+            if problem is None:
+                problem = errors.InvalidArgumentError(
+                    f"{owner}: {name} must be an integer, got {value!r}")
+    return out, problem

@@ -12,8 +12,8 @@ import torch
 from ... import errors
 from ..._native import ffi, lib
 from .._common import DTYPE_CODES, INDEX_DTYPES, MODES, PLAIN_TENSORS, resolve_context
-from .base import (FusedHandle, _anchor, _cuda_index, _dtype_problem, _on_gpu, _take_output,
-                   host_mode)
+from .base import (FusedHandle, _anchor, _cuda_index, _dtype_problem, _integer_sizes, _on_gpu,
+                   _take_output, host_mode)
 from .rows import AllToAllRows, rows_handle
 
 
@@ -54,17 +54,29 @@ class EmbeddingAllToAll(FusedHandle):
     def __init__(self, ctx, table_rows: Sequence[int], dim: int, max_batch: int,
                  max_lookups: int, mode: str = "sum", dtype: torch.dtype = torch.float32):
         ctx = resolve_context(ctx)
-        problem = _dtype_problem(dtype)
-        rows = [int(r) for r in table_rows]
+        name = "EmbeddingAllToAll"
+        sizes, problem = _integer_sizes(name, dim=dim, max_batch=max_batch,
+                                        max_lookups=max_lookups)
+        dim, max_batch, max_lookups = sizes["dim"], sizes["max_batch"], sizes["max_lookups"]
+        try:
+            rows = list(table_rows)
+        except TypeError:
+            rows = []
+            problem = problem or errors.InvalidArgumentError(
+                f"{name}: table_rows must be a list of integers, got {table_rows!r}")
+        row_sizes, not_integer = _integer_sizes(
+            name, **{f"table_rows[{t}]": r for t, r in enumerate(rows)})
+        rows = list(row_sizes.values())
+        problem = problem or not_integer or _dtype_problem(dtype)
         if problem is None:
             if mode not in MODES:
                 problem = errors.InvalidArgumentError(
                     f"EmbeddingAllToAll: mode {mode!r}; use 'sum' or 'mean'")
-            elif int(dim) < 1 or int(max_lookups) < 0 or any(r < 1 for r in rows):
+            elif dim < 1 or max_lookups < 0 or any(r < 1 for r in rows):
                 problem = errors.InvalidArgumentError(
                     f"EmbeddingAllToAll: dim {dim}, max_lookups {max_lookups} and table rows "
                     f"{rows} must be positive")
-            elif int(max_batch) < 1 or int(max_batch) % ctx.world_size:
+            elif max_batch < 1 or max_batch % ctx.world_size:
                 problem = errors.InvalidArgumentError(
                     f"EmbeddingAllToAll: max_batch {max_batch} must be a positive multiple of "
                     f"the {ctx.world_size} ranks")
@@ -76,12 +88,11 @@ class EmbeddingAllToAll(FusedHandle):
         self.table_counts = counts
         if problem is None and sum(counts) == 0:
             problem = errors.InvalidArgumentError("EmbeddingAllToAll: no rank has any table")
-        fields = dict(dim=int(dim), max_batch=int(max_batch), mode=MODES.get(mode, -1),
+        fields = dict(dim=dim, max_batch=max_batch, mode=MODES.get(mode, -1),
                       dtype=DTYPE_CODES.get(dtype, -1), total_tables=self.total_tables)
-        super().__init__(ctx, fields, problem, (int(max_batch), self.total_tables, int(dim)),
-                         dtype)
-        self.table_rows, self.dim = rows, int(dim)
-        self.max_batch, self.max_lookups, self.mode = int(max_batch), int(max_lookups), mode
+        super().__init__(ctx, fields, problem, (max_batch, self.total_tables, dim), dtype)
+        self.table_rows, self.dim = rows, dim
+        self.max_batch, self.max_lookups, self.mode = max_batch, max_lookups, mode
         # the backward's reverse exchange: owner r gets [its tables x this rank's bags]
         self._reverse_rows = max(counts) * (self.max_batch // self.world)
         self.reverse_handle()

@@ -8,7 +8,8 @@ import torch
 from ... import errors
 from ..._native import ffi, lib
 from .._common import DTYPE_CODES, PLAIN_TENSORS
-from .base import FusedHandle, _cuda_index, _dtype_problem, _on_gpu, _take_output, host_mode
+from .base import (FusedHandle, _cuda_index, _dtype_problem, _integer_sizes, _on_gpu,
+                   _take_output, host_mode)
 
 
 class GemvAllReduce(FusedHandle):
@@ -18,13 +19,15 @@ class GemvAllReduce(FusedHandle):
     op = "gemv_all_reduce"
 
     def __init__(self, ctx, N: int, K_local: int, dtype: torch.dtype):  # noqa: N803
-        problem = _dtype_problem(dtype)
-        if problem is None and (int(N) < 1 or int(K_local) < 0):
+        sizes, problem = _integer_sizes("GemvAllReduce", N=N, K_local=K_local)
+        N, K_local = sizes["N"], sizes["K_local"]  # noqa: N806
+        problem = problem or _dtype_problem(dtype)
+        if problem is None and (N < 1 or K_local < 0):
             problem = errors.InvalidArgumentError(
                 f"GemvAllReduce: N ({N}) must be positive and K_local ({K_local}) >= 0")
-        fields = dict(N=int(N), dtype=DTYPE_CODES.get(dtype, -1))
-        super().__init__(ctx, fields, problem, (int(N), 0, 0), dtype)
-        self.N, self.K_local = int(N), int(K_local)
+        fields = dict(N=N, dtype=DTYPE_CODES.get(dtype, -1))
+        super().__init__(ctx, fields, problem, (N, 0, 0), dtype)
+        self.N, self.K_local = N, K_local
         self._w_shape, self._x_shape = (self.N, self.K_local), (self.K_local,)
         self._device_index = _cuda_index(self.ctx)
 

@@ -12,7 +12,7 @@ import torch
 from ... import errors
 from ..._native import ffi, lib
 from .._common import DTYPE_CODES
-from .base import FusedHandle, _anchor, _dtype_problem, _on_gpu, host_mode
+from .base import FusedHandle, _anchor, _dtype_problem, _integer_sizes, _on_gpu, host_mode
 
 
 class _RowsHandle(FusedHandle):
@@ -22,14 +22,15 @@ class _RowsHandle(FusedHandle):
     op = "gemm_all_to_all"
 
     def __init__(self, ctx, max_rows: int, N: int, dtype: torch.dtype, problem=None):  # noqa: N803
-        if problem is None:
-            problem = _dtype_problem(dtype)
-        if problem is None and (int(max_rows) < 1 or int(N) < 1):
+        sizes, not_integer = _integer_sizes(type(self).__name__, max_rows=max_rows, N=N)
+        max_rows, N = sizes["max_rows"], sizes["N"]  # noqa: N806
+        problem = problem or not_integer or _dtype_problem(dtype)
+        if problem is None and (max_rows < 1 or N < 1):
             problem = errors.InvalidArgumentError(
                 f"{type(self).__name__}: max_rows ({max_rows}) and N ({N}) must be positive")
-        fields = dict(max_rows=int(max_rows), N=int(N), dtype=DTYPE_CODES.get(dtype, -1))
-        super().__init__(ctx, fields, problem, (int(max_rows), int(N), 0), dtype)
-        self.max_rows, self.N = int(max_rows), int(N)
+        fields = dict(max_rows=max_rows, N=N, dtype=DTYPE_CODES.get(dtype, -1))
+        super().__init__(ctx, fields, problem, (max_rows, N, 0), dtype)
+        self.max_rows, self.N = max_rows, N
         self.capacity_rows = self.world * self.max_rows
 
     def _counts(self, send_counts, rows: int, groups: int):
@@ -253,12 +254,13 @@ class GemmAllToAll(_RowsHandle):
 
     def __init__(self, ctx, max_rows: int, K: int, N: int, dtype: torch.dtype,  # noqa: N803
                  groups: int = 1):
-        problem = None
-        if int(K) < 1 or int(groups) < 1:
+        sizes, problem = _integer_sizes("GemmAllToAll", K=K, groups=groups)
+        K, groups = sizes["K"], sizes["groups"]  # noqa: N806
+        if problem is None and (K < 1 or groups < 1):
             problem = errors.InvalidArgumentError(
                 f"GemmAllToAll: K ({K}) and groups ({groups}) must be positive")
         super().__init__(ctx, max_rows, N, dtype, problem)
-        self.K, self.groups = int(K), int(groups)
+        self.K, self.groups = K, groups
         self.reverse_handle()  # made now (collective), not inside a backward being captured
 
     def reverse_handle(self) -> AllToAllRows:
