@@ -215,15 +215,15 @@ class DroplessMoE(nn.Module):
             nn.init.normal_(w[:used], std=1.0 / math.sqrt(fan_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        if x.dim() == 3:
-            x = x.reshape(-1, shape[-1])
         vexpert = isinstance(self.dispatcher, VExpertDispatcher)
         if vexpert and not self.dispatcher.agreed:  # first step, or after load_state_dict
             from .rank_agreement import allgather_ints
             self.dispatcher.agree(lambda v: allgather_ints(self.ctx, v, "vExpert placement"))
+        shape = getattr(x, "shape", None)
         try:
-            check_tokens(x, self.hidden_size)
+            if isinstance(x, torch.Tensor) and x.dim() == 3:
+                x = x.reshape(-1, shape[-1])
+            check_tokens(x, self.hidden_size, like=self.w1)
         except RocmoeError as exc:
             if self.world_size > 1:  # the peers must learn of it, or they wait for rows
                 reject_input(self, exc)

@@ -9,11 +9,12 @@ softmax, top-k, histogram and aux losses (forward and backward) are three Triton
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
 
-from ..errors import ConfigurationError, DTypeError, InvalidArgumentError
+from ..errors import ConfigurationError, DeviceMismatchError, DTypeError, InvalidArgumentError
 from . import router_fused
 from .backend import TRITON_DTYPES, use_triton
 
@@ -29,8 +30,12 @@ def _check_config(hidden_size: int, num_experts: int, top_k: int) -> None:
             f"distinct experts, so use top_k <= num_experts")
 
 
-def check_tokens(x: torch.Tensor, hidden_size: int, what: str = "input") -> None:
-    """Raise a clear error for an input the layer cannot route (checks metadata only)."""
+def check_tokens(x: torch.Tensor, hidden_size: int, what: str = "input",
+                 like: Optional[torch.Tensor] = None) -> None:
+    """Raise a clear error for an input the layer cannot route (checks metadata only).
+    `like`: a parameter of the layer, whose dtype and device the input must have (the
+    experts' block-sparse products take one dtype; checked here, before any exchange, a
+    rank's mismatch is reported to its peers instead of raised inside the dispatch)."""
     if not isinstance(x, torch.Tensor):
         raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -39,6 +44,13 @@ def check_tokens(x: torch.Tensor, hidden_size: int, what: str = "input") -> None
         raise InvalidArgumentError(
             f"{what} must have shape [tokens, {hidden_size}] (or [batch, seq, {hidden_size}]), "
             f"got {tuple(x.shape)}")
+    if like is not None:
+        if x.dtype != like.dtype:
+            raise DTypeError(f"{what} is {x.dtype}, the layer's parameters {like.dtype}; cast "
+                             "one to the other")
+        if x.device != like.device:
+            raise DeviceMismatchError(f"{what} is on {x.device}, the layer's parameters on "
+                                      f"{like.device}")
 
 
 class Router(nn.Module):

@@ -55,9 +55,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bad-rank", type=int, default=None,
                     help="this rank passes an input the layer rejects (--bad says how); every "
                          "rank must raise a RocmoeError, none may hang")
-    ap.add_argument("--bad", choices=("width", "dtype", "combine"), default="width",
-                    help="combine: that rank's layer asks for the fused combine with float64 "
-                         "weights")
+    ap.add_argument("--bad", choices=("width", "dtype", "other_float", "list", "combine"),
+                    default="width",
+                    help="dtype: int64 tokens; other_float: tokens of another float dtype than the "
+                         "layer's; list: tokens as nested lists; combine: that rank's layer asks "
+                         "for the fused combine with float64 weights")
     args = ap.parse_args(argv)
 
     ctx = make_context(args.ctx, args.device)
@@ -159,7 +161,10 @@ def reject(ep, x, rank, world, args, ctx) -> int:
         if args.bad == "combine":
             ep.combine = "gemm_all_to_all"
         else:
-            x = x[:, :-1] if args.bad == "width" else x.to(torch.int64)
+            x = {"width": lambda: x[:, :-1], "dtype": lambda: x.to(torch.int64),
+                 "other_float": lambda: x.to(torch.float32 if x.dtype == torch.float64
+                                           else torch.float64),
+                 "list": x.tolist}[args.bad]()
     try:
         ep(x)
     except RocmoeError as exc:

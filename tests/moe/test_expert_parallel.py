@@ -113,7 +113,10 @@ def test_expert_parallel_at_four_ranks_over_symmetric_heap_with_glu_and_top3():
 
 
 @pytest.mark.parametrize("bad,error", [("width", "InvalidArgumentError"),
-                                       ("dtype", "DTypeError")])
+                                       ("dtype", "DTypeError"),
+                                       # checked before the exchange, not inside it
+                                       ("other_float", "DTypeError"),
+                                       ("list", "InvalidArgumentError")])
 def test_bad_input_on_one_rank_raises_on_every_rank_over_mpi(bad, error):
     # rank 1's input is rejected; rank 0 must raise too, not wait in the exchange
     out = _run(2, "--bad-rank", "1", "--bad", bad, expect="EP_REJECTED")

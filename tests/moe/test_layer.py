@@ -5,7 +5,8 @@ import types
 import pytest
 import torch
 
-from rocmoe.errors import ConfigurationError, DTypeError, InvalidArgumentError, RocmoeError
+from rocmoe.errors import (ConfigurationError, DeviceMismatchError, DTypeError, InvalidArgumentError,
+                           RocmoeError)
 from rocmoe.moe import DroplessMoE
 from rocmoe.moe import blocksparse as bs
 from rocmoe.moe.parallel import combine_kind
@@ -157,6 +158,23 @@ def test_top_k_above_num_experts_raises_configuration_error():
 def test_wrong_input_width_raises_invalid_argument():
     with pytest.raises(InvalidArgumentError, match=r"got \(4, 23\)"):
         _layer()(torch.randn(4, 23))
+
+
+def test_input_of_another_float_dtype_than_the_layer_raises_dtype_error():
+    # named before routing (at several ranks: before the exchange), not by the expert GEMMs
+    with pytest.raises(DTypeError, match="input is torch.float64, the layer's parameters "
+                                         "torch.float32"):
+        _layer()(torch.randn(5, 24, dtype=torch.float64))
+
+
+def test_input_on_another_device_than_the_layer_raises_device_mismatch():
+    with pytest.raises(DeviceMismatchError, match="input is on meta"):
+        _layer()(torch.randn(5, 24, device="meta"))
+
+
+def test_input_that_is_not_a_tensor_raises_invalid_argument():
+    with pytest.raises(InvalidArgumentError, match="input must be a torch.Tensor, got list"):
+        _layer()(torch.randn(5, 24).tolist())
 
 
 def test_non_floating_input_raises_dtype_error():
