@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, DeviceMismatchError, DTypeError, InvalidArgumentError
 
 
 def table_range(rank: int, world: int, num_tables: int) -> range:
@@ -137,12 +137,39 @@ class DLRM(nn.Module):
         dots = torch.bmm(feats, feats.transpose(1, 2))
         return torch.cat([x, dots[:, self.pair_i, self.pair_j]], 1)
 
+    def _dense_problem(self, dense: torch.Tensor):
+        """What is wrong with a step's dense features for the bottom MLP, or None."""
+        first = self.bottom[0]
+        width, dtype, device = first.in_features, first.weight.dtype, first.weight.device
+        if not isinstance(dense, torch.Tensor):
+            return InvalidArgumentError(f"DLRM: dense features must be a tensor, got "
+                                        f"{type(dense).__name__}")
+        if dense.dim() != 2 or dense.shape[1] != width:
+            return InvalidArgumentError(f"DLRM: dense features are {tuple(dense.shape)}; the "
+                                        f"bottom MLP takes [samples, {width}]")
+        if dense.dtype != dtype:
+            return DTypeError(f"DLRM: dense features are {dense.dtype}, the bottom MLP {dtype}")
+        if dense.device != device:
+            return DeviceMismatchError(f"DLRM: dense features are on {dense.device}, the model "
+                                       f"on {device}")
+        return None
+
     def forward(self, dense_local: torch.Tensor, indices, offsets) -> torch.Tensor:
         """dense_local: this rank's samples [b, F]; indices / offsets: this rank's tables'
         lookups over the whole global batch, a tensor a table or stacked ([tables, L] and
         [tables, B], row t table t's: one copy to the device and a few launches a step,
         where lists take one of each a table). Returns click probabilities [b]."""
         from .. import ops
+        problem = self._dense_problem(dense_local)
+        if problem is not None:
+            # before the lookup, whose peers would otherwise wait for this rank: they raise
+            # too, naming it
+            if self.lookup is not None:
+                self.lookup._reject(problem)
+            if self.ctx is not None and self.ctx.world_size > 1:
+                from ..ops._kernels import embedding_reject
+                embedding_reject(self.ctx, problem)
+            raise problem
         x = self.bottom(dense_local)
         if self.lookup is None:
             embedded = ops.embedding_all_to_all(self.tables, indices, offsets, ctx=self.ctx)

@@ -107,6 +107,16 @@ def _next_call(ctx, op: str) -> int:
 
 
 # ---- embedding bag + all-to-all ------------------------------------------------------------
+def embedding_reject(ctx, exc: Exception) -> None:
+    """For a caller of embedding_all_to_all whose own input is bad (a model's dense features,
+    checked before its lookup): take part in this rank's next call's agreement with `exc`
+    instead of making the call, so that every rank raises (the others InvalidArgumentError
+    naming this rank) and none waits for it. Raises `exc`."""
+    op = "embedding_all_to_all"
+    agree(ctx, op, _next_call(ctx, op), exc, [0, -1, -1, -1, -1, 0, 0, 0])
+    raise exc  # (agree raised it already; this line is for the type checker)
+
+
 def _check_embedding(ctx, weights, indices, offsets, mode, psw):
     """Local validation; returns (num_tables, batch, dim, dtype_code), -1 where unknown.
     The values of indices and offsets are checked here on the host backend only: on a GPU

@@ -1,6 +1,6 @@
 """DLRM's two lookup paths on the host backend (launched by test_dlrm_lookup.py):
 
-    mpiexec -n N python tests/models/dlrm_lookup_script.py
+    mpiexec -n N python tests/models/dlrm_lookup_script.py [bad-dense]
 
 The model made with a handle (max_batch / max_lookups: one batched call a step on the packed
 tables) against the same model without (the functional per-table op on the tables' views):
@@ -78,6 +78,28 @@ for name, m in (("handle", handle_model), ("plain", plain_model)):
         (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
         for a, b in zip(got[0][1], got[1][1]))
     report(same, f"stacked lookups, {name} model")
+# with the argument "bad-dense": dense features the bottom MLP cannot take, on the last rank
+# only: every rank raises a RocmoeError (the others naming that rank) instead of waiting for
+# it in the lookup, and the next step works
+good = torch.randn(PER_RANK, 3, generator=g)
+lists = ([i for i in idx[mine]], [o for o in off[mine]])
+for name, m in (("handle", handle_model), ("plain", plain_model)) if "bad-dense" in sys.argv \
+        else ():
+    bad = good[:, :2] if RANK == WORLD - 1 else good
+    try:
+        m(bad, *lists)
+    except rocmoe.RocmoeError as exc:
+        text = str(exc)
+        named = ("the bottom MLP takes [samples, 3]" in text if RANK == WORLD - 1
+                 else f"[{WORLD - 1}] rejected" in text or f"rank {WORLD - 1} rejected" in text)
+        report(named, f"bad dense features raise on every rank, {name} model", text[:160])
+    else:
+        report(False, f"bad dense features raise on every rank, {name} model", "no error")
+    try:
+        m(good, *lists).sum().backward()
+        report(True, f"a step after bad dense features, {name} model")
+    except Exception as exc:  # noqa: BLE001
+        report(False, f"a step after bad dense features, {name} model", repr(exc))
 ctx.barrier()
 ctx.finalize()
 sys.exit(report.status())
