@@ -42,7 +42,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..errors import ConfigurationError, PlacementError
+from ..errors import ConfigurationError, PlacementError, RocmoeError
 from .cost_calibration import RatioWindow, split_prediction, sync_prediction
 from .cost_model import CostModel, profile
 from .expert_copy import Copy, ExpertMover
@@ -490,10 +490,20 @@ class VExpertScheduler:
                        ranks_per_node=0 if local >= self.world_size else local,
                        exchange=self._allgather_floats)
 
-    def _change(self, st: _LayerState, new: Placement) -> dict:
-        """Collective: check every rank decided `new`, then start it (or apply it at once)."""
+    def _change(self, st: _LayerState, new: Optional[Placement],
+                problem: Optional[Exception] = None) -> dict:
+        """Collective: check every rank decided `new`, then start it (or apply it at once).
+        `problem` (and `new` None): this rank refuses the change; every rank raises."""
         old = st.layer.dispatcher.placement
-        prints = self._allgather([new.fingerprint()], "vExpert change")[:, 0]
+        refused = -1  # (fingerprints are 63-bit, never negative)
+        prints = self._allgather([refused if new is None else new.fingerprint()],
+                                 "vExpert change")[:, 0]
+        if problem is not None:
+            raise problem
+        if (prints == refused).any():
+            ranks = [r for r, p in enumerate(prints) if p == refused]
+            raise PlacementError(f"rank(s) {ranks} refused the vExpert change (see their "
+                                 "errors); no rank changed its placement")
         if (prints != prints[0]).any():
             raise PlacementError(
                 f"the ranks decided different vExpert placements for a layer (fingerprints "
@@ -512,11 +522,18 @@ class VExpertScheduler:
         if st.pending is not None:
             raise PlacementError("a placement change of this layer is still in flight; call "
                                  "scheduler.step() after the next optimizer step first")
-        new = make(layer.dispatcher.placement)
+        # a rank whose own request is impossible (no free slot, no such expert) still takes
+        # part in the change's agreement, so that the others raise too instead of waiting
+        try:
+            new, problem = make(layer.dispatcher.placement), None
+        except RocmoeError as exc:
+            new, problem = None, exc
         if self.world_size == 1:
+            if problem is not None:
+                raise problem
             self._set_placement(st, new)
             return {"copies": 0, "applied": "now"}
-        return self._change(st, new)
+        return self._change(st, new, problem)
 
     def expand(self, layer, expert: int, rank: int) -> dict:
         """Expand(expert, rank): a vExpert of `expert` in a free slot of `rank`."""

@@ -63,7 +63,9 @@ def test_training_under_the_scheduler_gives_the_static_losses_and_balances(two_r
 
 @pytest.mark.mpi
 def test_bad_placements_raise_on_every_rank_and_the_heap_stays_usable(two_ranks):
-    assert "is rank 0: 1, rank 1: -1" in _passed(two_ranks, "bad", 2)
+    out = _passed(two_ranks, "bad", 2)
+    assert "is rank 0: 1, rank 1: -1" in out
+    assert "rank(s) [0] refused the vExpert change" in out, out
 
 
 @pytest.mark.mpi

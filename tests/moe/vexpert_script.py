@@ -370,6 +370,14 @@ def check_bad(ctx, dtype, tol):
     sched.step()
     outcomes["full"] = expect_error(lambda: sched.expand(layer, 1, 0), PlacementError,
                                     "rank 0 has no free slot")
+    # only rank 0 asks for the impossible (the others expand into the last rank's free
+    # slot): every rank raises, the others naming rank 0, and no rank changes its placement
+    before = layer.dispatcher.placement
+    outcomes["one_refuses"] = expect_error(
+        lambda: sched.expand(layer, 1, 0 if rank == 0 else world - 1), PlacementError,
+        "rank 0 has no free slot" if rank == 0 else "rank(s) [0] refused the vExpert change")
+    if layer.dispatcher.placement != before or sched.pending(layer) is not None:
+        outcomes["one_refuses"] = (False, "a rank changed its placement")
     # 3. a slot budget below one slot per expert
     outcomes["budget"] = expect_error(
         lambda: DroplessMoE(H, F, E, K, block_size=BLOCK, ctx=ctx, placement="vexpert",
