@@ -91,7 +91,14 @@ class Context:
         self.comm = _default_comm() if comm is None else comm
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
-        self.timeout_s = float(timeout_s) if timeout_s is not None else timeout_from_env()
+        timeout_problem = None
+        try:
+            self.timeout_s = float(timeout_s) if timeout_s is not None else timeout_from_env()
+        except (TypeError, ValueError):
+            # reported to every rank below; the bootstrap waits with the default bound
+            timeout_problem = errors.InvalidArgumentError(
+                f"timeout_s must be a number of seconds, got {timeout_s!r}")
+            self.timeout_s = timeout_from_env()
         self.channel = ControlChannel(self.comm, self.timeout_s)
         self.local_rank, self.local_size = _local_layout(self.comm)
         self._handle = None
@@ -102,8 +109,15 @@ class Context:
         # so one rank's typo cannot leave the others waiting in the bootstrap.
         problem = None
         try:
+            if timeout_problem is not None:
+                raise timeout_problem
             self.backend = _resolve_backend(backend)
-            self.heap_size = int(heap_size) if heap_size is not None else heap_size_from_env()
+            try:
+                self.heap_size = int(heap_size) if heap_size is not None else heap_size_from_env()
+            except (TypeError, ValueError):
+                # (a ValueError here used to escape on this rank alone: the others waited)
+                raise errors.InvalidArgumentError(
+                    f"heap_size must be a number of bytes, got {heap_size!r}") from None
             if self.heap_size < 4096:
                 raise errors.InvalidArgumentError(
                     f"heap size {self.heap_size} bytes is below the 4096-byte minimum")

@@ -41,6 +41,23 @@ def check(name, fn):
     report(name, ok, detail)
 
 
+if scenario == "bad_init":
+    # an argument of rocmoe.init that the last rank alone gets wrong: every rank raises
+    # InvalidArgumentError (the others naming that rank), none waits in the bootstrap
+    from mpi4py import MPI
+    rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    for name, kw in (("heap_size_not_a_number", dict(heap_size="x")),
+                     ("timeout_not_a_number", dict(timeout_s="x")),
+                     ("heap_below_the_minimum", dict(heap_size=100))):
+        args = kw if rank == world - 1 else dict(heap_size=1 << 20)
+        expect_error(f"bad_init_{name}", rocmoe.errors.InvalidArgumentError,
+                     lambda: rocmoe.init(backend="host", **args))
+    with rocmoe.init(backend="host", heap_size=1 << 20) as ctx:  # a good init still works
+        ctx.barrier()
+    report("init_after_bad_inits", True)
+    print(f"DONE {rank}", flush=True)
+    sys.exit(0)
+
 if scenario == "suite":
     ctx = rocmoe.init(heap_size=1 << 22)
     rank, world = ctx.rank, ctx.world_size
