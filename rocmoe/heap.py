@@ -8,6 +8,7 @@ size, dtype or order gets HeapMismatchError on every rank and the heap stays as 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +34,21 @@ class Allocation:
     dtype: torch.dtype
 
 
+# the most bytes one allocation may ask for: the allocation's agreement carries its size as
+# an int64 (a larger request used to raise OverflowError on its rank alone, before the
+# agreement, and the other ranks waited in it)
+_MOST_BYTES = (1 << 63) - 1
+
+
 def _shape_tuple(shape) -> tuple:
-    if isinstance(shape, int):
+    """`shape` as a tuple of ints: an int, or a sequence of integers (Python, numpy or
+    one-element torch integers, through operator.index: 4.5 is not taken as 4, nor the
+    string "12" as (1, 2))."""
+    if isinstance(shape, str) or not hasattr(shape, "__iter__"):
         shape = (shape,)
     try:
-        shape = tuple(int(s) for s in shape)
-    except (TypeError, ValueError):
+        shape = tuple(operator.index(s) for s in shape)
+    except TypeError:
         raise errors.InvalidArgumentError(f"shape must be a tuple of ints, got {shape!r}") from None
     if any(s < 0 for s in shape):
         raise errors.InvalidArgumentError(f"shape {shape} has a negative dimension")
@@ -85,17 +95,20 @@ class SymmetricHeap:
     # -- collective allocation -----------------------------------------------------
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         shape_ok, problem = True, ""
+        nbytes = 0
         try:
             shape = _shape_tuple(shape)
-            if dtype not in _DTYPE_CODES:
+            if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_CODES:
                 raise errors.DTypeError(
                     f"dtype {dtype!r} cannot live on the symmetric heap; use one of "
                     f"{sorted(str(d) for d in _DTYPE_CODES)}")
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if nbytes > _MOST_BYTES:
+                raise errors.InvalidArgumentError(
+                    f"shape {shape} of {dtype} is {nbytes} bytes, more than any heap holds")
         except errors.RocmoeError as exc:
             shape_ok, problem = False, exc
-            shape = ()
-        itemsize = torch.empty((), dtype=dtype).element_size() if shape_ok else 0
-        nbytes = math.prod(shape) * itemsize if shape_ok else 0
+            shape, nbytes = (), 0
 
         # Allocate locally first, then agree: every rank has the same allocator history, so
         # all succeed or all fail; a rank that differs rolls back before anyone uses memory.
@@ -114,8 +127,8 @@ class SymmetricHeap:
         try:
             table = self._channel.exchange(
                 KIND_ALLOC,
-                [int(shape_ok), status, nbytes, _DTYPE_CODES.get(dtype, 0), len(shape), shape_key,
-                 offset],
+                [int(shape_ok), status, nbytes, _DTYPE_CODES.get(dtype, 0) if shape_ok else 0,
+                 len(shape), shape_key, offset],
                 "symmetric allocation", mismatch_error=errors.HeapMismatchError)
         except errors.RocmoeError:
             rollback()  # the other ranks made a different call: they allocated nothing

@@ -10,6 +10,8 @@ MPI (mpi4py) bootstraps the job; librocmoe never talks to MPI itself.
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 import secrets
 import threading
@@ -21,12 +23,14 @@ import torch
 
 from . import _native, errors
 from ._native import check, ffi, lib
-from .collective import (KIND_BARRIER, KIND_BOOTSTRAP, KIND_USER, ControlChannel,
-                         SingleProcessComm)
+from .collective import (KIND_BARRIER, KIND_BOOTSTRAP, KIND_USER, RECORD_WORDS,
+                         ControlChannel, SingleProcessComm)
 from .env import (DEFAULT_FIRST_CALL_TIMEOUT_S, DEFAULT_HEAP_SIZE,  # noqa: F401 - re-exported
                   DEFAULT_TIMEOUT_S, first_call_timeout_from_env, heap_size_from_env,
                   launched_by_mpi, timeout_from_env)
 from .heap import SymmetricHeap
+
+_INT64_MAX = (1 << 63) - 1
 
 _current: Optional["Context"] = None
 _current_lock = threading.Lock()
@@ -64,7 +68,39 @@ def _job_id() -> str:
     return "local"
 
 
+def _positive_seconds(value) -> float:
+    """rocmoe.init's timeout_s: a positive, finite number of seconds (every wait is bounded)."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise errors.InvalidArgumentError(
+            f"timeout_s must be a number of seconds, got {value!r}") from None
+    if not 0 < seconds < math.inf:
+        raise errors.InvalidArgumentError(
+            f"timeout_s must be a positive, finite number of seconds, got {value!r}")
+    return seconds
+
+
+def _check_device(device, backend: str) -> None:
+    """rocmoe.init's device: None (the node-local rank's GPU) or the index of a GPU torch sees
+    (checked before the agreement: torch.cuda.set_device used to raise on its rank alone,
+    after it, while the others waited in the next step of the bootstrap)."""
+    if device is None:
+        return
+    try:
+        index = operator.index(device)
+    except TypeError:
+        raise errors.InvalidArgumentError(
+            f"device must be a GPU index (an int) or None, got {device!r}") from None
+    if backend != "host" and not 0 <= index < torch.cuda.device_count():
+        raise errors.InvalidArgumentError(
+            f"device {index} is not one of the {torch.cuda.device_count()} GPUs torch sees")
+
+
 def _resolve_backend(backend: str) -> str:
+    if not isinstance(backend, str):
+        raise errors.InvalidArgumentError(
+            f"backend must be a name (a str), got {type(backend).__name__} {backend!r}")
     compiled = _native.backends_compiled()
     if backend == "auto":
         gpu = torch.cuda.is_available() and "ipc" in compiled
@@ -93,12 +129,13 @@ class Context:
         self.world_size = self.comm.Get_size()
         timeout_problem = None
         try:
-            self.timeout_s = float(timeout_s) if timeout_s is not None else timeout_from_env()
-        except (TypeError, ValueError):
-            # reported to every rank below; the bootstrap waits with the default bound
-            timeout_problem = errors.InvalidArgumentError(
-                f"timeout_s must be a number of seconds, got {timeout_s!r}")
-            self.timeout_s = timeout_from_env()
+            self.timeout_s = (_positive_seconds(timeout_s) if timeout_s is not None
+                              else timeout_from_env())
+        except errors.RocmoeError as exc:
+            # reported to every rank below; the bootstrap waits with the default bound (a
+            # negative bound used to end this rank's first wait at once, and abort the job)
+            timeout_problem = exc
+            self.timeout_s = DEFAULT_TIMEOUT_S
         self.channel = ControlChannel(self.comm, self.timeout_s)
         self.local_rank, self.local_size = _local_layout(self.comm)
         self._handle = None
@@ -114,13 +151,17 @@ class Context:
             self.backend = _resolve_backend(backend)
             try:
                 self.heap_size = int(heap_size) if heap_size is not None else heap_size_from_env()
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 # (a ValueError here used to escape on this rank alone: the others waited)
                 raise errors.InvalidArgumentError(
                     f"heap_size must be a number of bytes, got {heap_size!r}") from None
             if self.heap_size < 4096:
                 raise errors.InvalidArgumentError(
                     f"heap size {self.heap_size} bytes is below the 4096-byte minimum")
+            if self.heap_size > _INT64_MAX:  # the agreement below carries it as an int64
+                raise errors.InvalidArgumentError(
+                    f"heap size {self.heap_size} bytes is more than a 64-bit size holds")
+            _check_device(device, self.backend)
         except errors.RocmoeError as exc:
             problem = exc
             self.backend, self.heap_size = "host", 0
@@ -142,7 +183,8 @@ class Context:
             self.device = torch.device("cpu")
             device_index = -1
         else:
-            device_index = self.local_rank % torch.cuda.device_count() if device is None else device
+            device_index = (self.local_rank % torch.cuda.device_count() if device is None
+                            else operator.index(device))
             torch.cuda.set_device(device_index)
             self.device = torch.device("cuda", device_index)
 
@@ -389,13 +431,42 @@ class Context:
         self._handles.add(handle)
 
     def allgather_ints(self, values) -> np.ndarray:
-        """Collective: all-gather up to 14 int64 values per rank -> [world, n]."""
-        values = list(values)
-        table = self.channel.exchange(KIND_USER, [len(values)] + values, "allgather_ints")
-        if (table[:, 0] != len(values)).any():
+        """Collective: all-gather up to 13 int64 values per rank -> [world, n].
+
+        Values that are not integers (Python, numpy or one-element torch integers), do not
+        fit an int64 or number more than 13 raise InvalidArgumentError on every rank: the
+        rank with them takes part with a count of -1 (raising before the all-gather left the
+        others waiting in it, or pairing their call with that rank's next one)."""
+        try:
+            ints = [operator.index(v) for v in values]
+            problem = None
+            if len(ints) > ALLGATHER_INTS_MOST:
+                problem = f"{len(ints)} values, more than the {ALLGATHER_INTS_MOST} it carries"
+            elif any(not -_INT64_MAX - 1 <= v <= _INT64_MAX for v in ints):
+                problem = "a value that does not fit an int64"
+        except TypeError:
+            problem = "values that are not a sequence of integers"
+        if problem is not None:
+            ints = []
+        table = self.channel.exchange(KIND_USER, [-1 if problem else len(ints)] + ints,
+                                      "allgather_ints")
+        bad = [r for r in range(self.world_size) if table[r, 0] < 0]
+        if problem is not None:
+            raise errors.InvalidArgumentError(
+                f"allgather_ints got {problem} (got {values!r}); no rank received values")
+        if bad:
+            raise errors.InvalidArgumentError(
+                f"ranks {bad} passed values allgather_ints cannot carry; no rank received "
+                "values")
+        if (table[:, 0] != len(ints)).any():
             raise errors.CollectiveMismatchError(
                 f"ranks passed different numbers of values to allgather_ints ({table[:, 0]})")
         return table[:, 1:]
+
+
+# the values one allgather_ints carries a rank: a control record's words, less the
+# exchange's two (kind, sequence) and the count
+ALLGATHER_INTS_MOST = RECORD_WORDS - 3
 
 
 def _ptr(t: torch.Tensor):

@@ -17,7 +17,7 @@ from ..errors import ConfigurationError, RocmoeError
 
 
 def allgather_ints(ctx, values, what: str) -> np.ndarray:
-    """[world, n] of up to 14 ints per rank, bounded by the rocmoe timeout. A rocmoe Context
+    """[world, n] of up to 13 ints per rank, bounded by the rocmoe timeout. A rocmoe Context
     has its control channel; a communicator-only context gets a fresh one (every rank
     creates it here at the same point, so its sequence numbers agree)."""
     if hasattr(ctx, "allgather_ints"):

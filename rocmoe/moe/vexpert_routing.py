@@ -208,7 +208,7 @@ class VExpertDispatcher(nn.Module):
     def agree(self, exchange_ints) -> None:
         """Collective: raise PlacementError on every rank unless all hold the same table.
 
-        exchange_ints(values) all-gathers up to 14 ints per rank (ctx.allgather_ints)."""
+        exchange_ints(values) all-gathers up to 13 ints per rank (ctx.allgather_ints)."""
         prints = exchange_ints([self.placement.fingerprint() & ((1 << 62) - 1)])[:, 0]
         if (prints == prints[0]).all():
             self.agreed = True

@@ -41,6 +41,47 @@ def check(name, fn):
     report(name, ok, detail)
 
 
+if scenario == "bad_collectives":
+    # an argument of a collective Context call that the last rank alone gets wrong: every
+    # rank raises InvalidArgumentError (or the rank with it a DTypeError), none waits in the
+    # call's agreement until its timeout, and the next collective pairs with the next
+    from mpi4py import MPI
+    rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    last = rank == world - 1
+    ctx = rocmoe.init(backend="host", heap_size=1 << 20, timeout_s=10)
+
+    def heap_state():
+        return (ctx.heap.free_bytes, ctx.heap.largest_free_block, ctx.heap.live_allocations)
+
+    def expect_rejected(name, cls, fn):
+        before = heap_state()
+        expect_error(name, cls if last else rocmoe.errors.InvalidArgumentError, fn)
+        report(f"heap_unchanged_after_{name}", heap_state() == before)
+        table = ctx.allgather_ints([rank, 7])  # the next collective pairs with the next
+        report(f"next_collective_after_{name}",
+               table.tolist() == [[r, 7] for r in range(world)], str(table.tolist()))
+
+    for name, shape, dtype in (("empty_float_shape", (4.5,), torch.float32),
+                               ("empty_string_shape", "12", torch.float32),
+                               ("empty_beyond_64_bits", (1 << 62,), torch.float32),
+                               ("empty_unhashable_dtype", (4,), [torch.float32])):
+        cls = rocmoe.errors.DTypeError if name.endswith("dtype") else \
+            rocmoe.errors.InvalidArgumentError
+        expect_rejected(name, cls, lambda: ctx.empty(shape if last else (4,),
+                                                     dtype if last else torch.float32))
+    for name, values in (("allgather_fourteen_values", list(range(14))),
+                         ("allgather_a_string", ["a"]),
+                         ("allgather_a_float", [1.5]),
+                         ("allgather_beyond_int64", [1 << 64]),
+                         ("allgather_none", None)):
+        expect_rejected(name, rocmoe.errors.InvalidArgumentError,
+                        lambda: ctx.allgather_ints(values if last else [1]))
+    table = ctx.allgather_ints(list(range(13)))  # the most it carries
+    report("allgather_thirteen_values", table.shape == (world, 13), str(table.shape))
+    ctx.finalize()
+    print(f"DONE {rank}", flush=True)
+    sys.exit(0)
+
 if scenario == "bad_init":
     # an argument of rocmoe.init that the last rank alone gets wrong: every rank raises
     # InvalidArgumentError (the others naming that rank), none waits in the bootstrap
@@ -48,10 +89,19 @@ if scenario == "bad_init":
     rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     for name, kw in (("heap_size_not_a_number", dict(heap_size="x")),
                      ("timeout_not_a_number", dict(timeout_s="x")),
-                     ("heap_below_the_minimum", dict(heap_size=100))):
-        args = kw if rank == world - 1 else dict(heap_size=1 << 20)
+                     ("heap_below_the_minimum", dict(heap_size=100)),
+                     ("heap_beyond_64_bits", dict(heap_size=1 << 70)),
+                     ("heap_infinite", dict(heap_size=float("inf"))),
+                     ("timeout_negative", dict(timeout_s=-1)),
+                     ("timeout_nan", dict(timeout_s=float("nan"))),
+                     ("timeout_infinite", dict(timeout_s=float("inf"))),
+                     ("backend_not_a_name", dict(backend=["host"])),
+                     ("device_not_an_index", dict(device="0"))):
+        args = dict(backend="host", heap_size=1 << 20)
+        if rank == world - 1:
+            args.update(kw)
         expect_error(f"bad_init_{name}", rocmoe.errors.InvalidArgumentError,
-                     lambda: rocmoe.init(backend="host", **args))
+                     lambda: rocmoe.init(**args))
     with rocmoe.init(backend="host", heap_size=1 << 20) as ctx:  # a good init still works
         ctx.barrier()
     report("init_after_bad_inits", True)
