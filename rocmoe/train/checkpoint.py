@@ -128,29 +128,43 @@ def save_checkpoint(directory, step: int, shard: dict, group: ProcessGroup, conf
     directory. `config` is what a resume must match (JSON-serialisable). Keeps the newest
     `keep` complete checkpoints (0: all)."""
     path = step_dir(directory, step)
-    if group.rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        # a manifest left from an earlier save of this step would vouch for shards that are
-        # about to be replaced: take it away first
-        (path / MANIFEST).unlink(missing_ok=True)
-    group.barrier("checkpoint save (directory)")
-    buffer = io.BytesIO()
-    torch.save(dict(shard, step=int(step), rank=group.rank, world_size=group.world_size), buffer)
-    data = buffer.getvalue()
-    digest = hashlib.sha256(data).hexdigest()
     problem = None
+    if group.rank == 0:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            # a manifest left from an earlier save of this step would vouch for shards that
+            # are about to be replaced: take it away first
+            (path / MANIFEST).unlink(missing_ok=True)
+        except OSError as exc:
+            problem = exc
+    # (an agreement, not a barrier: rank 0 failing here used to raise on rank 0 alone while
+    # the others waited in the barrier until their timeout)
+    _agree(group, problem, "checkpoint save (directory)",
+           f"checkpoint {path}: rank 0 could not create the directory")
+    data = b""
     try:
-        # loads read shards with weights_only=True (no code runs from a checkpoint): a shard
-        # holding anything but tensors and plain values would save fine and never load
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - the unpickler's own error says what it met
-        problem = CheckpointError(f"rank {group.rank}'s shard holds something other than "
-                                  f"tensors and plain Python values: {exc}")
+        buffer = io.BytesIO()
+        torch.save(dict(shard, step=int(step), rank=group.rank, world_size=group.world_size),
+                   buffer)
+        data = buffer.getvalue()
+    except Exception as exc:  # noqa: BLE001 - the pickler's own error says what it met
+        # (it used to escape on this rank alone; the others waited in the all-gather below)
+        problem = CheckpointError(f"rank {group.rank}'s shard cannot be saved: {exc}")
+    if problem is None:
+        try:
+            # loads read shards with weights_only=True (no code runs from a checkpoint): a
+            # shard holding anything but tensors and plain values would save fine and never
+            # load
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - the unpickler's own error says what it met
+            problem = CheckpointError(f"rank {group.rank}'s shard holds something other than "
+                                      f"tensors and plain Python values: {exc}")
     if problem is None:
         try:
             write_atomic(path / shard_name(group.rank), data)
         except OSError as exc:
             problem = exc
+    digest = hashlib.sha256(data).hexdigest()
     words = np.concatenate([[0 if problem is None else 1, len(data)],
                             np.frombuffer(bytes.fromhex(digest), np.int64)]).astype(np.int64)
     table = group.allgather(words, "checkpoint save (shards)")
@@ -165,11 +179,29 @@ def save_checkpoint(directory, step: int, shard: dict, group: ProcessGroup, conf
                     "shards": [{"rank": r, "file": shard_name(r), "bytes": int(table[r, 1]),
                                 "sha256": table[r, 2:].tobytes().hex()}
                                for r in range(group.world_size)]}
-        write_atomic(path / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-        if keep > 0:
+        try:
+            text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+            write_atomic(path / MANIFEST, text.encode())
+        except (OSError, TypeError, ValueError) as exc:
+            # a full disk, or a config that is not JSON: rank 0 used to raise alone while the
+            # others waited in the barrier that stood here
+            problem = exc
+        if problem is None and keep > 0:
             _prune(directory, step, keep)
-    group.barrier("checkpoint save (manifest)")
+    _agree(group, problem, "checkpoint save (manifest)",
+           f"checkpoint {path}: rank 0 could not write the manifest, so this checkpoint will "
+           "not be loaded")
     return path
+
+
+def _agree(group: ProcessGroup, problem, what: str, failed: str) -> None:
+    """Collective: every rank raises CheckpointError (`failed`, with this rank's own
+    `problem` when it has one) if any rank has a problem."""
+    flags = group.allgather(np.array([int(problem is not None)], np.int64), what)[:, 0]
+    if flags.any():
+        ranks = [r for r in range(group.world_size) if flags[r]]
+        raise CheckpointError(f"{failed} (ranks {ranks} failed"
+                              + (f"; here: {problem}" if problem is not None else "") + ")")
 
 
 def _prune(directory, newest: int, keep: int) -> None:
@@ -205,10 +237,20 @@ def resume_training(directory, resume: str, group: ProcessGroup, config: dict, m
     else:
         path = Path(resume)
     shard = load_checkpoint(path, group, config)
-    model.load_state_dict(shard["model"])
-    optimizer.load_state_dict(shard["optimizer"])
-    set_rng_state(shard["rng"])
-    return shard["data"], path
+    problem = None
+    try:
+        model.load_state_dict(shard["model"])
+        optimizer.load_state_dict(shard["optimizer"])
+        set_rng_state(shard["rng"])
+        data = shard["data"]
+    except Exception as exc:  # noqa: BLE001 - torch's own message says which key or size
+        # a shard this rank's model or optimizer cannot take: every rank stops (this one
+        # used to raise alone, and the others went on to wait in their first step)
+        problem = exc
+    _agree(group, problem, "checkpoint resume (restore)",
+           f"checkpoint {path}: a rank could not restore its model, optimizer or RNG state "
+           "from its shard; restart without --resume or with the run's own settings")
+    return data, path
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -220,6 +262,15 @@ def _config_differences(saved: dict, config: dict) -> list[str]:
 
 def _check(path: Path, rank: int, world: int, config: dict):
     """(code, text, shard bytes) of this rank's view of the checkpoint at `path`."""
+    try:
+        return _check_files(path, rank, world, config)
+    except (AttributeError, KeyError, TypeError) as exc:
+        # a manifest of the right format whose entries are not what a save writes (an
+        # error on each rank, but not a CheckpointError, and not agreed)
+        return _BAD_MANIFEST, f"{path / MANIFEST} has entries a save does not write: {exc!r}", None
+
+
+def _check_files(path: Path, rank: int, world: int, config: dict):
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:

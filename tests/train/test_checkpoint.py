@@ -126,6 +126,87 @@ def test_a_shard_that_could_not_be_loaded_safely_is_refused_at_save_time(tmp_pat
     assert ckpt.latest_checkpoint(tmp_path) is None
 
 
+def test_a_step_directory_rank_0_cannot_create_fails_the_save_on_every_rank(tmp_path):
+    (tmp_path / "step-00000007").write_text("a file where the step directory goes")
+    results = save_two_ranks(tmp_path)
+    assert all(isinstance(r, CheckpointError) for r in results), results
+    assert all("rank 0 could not create the directory (ranks [0] failed" in str(r)
+               for r in results), results
+    assert "here: " in str(results[0]) and "here: " not in str(results[1])
+
+
+def test_a_shard_one_rank_cannot_pickle_fails_the_save_on_every_rank(tmp_path):
+    def save(g):
+        shard = shard_of(g.rank)
+        if g.rank == 1:
+            shard["data"]["schedule"] = lambda step: 0.1  # no pickler takes a lambda
+        return ckpt.save_checkpoint(tmp_path, 3, shard, g, CONFIG)
+    results = on_ranks(2, save)
+    assert all(isinstance(r, CheckpointError) for r in results), results
+    assert "ranks [1] could not write" in str(results[0])
+    assert "rank 1's shard cannot be saved" in str(results[1])
+    assert ckpt.latest_checkpoint(tmp_path) is None
+
+
+def test_a_manifest_rank_0_cannot_write_fails_the_save_on_every_rank(tmp_path):
+    config = dict(CONFIG, schedule=object())  # JSON takes no object
+    results = on_ranks(2, lambda g: ckpt.save_checkpoint(tmp_path, 5, shard_of(g.rank), g,
+                                                         config))
+    assert all(isinstance(r, CheckpointError) for r in results), results
+    assert all("rank 0 could not write the manifest" in str(r) for r in results), results
+    assert "not JSON serializable" in str(results[0])
+    assert ckpt.latest_checkpoint(tmp_path) is None
+
+
+def test_a_manifest_with_entries_a_save_does_not_write_is_refused_on_every_rank(tmp_path):
+    save_two_ranks(tmp_path)
+    manifest = tmp_path / "step-00000007" / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["shards"] = [0, 1]  # numbers, not the shards' records
+    manifest.write_text(json.dumps(data))
+    results = on_ranks(2, lambda g: ckpt.load_checkpoint(tmp_path / "step-00000007", g, CONFIG))
+    assert all(isinstance(r, CheckpointError) and "unreadable manifest" in str(r)
+               for r in results), results
+    assert "has entries a save does not write" in str(results[0])
+
+
+def test_a_shard_one_ranks_model_cannot_take_fails_the_resume_on_every_rank(tmp_path):
+    def shard(g):
+        model = torch.nn.Linear(2, 2)
+        return ckpt.training_shard(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   {"epoch": 1})
+    on_ranks(2, lambda g: ckpt.save_checkpoint(tmp_path, 2, shard(g), g, CONFIG))
+
+    def resume(g):
+        model = torch.nn.Linear(2, 3 if g.rank == 1 else 2)  # rank 1 built another model
+        return ckpt.resume_training(tmp_path, "auto", g, CONFIG, model,
+                                    torch.optim.SGD(model.parameters(), lr=0.1))
+    results = on_ranks(2, resume)
+    assert all(isinstance(r, CheckpointError) for r in results), results
+    assert all("could not restore its model, optimizer or RNG state" in str(r)
+               and "ranks [1] failed" in str(r) for r in results), results
+    assert "size mismatch" in str(results[1])
+
+
+def test_a_resume_restores_every_ranks_model_and_returns_the_data_position(tmp_path):
+    def shard(g):
+        model = torch.nn.Linear(2, 2)
+        with torch.no_grad():
+            model.weight.fill_(g.rank + 1)
+        return ckpt.training_shard(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                   {"epoch": g.rank})
+    on_ranks(2, lambda g: ckpt.save_checkpoint(tmp_path, 2, shard(g), g, CONFIG))
+
+    def resume(g):
+        model = torch.nn.Linear(2, 2)
+        data, path = ckpt.resume_training(tmp_path, "auto", g, CONFIG, model,
+                                          torch.optim.SGD(model.parameters(), lr=0.1))
+        return data, path, model.weight.detach().clone()
+    for rank, (data, path, weight) in enumerate(on_ranks(2, resume)):
+        assert data == {"epoch": rank} and path == tmp_path / "step-00000002"
+        assert torch.equal(weight, torch.full((2, 2), float(rank + 1)))
+
+
 def test_a_missing_shard_is_refused_on_every_rank(tmp_path):
     save_two_ranks(tmp_path)
     (tmp_path / "step-00000007" / "rank-00001.pt").unlink()
