@@ -27,7 +27,8 @@ import math
 import torch
 from torch import nn
 
-from ..errors import ConfigurationError, DeviceMismatchError, DTypeError, InvalidArgumentError
+from ..errors import (ConfigurationError, DeviceMismatchError, DTypeError, InvalidArgumentError,
+                      RocmoeError)
 
 
 def table_range(rank: int, world: int, num_tables: int) -> range:
@@ -161,6 +162,18 @@ class DLRM(nn.Module):
         where lists take one of each a table). Returns click probabilities [b]."""
         from .. import ops
         problem = self._dense_problem(dense_local)
+        packed = None
+        if problem is None and self.lookup is not None:
+            # packed before the lookup too: lookups pack_lookups cannot take (stacked rows
+            # that disagree, an entry that is not a tensor) raised on this rank alone, and its
+            # peers waited in the batched call
+            try:
+                packed = ops.pack_lookups(indices, offsets)
+            except RocmoeError as exc:
+                problem = exc
+            except Exception as exc:  # noqa: BLE001 - torch's or Python's own words say what
+                problem = InvalidArgumentError(
+                    f"DLRM: this rank's lookups cannot be packed for its tables: {exc!r}")
         if problem is not None:
             # before the lookup, whose peers would otherwise wait for this rank: they raise
             # too, naming it
@@ -176,7 +189,7 @@ class DLRM(nn.Module):
         else:
             # (a rank without tables passes None for all three: it still takes its samples
             # of everyone's tables)
-            packed_indices, packed_offsets = ops.pack_lookups(indices, offsets)
+            packed_indices, packed_offsets = packed
             embedded = self.lookup.batched(self.packed_tables if self.table_rows else None,
                                            packed_indices, packed_offsets,
                                            batch=dense_local.shape[0] * self.world_size)

@@ -100,6 +100,33 @@ for name, m in (("handle", handle_model), ("plain", plain_model)) if "bad-dense"
         report(True, f"a step after bad dense features, {name} model")
     except Exception as exc:  # noqa: BLE001
         report(False, f"a step after bad dense features, {name} model", repr(exc))
+# with the argument "bad-lookups": lookups the model cannot pack for its handle (stacked
+# rows that disagree, an entry that is not a tensor), on the last rank only: every rank
+# raises a RocmoeError (the others naming that rank) instead of waiting in the lookup, and
+# the next step works
+stacked = (idx[mine], off[mine])
+bad_lookups = {"stacked rows that disagree": (idx[mine], off[mine][:-1]),
+               "an entry that is not a tensor": ([None] * len(lists[0]), lists[1])}
+for what, bad in bad_lookups.items() if "bad-lookups" in sys.argv else ():
+    for name, m in (("handle", handle_model), ("plain", plain_model)):
+        if not m.table_rows and RANK == WORLD - 1:
+            continue
+        try:
+            m(good, *(bad if RANK == WORLD - 1 else stacked))
+        except rocmoe.RocmoeError as exc:
+            text = str(exc)
+            named = (RANK == WORLD - 1 or f"[{WORLD - 1}] rejected" in text
+                     or f"rank {WORLD - 1} rejected" in text or f"ranks [{WORLD - 1}]" in text)
+            report(named, f"{what} raise on every rank, {name} model", text[:200])
+        except Exception as exc:  # noqa: BLE001
+            report(False, f"{what} raise on every rank, {name} model", repr(exc)[:200])
+        else:
+            report(False, f"{what} raise on every rank, {name} model", "no error")
+        try:
+            m(good, *stacked).sum().backward()
+            report(True, f"a step after {what}, {name} model")
+        except Exception as exc:  # noqa: BLE001
+            report(False, f"a step after {what}, {name} model", repr(exc)[:200])
 ctx.barrier()
 ctx.finalize()
 sys.exit(report.status())

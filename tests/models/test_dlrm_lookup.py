@@ -32,3 +32,16 @@ def test_bad_dense_features_on_one_rank_raise_on_every_rank_and_the_next_step_wo
                      f"a step after bad dense features, {model} model"):
             assert len(re.findall(f"ok {re.escape(what)}[:\n]", proc.stdout)) == ranks, \
                 proc.stdout
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_lookups_one_rank_cannot_pack_raise_on_every_rank_and_the_next_step_works(ranks):
+    proc = run_mpi(SCRIPT, ranks, "bad-lookups", timeout=240,
+                   env=mpi_env(OMP_NUM_THREADS="1", ROCMOE_TIMEOUT_S="20"))
+    assert proc.returncode == 0, proc.stdout
+    for bad in ("stacked rows that disagree", "an entry that is not a tensor"):
+        for model in ("handle", "plain"):
+            for what in (f"{bad} raise on every rank, {model} model",
+                         f"a step after {bad}, {model} model"):
+                assert len(re.findall(f"ok {re.escape(what)}[:\n]", proc.stdout)) == ranks, \
+                    proc.stdout
