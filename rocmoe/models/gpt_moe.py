@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, InvalidArgumentError
 from ..moe import DroplessMoE
+
+IGNORE_INDEX = -100  # a target the loss skips (F.cross_entropy's default)
 
 INIT_STD = 0.02
 
@@ -164,11 +166,53 @@ class GPTMoE(nn.Module):
                     layer.w3[i].copy_(torch.randn(layer.w3[i].shape, generator=g) * INIT_STD)
 
     # -- forward -------------------------------------------------------------------------
+    def _input_problem(self, tokens, targets):
+        """What is wrong with a step's tokens or targets, or None. Token and target values
+        are checked where they are host tensors (free); on a GPU an index out of range
+        is the device's own assertion."""
+        vocab, integers = self.config.vocab_size, (torch.int64, torch.int32)
+        if not (isinstance(tokens, torch.Tensor) and tokens.dim() == 2
+                and tokens.dtype in integers):
+            return InvalidArgumentError(
+                "GPTMoE: tokens must be an int64 or int32 tensor [batch, seq_len], got "
+                + (f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor)
+                   else type(tokens).__name__))
+        if tokens.shape[1] > self.config.seq_len:
+            return ConfigurationError(
+                f"sequence of {tokens.shape[1]} tokens is longer than the model's "
+                f"seq_len={self.config.seq_len}")
+        if tokens.device.type == "cpu" and tokens.numel() and \
+                not 0 <= int(tokens.min()) <= int(tokens.max()) < vocab:
+            return InvalidArgumentError(f"GPTMoE: token ids must be in [0, {vocab}), got "
+                                        f"[{int(tokens.min())}, {int(tokens.max())}]")
+        if targets is None:
+            return None
+        if not (isinstance(targets, torch.Tensor) and targets.shape == tokens.shape
+                and targets.dtype == torch.int64):
+            return InvalidArgumentError(
+                f"GPTMoE: targets must be an int64 tensor of the tokens' shape "
+                f"{tuple(tokens.shape)}, got "
+                + (f"{targets.dtype} {tuple(targets.shape)}"
+                   if isinstance(targets, torch.Tensor) else type(targets).__name__))
+        if targets.device.type == "cpu" and targets.numel():
+            kept = targets[targets != IGNORE_INDEX]
+            if kept.numel() and not 0 <= int(kept.min()) <= int(kept.max()) < vocab:
+                return InvalidArgumentError(
+                    f"GPTMoE: targets must be in [0, {vocab}) or {IGNORE_INDEX} (ignored), got "
+                    f"[{int(kept.min())}, {int(kept.max())}]")
+        return None
+
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        problem = self._input_problem(tokens, targets)
+        if problem is not None:
+            # checked before any layer: with expert parallelism the peers wait in the first
+            # MoE layer's exchange (and, for bad targets, in the backward's): they raise
+            # there too, naming this rank
+            moe = self.moe_layers()
+            if moe:
+                moe[0].reject(problem)
+            raise problem
         b, t = tokens.shape
-        if t > self.config.seq_len:
-            raise ConfigurationError(
-                f"sequence of {t} tokens is longer than the model's seq_len={self.config.seq_len}")
         pos = torch.arange(t, device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(pos)
         for block in self.blocks:
@@ -178,5 +222,6 @@ class GPTMoE(nn.Module):
         self.aux_loss = sum(layer.aux_loss for layer in moe) if moe else None
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX)
         return logits, loss

@@ -214,11 +214,25 @@ class DroplessMoE(nn.Module):
                 w[used:].zero_()
             nn.init.normal_(w[:used], std=1.0 / math.sqrt(fan_in))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        vexpert = isinstance(self.dispatcher, VExpertDispatcher)
-        if vexpert and not self.dispatcher.agreed:  # first step, or after load_state_dict
+    def _agree_on_placement(self) -> None:
+        if isinstance(self.dispatcher, VExpertDispatcher) and not self.dispatcher.agreed:
+            # first step, or after load_state_dict
             from .rank_agreement import allgather_ints
             self.dispatcher.agree(lambda v: allgather_ints(self.ctx, v, "vExpert placement"))
+
+    def reject(self, error: Exception) -> None:
+        """Collective, in place of this step's forward call: this rank cannot run the step
+        (`error`, raised here). With expert parallelism the peers, inside their forward
+        call, raise InvalidArgumentError naming this rank instead of waiting for its rows.
+        A model whose input fails before its first MoE layer calls it on that layer."""
+        if self.world_size > 1:
+            self._agree_on_placement()  # where the peers' forward call begins
+            reject_input(self, error)
+        raise error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        vexpert = isinstance(self.dispatcher, VExpertDispatcher)
+        self._agree_on_placement()
         shape = getattr(x, "shape", None)
         try:
             if isinstance(x, torch.Tensor) and x.dim() == 3:
