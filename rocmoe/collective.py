@@ -20,6 +20,9 @@ import numpy as np
 from . import errors
 
 RECORD_WORDS = 16
+# the values one Context.allgather_ints carries a rank: a record's words, less the exchange's
+# two (kind, sequence) and the count
+USER_INTS_MOST = RECORD_WORDS - 3
 # record layout: [kind, seq, status, payload...]
 KIND_BOOTSTRAP, KIND_ALLOC, KIND_FREE, KIND_BARRIER, KIND_USER, KIND_HANDLE = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {KIND_BOOTSTRAP: "init", KIND_ALLOC: "empty/zeros", KIND_FREE: "free",

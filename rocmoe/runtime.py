@@ -23,7 +23,7 @@ import torch
 
 from . import _native, errors
 from ._native import check, ffi, lib
-from .collective import (KIND_BARRIER, KIND_BOOTSTRAP, KIND_USER, RECORD_WORDS,
+from .collective import (KIND_BARRIER, KIND_BOOTSTRAP, KIND_USER, USER_INTS_MOST,
                          ControlChannel, SingleProcessComm)
 from .env import (DEFAULT_FIRST_CALL_TIMEOUT_S, DEFAULT_HEAP_SIZE,  # noqa: F401 - re-exported
                   DEFAULT_TIMEOUT_S, first_call_timeout_from_env, heap_size_from_env,
@@ -440,8 +440,8 @@ class Context:
         try:
             ints = [operator.index(v) for v in values]
             problem = None
-            if len(ints) > ALLGATHER_INTS_MOST:
-                problem = f"{len(ints)} values, more than the {ALLGATHER_INTS_MOST} it carries"
+            if len(ints) > USER_INTS_MOST:
+                problem = f"{len(ints)} values, more than the {USER_INTS_MOST} it carries"
             elif any(not -_INT64_MAX - 1 <= v <= _INT64_MAX for v in ints):
                 problem = "a value that does not fit an int64"
         except TypeError:
@@ -462,11 +462,6 @@ class Context:
             raise errors.CollectiveMismatchError(
                 f"ranks passed different numbers of values to allgather_ints ({table[:, 0]})")
         return table[:, 1:]
-
-
-# the values one allgather_ints carries a rank: a control record's words, less the
-# exchange's two (kind, sequence) and the count
-ALLGATHER_INTS_MOST = RECORD_WORDS - 3
 
 
 def _ptr(t: torch.Tensor):

@@ -42,6 +42,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..collective import USER_INTS_MOST
 from ..errors import ConfigurationError, PlacementError, RocmoeError
 from .cost_calibration import RatioWindow, split_prediction, sync_prediction
 from .cost_model import CostModel, profile
@@ -225,8 +226,11 @@ class VExpertScheduler:
     def _allgather_floats(self, values) -> np.ndarray:
         """[world, n] float64, through the timed int all-gather (bit patterns)."""
         values = np.asarray(values, dtype=np.float64)
-        chunks = [self._allgather(values[i:i + 14].view(np.int64).tolist(), "cost model")
-                  for i in range(0, values.size, 14)]
+        # in all-gathers of what one carries (chunks of 14 failed: a model of two vExpert
+        # layers under calibration met 16 at its first policy run after the start)
+        most = USER_INTS_MOST
+        chunks = [self._allgather(values[i:i + most].view(np.int64).tolist(), "cost model")
+                  for i in range(0, values.size, most)]
         table = np.concatenate(chunks, axis=1) if chunks else np.zeros((self.world_size, 0))
         return np.ascontiguousarray(table, dtype=np.int64).view(np.float64)
 

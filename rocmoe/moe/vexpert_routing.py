@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..collective import USER_INTS_MOST
 from ..errors import PlacementError
 from .dispatch import DispatchPlan
 from .placement import Placement, parse_placement
@@ -214,10 +215,10 @@ class VExpertDispatcher(nn.Module):
             self.agreed = True
             return
         # find the first slot where the tables differ: all ranks know they differ, so all
-        # take part in the same rounds (13 slots each)
+        # take part in the same rounds (as many slots as one all-gather carries)
         flat = self.placement.slot_expert.reshape(-1)
-        for start in range(0, flat.size, 13):
-            chunk = flat[start:start + 13].tolist()
+        for start in range(0, flat.size, USER_INTS_MOST):
+            chunk = flat[start:start + USER_INTS_MOST].tolist()
             table = exchange_ints(chunk)
             differs = np.flatnonzero((table != table[0]).any(axis=0))
             if differs.size:

@@ -22,7 +22,7 @@ def _launch(ranks, checks, *args):
 @pytest.fixture(scope="module")
 def two_ranks():
     return _launch(2, "equal,primitives,train,bad,config,reducer_timeout,profile,"
-                      "forecast_trigger,calibration,calibration_batched")
+                      "forecast_trigger,calibration,calibration_batched,calibration_layers")
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,12 @@ def test_each_step_is_predicted_by_the_model_calibrated_on_the_steps_before_it(t
 @pytest.mark.mpi
 def test_the_ranks_exchange_step_times_only_where_a_policy_run_is_due(two_ranks):
     _passed(two_ranks, "calibration_batched", 2)
+
+
+@pytest.mark.mpi
+def test_a_scheduler_of_several_layers_exchanges_more_step_times_than_one_all_gather_carries(
+        two_ranks):
+    _passed(two_ranks, "calibration_layers", 2)
 
 
 # -- counts only: the policies under a drifting Zipf(1.2) load -------------------------------

@@ -25,7 +25,10 @@ Checks (each prints ``VX_OK <check> rank=<r> ...`` or ``VX_FAIL <check> ...``):
 * ``calibration``: training steps under a scheduler with a one-step calibration window:
   each step's logged prediction is the uncalibrated one times the step before's measured /
   uncalibrated ratio (made before the step it predicts), the same on every rank; the
-  calibration travels in the scheduler's state_dict.
+  calibration travels in the scheduler's state_dict;
+* ``calibration_layers``: three layers under one scheduler: the step times the ranks
+  exchange at a policy run (more than one all-gather carries) arrive, and every layer's
+  every step gets its prediction.
 """
 
 from __future__ import annotations
@@ -688,11 +691,53 @@ def check_calibration_batched(ctx, dtype, tol, steps=6):
                   f"exchanges={exchanges}" + (f" problems={problems}" if problems else ""))
 
 
+def check_calibration_layers(ctx, dtype, tol, steps=8):
+    """Three vExpert layers, a replica in each, under one scheduler with an 8-step window and
+    rebalance_every=8: the ranks' exchange at step 8 carries 24 layer times and the replica
+    sums' (more than one all-gather carries: in chunks of 14 it raised InvalidArgumentError on
+    every rank there); every step of every layer gets its prediction, the same on every
+    rank."""
+    rank, world = ctx.rank, ctx.world_size
+    torch.manual_seed(5)
+    layers = [DroplessMoE(H, F, E, K, block_size=BLOCK, ctx=ctx, placement="vexpert",
+                          slots_per_rank=E // world + 2, rebalance_every=8,
+                          balance_threshold=100.0).to(DEVICE, dtype) for _ in range(3)]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    sched = VExpertScheduler(layers, opt, cost_model=CostModel(
+        ffn_ms_per_row=1e-3, fixed_ms=0.1, allreduce={2: [0.5, 0.0]}),
+        replica_sync=REPLICA_SYNC, calibration_window=8)
+    sizes = []
+    gather = sched._allgather_floats
+    sched._allgather_floats = lambda values: (sizes.append(len(values)), gather(values))[1]
+    for layer in layers:
+        sched.expand(layer, 0, world - 1)
+    xs = batches(world, dtype, seed=21, skew=3.0)
+    problems = []
+    try:
+        for _ in range(steps):
+            train_step(model, opt, sched, xs[rank], torch.tanh(xs[rank]))
+    except RocmoeError as exc:
+        problems.append(f"{type(exc).__name__}: {exc}"[:300])
+    timed = [[entry.get("cost_model") for entry in r["layers"]] for r in sched.log]
+    if not sizes or max(sizes) <= 13:
+        problems.append(f"the exchanges carried {sizes} floats: none more than one all-gather")
+    if len(timed) != steps or any(t is None for row in timed for t in row):
+        problems.append(f"{sum(t is not None for row in timed for t in row)} of "
+                        f"{steps * len(layers)} layer steps predicted")
+    if len(set(COMM.allgather(json.dumps(timed)))) != 1:
+        problems.append("the ranks logged different predictions")
+    sched.close()
+    return report("calibration_layers", not problems, rank,
+                  f"floats={sizes}" + (f" problems={problems}" if problems else ""))
+
+
 CHECKS = {"equal": check_equal, "syncs": check_syncs, "primitives": check_primitives, "train": check_train,
           "bad": check_bad, "config": check_config, "reducer_sums": check_reducer_sums,
           "reducer_timeout": check_reducer_timeout,
           "profile": check_profile, "forecast_trigger": check_forecast_trigger,
-          "calibration": check_calibration, "calibration_batched": check_calibration_batched}
+          "calibration": check_calibration, "calibration_batched": check_calibration_batched,
+          "calibration_layers": check_calibration_layers}
 
 
 def main(argv=None) -> int:
