@@ -6,6 +6,7 @@ Checkpoints per rank, resumes, stops cleanly on SIGUSR1/SIGTERM for a Slurm requ
 
     mpiexec -n 4 --oversubscribe python examples/moe_train.py            # ~1 minute, host
     mpiexec -n 4 --oversubscribe python examples/moe_train.py --checkpoint-dir ckpt
+    mpiexec -n 4 --oversubscribe python examples/moe_train.py --vexpert --moe-every 1
     python examples/moe_train.py --backend none --device cuda --dtype bfloat16 \\
         --layers 8 --hidden 1024 --heads 16 --ffn 1024 --experts 64 --moe-every 1 \\
         --seq-len 1024 --batch-size 16 --block-size 128 --steps 60        # one GPU
@@ -20,14 +21,18 @@ stdout: JSON lines (rank 0), each with "event" and "example": "moe_train":
               "tokens" (so far), "step_s", "tokens_per_s", "time_parts" {data, forward,
               backward, grad_sync, optimizer: seconds}, "tokens_per_expert" [[per expert] per
               MoE layer, summed over ranks], "tokens_per_rank" [[per rank] per MoE layer],
-              "balance_ratio" [per MoE layer: max rank load / mean rank load]
+              "balance_ratio" [per MoE layer: max rank load / mean rank load, experts
+              where the static layout puts them]; with --vexpert also "vexpert" {"steps"
+              (the scheduler's), "balance_ratio" [per MoE layer, on the vExpert placement
+              the step ran on], "changes" (placement changes started at this step),
+              "vexperts" [per MoE layer: slots holding an expert]} and time_parts "vexpert"
   eval        "step", "val_loss", "val_bpb"
   checkpoint  "step", "path", "seconds"
   stopped     "step", "signal", "checkpoint": stopped early; the exit status is 75
   summary     "steps", "val_loss", "val_bpb", "unigram_entropy_bits", "learned" (val_bpb
               below the unigram entropy), "tokens_per_s" (mean after the first 3 steps),
               "params_sha256" (every rank's parameters: equal digests, equal models),
-              "ranks", "backend", "experts", "experts_per_rank", "combine"
+              "ranks", "backend", "experts", "experts_per_rank", "combine", "vexpert"
 stderr: the tqdm bar and text. Exit status: 0, 1 when the model did not learn, 75 after a
 requested stop (SIGUSR1/SIGTERM or --stop-after-step) with its checkpoint written.
 """
@@ -45,6 +50,7 @@ import torch
 
 from rocmoe.data.byte_corpus import ByteCorpus, unigram_entropy_bits
 from rocmoe.models.gpt_moe import GPTMoE, GPTMoEConfig
+from rocmoe.moe import VExpertScheduler
 from rocmoe.train import checkpoint as ckpt
 from rocmoe.train.data_parallel import GradientSync, group_digest, split_parameters, tensor_digest
 from rocmoe.train.group import ProcessGroup
@@ -85,6 +91,9 @@ def parse_args(argv=None):
                    help="DroplessMoE block size (default: the layer's, 128)")
     m.add_argument("--moe-option", type=moe_option, action="append", default=[],
                    metavar="KEY=VALUE", help="more DroplessMoE keywords (repeatable)")
+    m.add_argument("--vexpert", action="store_true",
+                   help="vExpert placement (placement=vexpert) under a VExpertScheduler: hot "
+                        "experts get replicas in spare slots of other ranks as the load drifts")
     m.add_argument("--seq-len", type=int, default=64)
     m.add_argument("--dropout", type=float, default=0.0)
     t = p.add_argument_group("training")
@@ -161,6 +170,21 @@ def routing_stats(layers, totals: np.ndarray, world: int) -> tuple[list, list, l
     return per_expert, per_rank, ratio
 
 
+def vexpert_stats(scheduler) -> dict:
+    """The scheduler's view of its last step: "steps" (its step count), "balance_ratio" (per
+    MoE layer, on the vExpert placement the step ran on), "changes" (placement changes it
+    started at this step, all layers), "vexperts" (per layer: slots holding an expert)."""
+    record = scheduler.log[-1] if scheduler.log else {"layers": []}
+    entries = [e for e in record["layers"]]
+    return {"steps": scheduler.steps,
+            "balance_ratio": [None if e is None else float(e["balance_ratio"])
+                              for e in entries],
+            "changes": sum(1 for e in entries if e is not None and e.get("decision")
+                           and "skipped" not in e["decision"]),
+            "vexperts": [int((layer.dispatcher.placement.slot_expert >= 0).sum())
+                         for layer in scheduler.layers]}
+
+
 def step_totals(loss, aux, stop_flag: bool, layers, group) -> np.ndarray:
     """One all-reduce per step for everything the log and the stop vote need:
     [loss, aux loss, stop votes, every MoE layer's tokens per expert], summed over ranks."""
@@ -207,6 +231,8 @@ def train(args, ctx, group) -> int:
     options = dict(args.moe_option)
     if args.block_size is not None:
         options["block_size"] = args.block_size
+    if args.vexpert:
+        options.setdefault("placement", "vexpert")
     config = GPTMoEConfig(seq_len=args.seq_len, layers=args.layers, hidden=args.hidden,
                           heads=args.heads, ffn_hidden=args.ffn, experts=args.experts,
                           top_k=args.top_k, moe_every=args.moe_every, dropout=args.dropout,
@@ -223,10 +249,17 @@ def train(args, ctx, group) -> int:
     val_batches = corpus.validation_batches(args.eval_batches, args.batch_size, args.seq_len,
                                             rank, world, args.seed)
     run_config = {k: (config.to_dict() if k == "model" else getattr(args, k)) for k in RESUME_KEYS}
+    # (every vExpert layer of the model; its pre-hook on opt.step sums the replicas'
+    # gradients and installs landed copies)
+    scheduler = VExpertScheduler(model, opt) if args.vexpert and model.moe_layers() else None
 
     position, resumed_from = ckpt.resume_training(args.checkpoint_dir, args.resume, group,
                                                   run_config, model, opt)
     start_step = int(position["step"]) if position else 0
+    if scheduler is not None and position and position.get("vexpert") is not None:
+        # the placements came back with the model; the scheduler's loads, cost model and
+        # calibration come from the data position
+        scheduler.load_state_dict(position["vexpert"])
 
     moe = model.moe_layers()
     combine = None
@@ -247,7 +280,10 @@ def train(args, ctx, group) -> int:
 
     def save(step: int) -> None:
         t0 = time.perf_counter()
-        shard = ckpt.training_shard(model, opt, {"step": step})
+        data = {"step": step}
+        if scheduler is not None:
+            data["vexpert"] = scheduler.state_dict()
+        shard = ckpt.training_shard(model, opt, data)
         path = ckpt.save_checkpoint(args.checkpoint_dir, step, shard, group, run_config,
                                     keep=args.keep_checkpoints)
         log.record("checkpoint", step=step, path=str(path),
@@ -278,6 +314,9 @@ def train(args, ctx, group) -> int:
             timer.mark("grad_sync")
             opt.step()
             timer.mark("optimizer")
+            if scheduler is not None:
+                scheduler.step()  # loads, policy, Expand / Shrink / Migrate (collective)
+                timer.mark("vexpert")
             step += 1
             step_s = timer.total
             if args.stop_after_step is not None and step == args.stop_after_step:
@@ -290,12 +329,13 @@ def train(args, ctx, group) -> int:
             if step - start_step > 3:
                 speeds.append(speed)
             if step % args.log_every == 0 or step == args.steps:
+                extra = {} if scheduler is None else {"vexpert": vexpert_stats(scheduler)}
                 log.record("train", step=step, loss=mean_loss, bpb=mean_loss / math.log(2),
                            aux_loss=mean_aux, lr=lr, tokens=step * tokens_per_step,
                            step_s=step_s, tokens_per_s=speed,
                            time_parts={k: round(v, 6) for k, v in timer.parts.items()},
                            tokens_per_expert=per_expert, tokens_per_rank=per_rank,
-                           balance_ratio=ratio)
+                           balance_ratio=ratio, **extra)
             log.advance(1, loss=f"{mean_loss:.3f}", tok_s=f"{speed:.0f}")
             if step % args.eval_every == 0 or step == args.steps:
                 val_loss = evaluate(model, val_batches, group, device)
@@ -313,20 +353,26 @@ def train(args, ctx, group) -> int:
         else:
             if val_loss is None:  # resumed at the end: evaluate the loaded model
                 val_loss = evaluate(model, val_batches, group, device)
+    if scheduler is not None:
+        scheduler.close()
     if stopped is not None:
         log.record("stopped", step=step, signal=stopped, checkpoint=bool(args.checkpoint_dir))
         log.text(f"stopped after step {step} ({stopped})"
                  + (f"; checkpoint in {args.checkpoint_dir}" if args.checkpoint_dir else ""))
         log.close()
         return EXIT_REQUEUE
-    digest = group_digest(group, tensor_digest(model.state_dict().values()), "parameter digest")
+    # (the tensors: a vExpert layer's placement is a dict entry, agreed by the layer itself)
+    digest = group_digest(group, tensor_digest(v for v in model.state_dict().values()
+                                               if isinstance(v, torch.Tensor)),
+                          "parameter digest")
     val_bpb = val_loss / math.log(2)
     learned = val_bpb < entropy
     log.record("summary", steps=step, val_loss=val_loss, val_bpb=val_bpb,
                unigram_entropy_bits=entropy, learned=learned,
                tokens_per_s=float(np.mean(speeds)) if speeds else None, params_sha256=digest,
                ranks=world, backend=ctx.backend if ctx is not None else "none",
-               experts=args.experts, experts_per_rank=args.experts // world, combine=combine)
+               experts=args.experts, experts_per_rank=args.experts // world, combine=combine,
+               vexpert=scheduler is not None)
     log.close()
     return 0 if learned else 1
 

@@ -94,6 +94,44 @@ def test_gpt_moe_stopped_and_resumed_equals_the_uninterrupted_run_bit_for_bit(mo
     assert [r["event"] for r in in_file].count("config") == 2
 
 
+MOE_VEXPERT = ["--vexpert", "--layers", "4", "--moe-every", "1", "--steps", "24",
+               "--eval-every", "12", "--checkpoint-every", "6", "--max-files", "300",
+               "--no-progress", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def vexpert_runs(tmp_path_factory):
+    """Four vExpert layers under a VExpertScheduler (2 ranks): stopped after step 12, then
+    resumed to step 24; its policy may run at steps 10 and 20 (rebalance_every=10)."""
+    ckpt = tmp_path_factory.mktemp("vexpert") / "ckpt"
+    first = run_mpi(EXAMPLES / "moe_train.py", 2, *MOE_VEXPERT, "--checkpoint-dir", ckpt,
+                    "--stop-after-step", "12", timeout=300)
+    rest = run_mpi(EXAMPLES / "moe_train.py", 2, *MOE_VEXPERT, "--checkpoint-dir", ckpt,
+                   timeout=300)
+    return first, rest
+
+
+@pytest.mark.mpi
+def test_gpt_moe_trains_under_the_vexpert_scheduler_and_resumes_its_state(vexpert_runs):
+    # (the policy runs at step 10 and 20 exchange 4 layers' step times, more than one
+    # all-gather carries: a scheduler of several layers used to fail there)
+    first, rest = vexpert_runs
+    assert first.returncode == 75, first.stdout[-3000:]
+    assert rest.returncode in (0, 1), rest.stdout[-3000:]
+    assert records(rest.stdout, "resume")[0]["step"] == 12
+    assert summary(rest.stdout)["steps"] == 24 and summary(rest.stdout)["vexpert"] is True
+    steps = records(first.stdout, "train") + records(rest.stdout, "train")
+    assert [r["step"] for r in steps] == list(range(1, 25))
+    for r in steps:
+        # the scheduler's step count came back with the checkpoint
+        assert r["vexpert"]["steps"] == r["step"], r["vexpert"]
+        assert len(r["vexpert"]["balance_ratio"]) == 4
+        assert all(ratio >= 1.0 for ratio in r["vexpert"]["balance_ratio"])
+        # every expert keeps a vExpert; slots beyond the 8 hold replicas
+        assert all(8 <= n <= 12 for n in r["vexpert"]["vexperts"]), r["vexpert"]
+        assert "vexpert" in r["time_parts"]
+
+
 # -- DLRM -------------------------------------------------------------------------------------
 DLRM_ARCH = ["--data-generation", "dataset", "--max-ind-range", "1000",
              "--arch-sparse-feature-size", "8", "--arch-mlp-bot", "13-32-8",
