@@ -115,6 +115,11 @@ class PolicyBackoff:
         self.quiet_ratio = None if ratio is None else float(ratio)
 
 
+def _ppm(value: float) -> int:
+    """`value` in millionths, for an agreement (-1 where it is not finite: rejected anyway)."""
+    return round(value * 1e6) if math.isfinite(value) else -1
+
+
 class _LayerState:
     def __init__(self, layer, mover, load: LoadForecast, window: int):
         self.layer = layer
@@ -155,8 +160,6 @@ class VExpertScheduler:
         if not self.layers:
             raise ConfigurationError("VExpertScheduler found no DroplessMoE layer with "
                                      "placement='vexpert'")
-        if policy not in POLICIES:
-            raise ConfigurationError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
         ctxs = {id(layer.ctx) for layer in self.layers}
         if len(ctxs) != 1:
             raise ConfigurationError("the scheduler's layers must share one rocmoe Context")
@@ -165,15 +168,29 @@ class VExpertScheduler:
         self.optimizer = optimizer
         self.policy = policy
         self.cost_model = cost_model
-        self.max_copies_per_rank = int(max_copies_per_rank)
-        self.load_decay, self.load_trend = float(load_decay), float(load_trend)
-        load_ok = 0.0 <= self.load_decay < 1.0 and 0.0 <= self.load_trend <= 1.0
+        # the arguments a rank can get wrong alone are checked here and raised after the
+        # agreement below, on every rank (raised here, they left the others waiting in it)
+        policy_ok = isinstance(policy, str) and policy in POLICIES
+        try:
+            self.max_copies_per_rank = int(max_copies_per_rank)
+            self.load_decay, self.load_trend = float(load_decay), float(load_trend)
+            numbers_ok = True
+        except (TypeError, ValueError, OverflowError):
+            self.max_copies_per_rank, self.load_decay, self.load_trend = 2, 0.5, 0.5
+            numbers_ok = False
+        load_ok = numbers_ok and 0.0 <= self.load_decay < 1.0 and 0.0 <= self.load_trend <= 1.0
         window_ok = isinstance(calibration_window, int) and not isinstance(
             calibration_window, bool) and calibration_window >= 0
         self.calibration_window = int(calibration_window) if window_ok else 0
         if timeout_s is None:
             timeout_s = getattr(self.ctx, "timeout_s", 60.0) if self.ctx is not None else 60.0
-        self.timeout_s = float(timeout_s)
+        try:
+            self.timeout_s = float(timeout_s)
+            timeout_ok = 0 < self.timeout_s < math.inf
+        except (TypeError, ValueError):
+            timeout_ok = False
+        if not timeout_ok:
+            self.timeout_s = getattr(self.ctx, "timeout_s", 60.0) if self.ctx is not None else 60.0
         multi = self.world_size > 1
         # a change takes effect at the next step, or one later when it copies weights
         self.states = [_LayerState(layer, ExpertMover(self.ctx, layer, optimizer, self.timeout_s)
@@ -187,9 +204,19 @@ class VExpertScheduler:
         problem = None if replica_sync in REDUCERS or replica_sync == "auto" else \
             ConfigurationError(f"replica_sync must be 'auto' or one of {sorted(REDUCERS)}, "
                                f"got {replica_sync!r}")
+        if problem is None and not policy_ok:
+            problem = ConfigurationError(f"policy must be one of {sorted(POLICIES)}, got "
+                                         f"{policy!r}")
+        if problem is None and not numbers_ok:
+            problem = ConfigurationError(
+                f"max_copies_per_rank, load_decay and load_trend must be numbers, got "
+                f"{max_copies_per_rank!r}, {load_decay!r} and {load_trend!r}")
         if problem is None and not load_ok:  # raised on every rank, after the agreement
             problem = ConfigurationError(f"load_decay must be in [0, 1) and load_trend in "
                                          f"[0, 1], got {load_decay} and {load_trend}")
+        if problem is None and not timeout_ok:
+            problem = ConfigurationError(f"timeout_s must be a positive, finite number of "
+                                         f"seconds, got {timeout_s!r}")
         if problem is None and not window_ok:
             problem = ConfigurationError(f"calibration_window must be an int >= 0 (0: no "
                                          f"calibration), got {calibration_window!r}")
@@ -201,10 +228,17 @@ class VExpertScheduler:
                 replica_sync = auto_reducer(self.ctx, self.layers[0].w1.device)
             # a rank that chose another reducer would wait in another collective
             choices = sorted(REDUCERS)
+            policies = sorted(POLICIES)
             agree_on_fields(self.ctx, {"replica_sync": choices.index(replica_sync)
                                        if problem is None else -1,
-                                       "calibration_window": self.calibration_window},
-                            "VExpertScheduler", problem, labels={"replica_sync": choices})
+                                       "calibration_window": self.calibration_window,
+                                       "policy": policies.index(policy) if policy_ok else -1,
+                                       "layers": len(self.layers),
+                                       "max_copies_per_rank": self.max_copies_per_rank,
+                                       "load_decay_ppm": _ppm(self.load_decay),
+                                       "load_trend_ppm": _ppm(self.load_trend)},
+                            "VExpertScheduler", problem,
+                            labels={"replica_sync": choices, "policy": policies})
             self.replica_sync = replica_sync
             options = {} if replica_sync == "heap" else {"cache_size": group_cache_size}
             self.reducer = REDUCERS[replica_sync](self.ctx, self.timeout_s, **options)

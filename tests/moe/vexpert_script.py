@@ -419,7 +419,27 @@ def check_config(ctx, dtype, tol):
     ok, msg3 = expect_error(
         lambda: VExpertScheduler([layer], None, replica_sync="nccl" if rank == 1 else "mpi"),
         ConfigurationError, needle)
-    return report("config", ok, rank, f"{msg}; {msg2}; {msg3}")
+    if not ok:
+        return report("config", ok, rank, f"{msg}; {msg2}; {msg3}")
+    # the scheduler's other arguments, wrong on rank 1 only (these raised there before the
+    # agreement, and rank 0 waited in it), or differing across ranks
+    rejected = "VExpertScheduler: rank(s) [1] rejected their arguments"
+    cases = [(dict(policy="nope"), "policy must be one of"),
+             (dict(load_decay="x"), "must be numbers"),
+             (dict(timeout_s=-1.0), "timeout_s must be a positive, finite number"),
+             (dict(policy="eplb"), "policy: rank 0 = 'greedy', rank 1 = 'eplb'"),
+             (dict(max_copies_per_rank=3), "max_copies_per_rank: rank 0 = 2, rank 1 = 3")]
+    msgs = []
+    for kw, own in cases:
+        needle = own if rank == 1 or "rank 0 =" in own else rejected
+        ok, m = expect_error(lambda: VExpertScheduler([layer], None, replica_sync="mpi",
+                                                      **(kw if rank == 1 else {})),
+                             ConfigurationError, needle)
+        msgs.append(m)
+        if not ok:
+            return report("config", ok, rank, f"{kw}: {m}")
+    VExpertScheduler([layer], None, replica_sync="mpi").close()  # a good one still works
+    return report("config", ok, rank, "; ".join([msg, msg2, msg3] + msgs))
 
 
 def count_syncs(fn) -> int:
