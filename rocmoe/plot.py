@@ -6,7 +6,8 @@ a checkpoint appends to its file: for every step the last record wins.
 
 moe_train: ``<name>_loss.png`` (train and validation bits per byte against the unigram
 entropy), ``<name>_routing.png`` (per MoE layer: tokens per expert over the steps as a heat
-map, tokens per rank with the balance ratio), ``<name>_step_time.png`` (the step's parts).
+map, tokens per rank with the balance ratio, and the vExpert placement's where the run has
+it), ``<name>_step_time.png`` (the step's parts).
 dlrm_train: ``<name>_loss.png`` (train and test loss, test accuracy and ROC AUC) and
 ``<name>_step_time.png`` (ms per iteration). Needs matplotlib (``pip install rocmoe[plot]``).
 """
@@ -66,6 +67,21 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def balance_series(routed: list[dict], layer: int) -> dict:
+    """MoE layer `layer`'s balance ratios over the train records `routed` (NaN where a record
+    has none): "balance ratio" (the static layout's loads) and, for a run under the vExpert
+    scheduler (moe_train --vexpert), "vExpert balance ratio" (on the placement each step
+    ran on)."""
+    def ratio(values):
+        value = values[layer] if values and layer < len(values) else None
+        return math.nan if value is None else value
+    series = {"balance ratio": [ratio(r.get("balance_ratio")) for r in routed]}
+    if any("vexpert" in r for r in routed):
+        series["vExpert balance ratio"] = [ratio(r.get("vexpert", {}).get("balance_ratio"))
+                                           for r in routed]
+    return series
+
+
 def _moe_pictures(plt, records, out: Path, name: str) -> list[Path]:
     train, evals = by_step(records, "train"), by_step(records, "eval")
     config = next((r for r in reversed(records) if r.get("event") == "config"), {})
@@ -106,9 +122,9 @@ def _moe_pictures(plt, records, out: Path, name: str) -> list[Path]:
             right.set_ylabel("tokens per rank")
             right.set_xlabel("step")
             twin = right.twinx()
-            ratios = [r["balance_ratio"][layer] for r in routed]
-            twin.plot(steps, [math.nan if v is None else v for v in ratios], color="black",
-                      lw=1.5, ls=":", label="balance ratio")
+            for (label, ratios), style in zip(balance_series(routed, layer).items(),
+                                              (":", "-")):
+                twin.plot(steps, ratios, color="black", lw=1.5, ls=style, label=label)
             twin.set_ylabel("balance ratio (max / mean)")
             right.legend(loc="upper left", fontsize="small")
             twin.legend(loc="upper right", fontsize="small")

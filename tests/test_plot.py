@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rocmoe import cli
-from rocmoe.plot import by_step, plot_run, read_records
+from rocmoe.plot import balance_series, by_step, plot_run, read_records
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -46,6 +46,30 @@ def test_moe_run_gives_loss_routing_and_step_time_pictures(tmp_path):
     for png in written:
         data = png.read_bytes()
         assert data.startswith(PNG) and len(data) > 5000
+
+
+def test_a_vexpert_run_draws_the_vexpert_placements_balance_ratio_beside_the_static_one(
+        tmp_path):
+    path = moe_run(tmp_path / "moe.jsonl")
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if '"train"' in line:
+            record = json.loads(line)
+            record["vexpert"] = {"steps": record["step"], "balance_ratio": [1.0 + record["step"]
+                                                                            / 100],
+                                 "changes": 0, "vexperts": [4]}
+            lines[i] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    routed = by_step(read_records(path), "train")
+    series = balance_series(routed, 0)
+    assert series["balance ratio"] == [1.3] * 6
+    assert series["vExpert balance ratio"] == [1.0 + s / 100 for s in range(1, 7)]
+    assert [p.name for p in plot_run(path, tmp_path / "out")][1] == "moe_routing.png"
+
+
+def test_a_static_run_has_one_balance_ratio_series(tmp_path):
+    routed = by_step(read_records(moe_run(tmp_path / "moe.jsonl")), "train")
+    assert list(balance_series(routed, 0)) == ["balance ratio"]
 
 
 def test_dlrm_run_gives_loss_and_step_time_pictures(tmp_path):
