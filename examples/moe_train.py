@@ -172,7 +172,8 @@ def routing_stats(layers, totals: np.ndarray, world: int) -> tuple[list, list, l
 
 def vexpert_stats(scheduler) -> dict:
     """The scheduler's view of its last step: "steps" (its step count), "balance_ratio" (per
-    MoE layer, on the vExpert placement the step ran on), "changes" (placement changes it
+    MoE layer, on the vExpert placement the step ran on; on a GPU the scheduler reads the
+    step before's counts, so the first step has None), "changes" (placement changes it
     started at this step, all layers), "vexperts" (per layer: slots holding an expert)."""
     record = scheduler.log[-1] if scheduler.log else {"layers": []}
     entries = [e for e in record["layers"]]
