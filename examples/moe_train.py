@@ -176,7 +176,7 @@ def vexpert_stats(scheduler) -> dict:
     step before's counts, so the first step has None), "changes" (placement changes it
     started at this step, all layers), "vexperts" (per layer: slots holding an expert)."""
     record = scheduler.log[-1] if scheduler.log else {"layers": []}
-    entries = [e for e in record["layers"]]
+    entries = record["layers"]
     return {"steps": scheduler.steps,
             "balance_ratio": [None if e is None else float(e["balance_ratio"])
                               for e in entries],

@@ -20,6 +20,7 @@ import numpy as np
 from . import errors
 
 RECORD_WORDS = 16
+INT64_MAX = (1 << 63) - 1  # the largest value a record's word carries
 # the values one Context.allgather_ints carries a rank: a record's words, less the exchange's
 # two (kind, sequence) and the count
 USER_INTS_MOST = RECORD_WORDS - 3

@@ -15,7 +15,7 @@ import torch
 
 from . import errors
 from ._native import check, ffi, lib
-from .collective import KIND_ALLOC, KIND_FREE, ControlChannel
+from .collective import INT64_MAX, KIND_ALLOC, KIND_FREE, ControlChannel
 
 ALIGNMENT = 256  # bytes; enough for 16-byte vector loads and GPU cache lines
 
@@ -32,12 +32,6 @@ class Allocation:
     nbytes: int
     shape: tuple
     dtype: torch.dtype
-
-
-# the most bytes one allocation may ask for: the allocation's agreement carries its size as
-# an int64 (a larger request used to raise OverflowError on its rank alone, before the
-# agreement, and the other ranks waited in it)
-_MOST_BYTES = (1 << 63) - 1
 
 
 def _shape_tuple(shape) -> tuple:
@@ -103,7 +97,9 @@ class SymmetricHeap:
                     f"dtype {dtype!r} cannot live on the symmetric heap; use one of "
                     f"{sorted(str(d) for d in _DTYPE_CODES)}")
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            if nbytes > _MOST_BYTES:
+            # (the agreement carries the size as an int64: a larger request used to raise
+            # OverflowError on its rank alone, before the agreement, and the others waited)
+            if nbytes > INT64_MAX:
                 raise errors.InvalidArgumentError(
                     f"shape {shape} of {dtype} is {nbytes} bytes, more than any heap holds")
         except errors.RocmoeError as exc:

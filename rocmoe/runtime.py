@@ -23,14 +23,12 @@ import torch
 
 from . import _native, errors
 from ._native import check, ffi, lib
-from .collective import (KIND_BARRIER, KIND_BOOTSTRAP, KIND_USER, USER_INTS_MOST,
+from .collective import (INT64_MAX, KIND_BARRIER, KIND_BOOTSTRAP, KIND_USER, USER_INTS_MOST,
                          ControlChannel, SingleProcessComm)
 from .env import (DEFAULT_FIRST_CALL_TIMEOUT_S, DEFAULT_HEAP_SIZE,  # noqa: F401 - re-exported
                   DEFAULT_TIMEOUT_S, first_call_timeout_from_env, heap_size_from_env,
                   launched_by_mpi, timeout_from_env)
 from .heap import SymmetricHeap
-
-_INT64_MAX = (1 << 63) - 1
 
 _current: Optional["Context"] = None
 _current_lock = threading.Lock()
@@ -158,7 +156,7 @@ class Context:
             if self.heap_size < 4096:
                 raise errors.InvalidArgumentError(
                     f"heap size {self.heap_size} bytes is below the 4096-byte minimum")
-            if self.heap_size > _INT64_MAX:  # the agreement below carries it as an int64
+            if self.heap_size > INT64_MAX:  # the agreement below carries it as an int64
                 raise errors.InvalidArgumentError(
                     f"heap size {self.heap_size} bytes is more than a 64-bit size holds")
             _check_device(device, self.backend)
@@ -442,7 +440,7 @@ class Context:
             problem = None
             if len(ints) > USER_INTS_MOST:
                 problem = f"{len(ints)} values, more than the {USER_INTS_MOST} it carries"
-            elif any(not -_INT64_MAX - 1 <= v <= _INT64_MAX for v in ints):
+            elif any(not -INT64_MAX - 1 <= v <= INT64_MAX for v in ints):
                 problem = "a value that does not fit an int64"
         except TypeError:
             problem = "values that are not a sequence of integers"

@@ -239,9 +239,7 @@ class DroplessMoE(nn.Module):
                 x = x.reshape(-1, shape[-1])
             check_tokens(x, self.hidden_size, like=self.w1)
         except RocmoeError as exc:
-            if self.world_size > 1:  # the peers must learn of it, or they wait for rows
-                reject_input(self, exc)
-            raise
+            self.reject(exc)  # the peers must learn of it, or they wait for rows
         expert_ids, weights = self.router.route(x)
         self.aux_loss = self.router.aux_loss
         self.tokens_per_expert = self.router.tokens_per_expert

@@ -182,15 +182,16 @@ class VExpertScheduler:
         window_ok = isinstance(calibration_window, int) and not isinstance(
             calibration_window, bool) and calibration_window >= 0
         self.calibration_window = int(calibration_window) if window_ok else 0
+        default_timeout = getattr(self.ctx, "timeout_s", 60.0) if self.ctx is not None else 60.0
         if timeout_s is None:
-            timeout_s = getattr(self.ctx, "timeout_s", 60.0) if self.ctx is not None else 60.0
+            timeout_s = default_timeout
         try:
             self.timeout_s = float(timeout_s)
             timeout_ok = 0 < self.timeout_s < math.inf
         except (TypeError, ValueError):
             timeout_ok = False
         if not timeout_ok:
-            self.timeout_s = getattr(self.ctx, "timeout_s", 60.0) if self.ctx is not None else 60.0
+            self.timeout_s = default_timeout
         multi = self.world_size > 1
         # a change takes effect at the next step, or one later when it copies weights
         self.states = [_LayerState(layer, ExpertMover(self.ctx, layer, optimizer, self.timeout_s)
