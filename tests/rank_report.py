@@ -18,6 +18,25 @@ class RankReport:
         print(f"{self.label} {'ok' if ok else 'FAIL'} {what}{tail}", flush=True)
         return bool(ok)
 
+    def raises_everywhere(self, call, named, raised: str, then, after: str) -> None:
+        """Check `call()` raises a RocmoeError whose text `named(text)` accepts (a bad rank
+        its own error, the others one naming that rank), reported as `raised`; then that
+        `then()`, the next step, works, reported as `after`."""
+        from rocmoe import RocmoeError
+        try:
+            call()
+        except RocmoeError as exc:
+            self(named(str(exc)), raised, str(exc)[:200])
+        except Exception as exc:  # noqa: BLE001 - any other outcome is a failure to report
+            self(False, raised, repr(exc)[:200])
+        else:
+            self(False, raised, "no error")
+        try:
+            then()
+            self(True, after)
+        except Exception as exc:  # noqa: BLE001
+            self(False, after, repr(exc)[:200])
+
     def summary(self) -> None:
         """The closing line: PASSED, or how many checks failed on this rank."""
         verdict = "PASSED" if self.failures == 0 else f"{self.failures} FAILED"

@@ -86,20 +86,14 @@ lists = ([i for i in idx[mine]], [o for o in off[mine]])
 for name, m in (("handle", handle_model), ("plain", plain_model)) if "bad-dense" in sys.argv \
         else ():
     bad = good[:, :2] if RANK == WORLD - 1 else good
-    try:
-        m(bad, *lists)
-    except rocmoe.RocmoeError as exc:
-        text = str(exc)
-        named = ("the bottom MLP takes [samples, 3]" in text if RANK == WORLD - 1
-                 else f"[{WORLD - 1}] rejected" in text or f"rank {WORLD - 1} rejected" in text)
-        report(named, f"bad dense features raise on every rank, {name} model", text[:160])
-    else:
-        report(False, f"bad dense features raise on every rank, {name} model", "no error")
-    try:
-        m(good, *lists).sum().backward()
-        report(True, f"a step after bad dense features, {name} model")
-    except Exception as exc:  # noqa: BLE001
-        report(False, f"a step after bad dense features, {name} model", repr(exc))
+    report.raises_everywhere(
+        lambda: m(bad, *lists),
+        lambda text: ("the bottom MLP takes [samples, 3]" in text if RANK == WORLD - 1
+                      else f"[{WORLD - 1}] rejected" in text
+                      or f"rank {WORLD - 1} rejected" in text),
+        f"bad dense features raise on every rank, {name} model",
+        lambda: m(good, *lists).sum().backward(),
+        f"a step after bad dense features, {name} model")
 # with the argument "bad-lookups": lookups the model cannot pack for its handle (stacked
 # rows that disagree, an entry that is not a tensor), on the last rank only: every rank
 # raises a RocmoeError (the others naming that rank) instead of waiting in the lookup, and
@@ -111,22 +105,14 @@ for what, bad in bad_lookups.items() if "bad-lookups" in sys.argv else ():
     for name, m in (("handle", handle_model), ("plain", plain_model)):
         if not m.table_rows and RANK == WORLD - 1:
             continue
-        try:
-            m(good, *(bad if RANK == WORLD - 1 else stacked))
-        except rocmoe.RocmoeError as exc:
-            text = str(exc)
-            named = (RANK == WORLD - 1 or f"[{WORLD - 1}] rejected" in text
-                     or f"rank {WORLD - 1} rejected" in text or f"ranks [{WORLD - 1}]" in text)
-            report(named, f"{what} raise on every rank, {name} model", text[:200])
-        except Exception as exc:  # noqa: BLE001
-            report(False, f"{what} raise on every rank, {name} model", repr(exc)[:200])
-        else:
-            report(False, f"{what} raise on every rank, {name} model", "no error")
-        try:
-            m(good, *stacked).sum().backward()
-            report(True, f"a step after {what}, {name} model")
-        except Exception as exc:  # noqa: BLE001
-            report(False, f"a step after {what}, {name} model", repr(exc)[:200])
+        report.raises_everywhere(
+            lambda: m(good, *(bad if RANK == WORLD - 1 else stacked)),
+            lambda text: (RANK == WORLD - 1 or f"[{WORLD - 1}] rejected" in text
+                          or f"rank {WORLD - 1} rejected" in text
+                          or f"ranks [{WORLD - 1}]" in text),
+            f"{what} raise on every rank, {name} model",
+            lambda: m(good, *stacked).sum().backward(),
+            f"a step after {what}, {name} model")
 ctx.barrier()
 ctx.finalize()
 sys.exit(report.status())

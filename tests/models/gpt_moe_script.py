@@ -44,21 +44,11 @@ def step(model, x, y):
 
 
 def bad_step_raises_everywhere(model, what, x, y):
-    try:
-        step(model, x, y) if LAST else step(model, tokens, targets)
-    except rocmoe.RocmoeError as exc:
-        text = str(exc)
-        named = LAST or f"[{WORLD - 1}]" in text or f"rank {WORLD - 1}" in text
-        report(named, f"{what} raise on every rank", text[:200])
-    except Exception as exc:  # noqa: BLE001
-        report(False, f"{what} raise on every rank", repr(exc)[:200])
-    else:
-        report(False, f"{what} raise on every rank", "no error")
-    try:
-        step(model, tokens, targets)
-        report(True, f"a step after {what}")
-    except Exception as exc:  # noqa: BLE001
-        report(False, f"a step after {what}", repr(exc)[:200])
+    report.raises_everywhere(
+        lambda: step(model, x, y) if LAST else step(model, tokens, targets),
+        lambda text: LAST or f"[{WORLD - 1}]" in text or f"rank {WORLD - 1}" in text,
+        f"{what} raise on every rank",
+        lambda: step(model, tokens, targets), f"a step after {what}")
 
 
 beyond = tokens.clone()

@@ -113,13 +113,19 @@ def test_a_rank_that_cannot_write_fails_the_save_everywhere_and_no_manifest_is_w
     assert ckpt.latest_checkpoint(tmp_path) is None
 
 
-def test_a_shard_that_could_not_be_loaded_safely_is_refused_at_save_time(tmp_path):
+def save_with_one_rank_adding(directory, rank, key, value):
+    """Two ranks save step 3; rank `rank`'s shard carries `key: value` in its data too."""
     def save(g):
         shard = shard_of(g.rank)
-        if g.rank == 0:
-            shard["data"]["loss"] = np.float64(0.5)  # a numpy scalar: not weights_only-safe
-        return ckpt.save_checkpoint(tmp_path, 3, shard, g, CONFIG)
-    results = on_ranks(2, save)
+        if g.rank == rank:
+            shard["data"][key] = value
+        return ckpt.save_checkpoint(directory, 3, shard, g, CONFIG)
+    return on_ranks(2, save)
+
+
+def test_a_shard_that_could_not_be_loaded_safely_is_refused_at_save_time(tmp_path):
+    # a numpy scalar: not weights_only-safe
+    results = save_with_one_rank_adding(tmp_path, 0, "loss", np.float64(0.5))
     assert all(isinstance(r, CheckpointError) for r in results), results
     assert "ranks [0] could not write" in str(results[1])
     assert "other than tensors and plain Python values" in str(results[0])
@@ -136,12 +142,8 @@ def test_a_step_directory_rank_0_cannot_create_fails_the_save_on_every_rank(tmp_
 
 
 def test_a_shard_one_rank_cannot_pickle_fails_the_save_on_every_rank(tmp_path):
-    def save(g):
-        shard = shard_of(g.rank)
-        if g.rank == 1:
-            shard["data"]["schedule"] = lambda step: 0.1  # no pickler takes a lambda
-        return ckpt.save_checkpoint(tmp_path, 3, shard, g, CONFIG)
-    results = on_ranks(2, save)
+    # no pickler takes a lambda
+    results = save_with_one_rank_adding(tmp_path, 1, "schedule", lambda step: 0.1)
     assert all(isinstance(r, CheckpointError) for r in results), results
     assert "ranks [1] could not write" in str(results[0])
     assert "rank 1's shard cannot be saved" in str(results[1])
