@@ -9,6 +9,7 @@ or srun"."""
 
 from __future__ import annotations
 
+import math
 import os
 
 from .errors import InvalidArgumentError
@@ -26,21 +27,26 @@ def launched_by_mpi() -> bool:
     return any(name in os.environ for name in LAUNCHER_VARS)
 
 
+def checked_seconds(value, what: str, zero_ok: bool = False) -> float:
+    """`value` as a number of seconds that bounds a wait: finite, and positive (or 0 where
+    `zero_ok`). Anything else (text that is no number, nan, inf, a negative) is an
+    InvalidArgumentError naming `what` and the value: an infinite bound is no bound."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not ((seconds >= 0 if zero_ok else seconds > 0) and seconds < math.inf):
+        kind = "a non-negative" if zero_ok else "a positive"
+        raise InvalidArgumentError(f"{what} must be {kind}, finite number of seconds, "
+                                   f"got {value!r}")
+    return seconds
+
+
 def seconds_from_env(name: str, default: float, zero_ok: bool) -> float:
     """A number of seconds from environment variable `name` (`default` when unset or
-    empty); anything else than a positive number (or 0 where `zero_ok`) is an
-    InvalidArgumentError naming the variable."""
+    empty); see checked_seconds."""
     text = os.environ.get(name)
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (value >= 0 if zero_ok else value > 0):
-        kind = "a non-negative" if zero_ok else "a positive"
-        raise InvalidArgumentError(f"{name}={text!r} must be {kind} number")
-    return value
+    return checked_seconds(text, name, zero_ok) if text else default
 
 
 def timeout_from_env() -> float:

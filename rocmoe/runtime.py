@@ -10,7 +10,6 @@ MPI (mpi4py) bootstraps the job; librocmoe never talks to MPI itself.
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 import secrets
@@ -26,8 +25,8 @@ from ._native import check, ffi, lib
 from .collective import (INT64_MAX, KIND_BARRIER, KIND_BOOTSTRAP, KIND_USER, USER_INTS_MOST,
                          ControlChannel, SingleProcessComm)
 from .env import (DEFAULT_FIRST_CALL_TIMEOUT_S, DEFAULT_HEAP_SIZE,  # noqa: F401 - re-exported
-                  DEFAULT_TIMEOUT_S, first_call_timeout_from_env, heap_size_from_env,
-                  launched_by_mpi, timeout_from_env)
+                  DEFAULT_TIMEOUT_S, checked_seconds, first_call_timeout_from_env,
+                  heap_size_from_env, launched_by_mpi, timeout_from_env)
 from .heap import SymmetricHeap
 
 _current: Optional["Context"] = None
@@ -64,19 +63,6 @@ def _job_id() -> str:
         if os.environ.get(var):
             return "".join(c if c.isalnum() else "-" for c in os.environ[var])[:40]
     return "local"
-
-
-def _positive_seconds(value) -> float:
-    """rocmoe.init's timeout_s: a positive, finite number of seconds (every wait is bounded)."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise errors.InvalidArgumentError(
-            f"timeout_s must be a number of seconds, got {value!r}") from None
-    if not 0 < seconds < math.inf:
-        raise errors.InvalidArgumentError(
-            f"timeout_s must be a positive, finite number of seconds, got {value!r}")
-    return seconds
 
 
 def _check_device(device, backend: str) -> None:
@@ -127,7 +113,7 @@ class Context:
         self.world_size = self.comm.Get_size()
         timeout_problem = None
         try:
-            self.timeout_s = (_positive_seconds(timeout_s) if timeout_s is not None
+            self.timeout_s = (checked_seconds(timeout_s, "timeout_s") if timeout_s is not None
                               else timeout_from_env())
         except errors.RocmoeError as exc:
             # reported to every rank below; the bootstrap waits with the default bound (a

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from ..collective import abort_job_at_exit
-from ..env import launched_by_mpi, timeout_from_env
+from ..env import checked_seconds, launched_by_mpi, timeout_from_env
 from ..errors import CommTimeoutError, ContextError, InvalidArgumentError
 
 
@@ -26,7 +26,8 @@ class ProcessGroup:
     """rank, world_size and bounded collectives over an mpi4py communicator (or none)."""
 
     def __init__(self, comm=None, timeout_s: float | None = None):
-        self.timeout_s = timeout_from_env() if timeout_s is None else float(timeout_s)
+        self.timeout_s = (timeout_from_env() if timeout_s is None
+                          else checked_seconds(timeout_s, "ProcessGroup timeout_s"))
         if comm is None or comm.Get_size() == 1:
             self.comm = None
             self.rank, self.world_size = 0, 1

@@ -8,8 +8,8 @@ from rocmoe import errors
 from rocmoe.runtime import first_call_timeout_from_env, timeout_from_env
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "soon", "nan"])
-def test_a_timeout_must_be_a_positive_number(monkeypatch, text):
+@pytest.mark.parametrize("text", ["0", "-1", "soon", "nan", "inf", "1e999"])
+def test_a_timeout_must_be_a_positive_finite_number(monkeypatch, text):
     monkeypatch.setenv("ROCMOE_TIMEOUT_S", text)
     with pytest.raises(errors.InvalidArgumentError, match="ROCMOE_TIMEOUT_S"):
         timeout_from_env()
@@ -21,6 +21,19 @@ def test_the_first_call_timeout_may_be_zero_but_not_negative(monkeypatch):
     monkeypatch.setenv("ROCMOE_FIRST_CALL_TIMEOUT_S", "-5")
     with pytest.raises(errors.InvalidArgumentError, match="ROCMOE_FIRST_CALL_TIMEOUT_S"):
         first_call_timeout_from_env()
+
+
+def test_the_first_call_timeout_may_not_be_infinite(monkeypatch):
+    monkeypatch.setenv("ROCMOE_FIRST_CALL_TIMEOUT_S", "inf")
+    with pytest.raises(errors.InvalidArgumentError, match="finite"):
+        first_call_timeout_from_env()
+
+
+@pytest.mark.parametrize("value", [-1, 0, float("inf"), "soon"])
+def test_the_training_group_refuses_a_timeout_argument_that_bounds_nothing(value):
+    from rocmoe.train.group import ProcessGroup
+    with pytest.raises(errors.InvalidArgumentError, match="ProcessGroup timeout_s"):
+        ProcessGroup(None, timeout_s=value)
 
 
 def test_unset_timeouts_take_their_defaults(monkeypatch):
@@ -36,7 +49,7 @@ def test_the_training_group_takes_the_timeout_the_runtime_takes(monkeypatch, tex
     assert ProcessGroup(None).timeout_s == want == timeout_from_env()
 
 
-@pytest.mark.parametrize("text", ["0", "soon"])
+@pytest.mark.parametrize("text", ["0", "soon", "inf"])
 def test_the_training_group_refuses_the_timeouts_the_runtime_refuses(monkeypatch, text):
     from rocmoe.train.group import ProcessGroup
     monkeypatch.setenv("ROCMOE_TIMEOUT_S", text)

@@ -24,7 +24,7 @@ def two_ranks():
 
 @pytest.mark.parametrize("name,own", [
     ("heap_size_not_a_number", "heap_size must be a number"),
-    ("timeout_not_a_number", "timeout_s must be a number"),
+    ("timeout_not_a_number", "timeout_s must be a positive, finite number of seconds, got 'x'"),
     ("heap_below_the_minimum", "below the 4096-byte minimum"),
     ("heap_beyond_64_bits", "more than a 64-bit size holds"),
     ("heap_infinite", "heap_size must be a number of bytes, got inf"),
