@@ -15,3 +15,19 @@ build_cuda() {
   (cmake -S . -B build/cuda -G Ninja -DROCMOE_GPU=cuda -DROCMOE_INPLACE=ON >/dev/null &&
    cmake --build build/cuda -j 16) > "$1" 2>&1 || { tail -40 "$1"; return 4; }
 }
+
+# build_nvshmem LOG: librocmoe with the nvshmem facade (-DROCMOE_SHMEM=nvshmem, in
+# $NVSHMEM_BUILD, default build/nvshmem),
+# staged as a copy of the package in $NVSHMEM_PACKAGE (default /tmp/nvpkg), which is exported
+# as ROCMOE_NVSHMEM_PACKAGE for tests/gpu/test_nvshmem.py, with NVSHMEM's libraries on
+# LD_LIBRARY_PATH; on failure the log's tail, rc 5
+build_nvshmem() {
+  local home pkg=${NVSHMEM_PACKAGE:-/tmp/nvpkg} dir=${NVSHMEM_BUILD:-build/nvshmem}
+  home=$(python3 -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])" 2>/dev/null)
+  (cmake -S . -B "$dir" -G Ninja -DROCMOE_GPU=cuda -DROCMOE_SHMEM=nvshmem \
+     -DROCMOE_INPLACE=OFF -DPython_EXECUTABLE="$(command -v python3)" >/dev/null &&
+   cmake --build "$dir" -j 16) > "$1" 2>&1 || { tail -40 "$1"; return 5; }
+  rm -rf "$pkg" && mkdir -p "$pkg" && cp -r rocmoe "$pkg/" &&
+    cp "$dir"/librocmoe.so "$dir"/_rocmoe_cffi*.so "$pkg/rocmoe/" || return 5
+  export ROCMOE_NVSHMEM_PACKAGE=$pkg LD_LIBRARY_PATH=${home:+$home/lib:}${LD_LIBRARY_PATH:-}
+}

@@ -16,9 +16,12 @@
 #                                                          #   failure paths, grouped_local's
 #                                                          #   native launches, pack_lookups
 #                                                          #   (about 4 min)
+#   GPU_SUITE_PART=6 bash tests/gpu_suite.sh              # the nvshmem facade at one PE:
+#                                                          #   builds librocmoe with
+#                                                          #   -DROCMOE_SHMEM=nvshmem too
 #
-# The parts exist because a device command may run for 10 minutes at most: run the five
-# parts as five commands; each prints its own pytest summary line. (Two parts were too few:
+# The parts exist because a device command may run for 10 minutes at most: run the six
+# parts as six commands; each prints its own pytest summary line. (Two parts were too few:
 # on 2026-12-02 the second took 527 s of pytest, 561 s with the build, close to the limit;
 # on 2026-12-04 the fused ops' part, then 19 tests, took 451 s, and its last test did not
 # finish inside a 470 s limit: the public ops became a part of their own; in the nineteenth
@@ -33,7 +36,7 @@ set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 case "${GPU_SUITE_PART:-all}" in
   all) FILES=(tests); LOG=gpu_tests.log ;;
-  1) FILES=(tests/gpu tests/moe/test_expert_parallel_gpu.py tests/moe/test_vexpert_gpu.py)
+  1) FILES=(tests/gpu/test_ipc.py tests/moe/test_expert_parallel_gpu.py tests/moe/test_vexpert_gpu.py)
      LOG=gpu_tests_part1.log ;;
   2) FILES=(tests/moe/test_gpu.py); LOG=gpu_tests_part2.log ;;
   3) FILES=(tests/ops_gpu/test_fused_gpu.py); LOG=gpu_tests_part3.log ;;
@@ -41,11 +44,16 @@ case "${GPU_SUITE_PART:-all}" in
   5) FILES=(tests/ops_gpu/test_fused_launch_and_failures_gpu.py tests/ops_gpu/test_grouped_local_gpu.py
              tests/ops_gpu/test_pack_lookups_gpu.py)
      LOG=gpu_tests_part5.log ;;
-  *) echo "GPU_SUITE_PART must be 1 to 5 or unset (all), got '$GPU_SUITE_PART'" >&2
+  6) FILES=(tests/gpu/test_nvshmem.py); LOG=gpu_tests_part6.log ;;
+  *) echo "GPU_SUITE_PART must be 1 to 6 or unset (all), got '$GPU_SUITE_PART'" >&2
      exit 2 ;;
 esac
 source benchmarks/device_env.sh || exit 3
 if [ "${ROCMOE_GPU_BUILD:-cuda}" = cuda ]; then
   build_cuda "$OUT/build.log" || exit 4
 fi
+# the nvshmem facade's own build, staged beside the package (tests/gpu/test_nvshmem.py runs it)
+case "${GPU_SUITE_PART:-all}" in
+  all|6) build_nvshmem "$OUT/build_nvshmem.log" || exit 5 ;;
+esac
 python3 -m pytest -m gpu -rs -p no:cacheprovider "${FILES[@]}" "$@" 2>&1 | tee "$OUT/$LOG"

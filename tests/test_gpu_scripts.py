@@ -34,10 +34,16 @@ def machine(tmp_path):
         tool.write_text(FAKE.format(name=name, upper=name.upper().replace("-", "_")))
         tool.chmod(0o755)
     log = tmp_path / "calls.log"
+    # what the nvshmem build (the cmake stand-in builds nothing) leaves for the suite to stage
+    nvshmem_build = tmp_path / "build_nvshmem"
+    nvshmem_build.mkdir()
+    for name in ("librocmoe.so", "_rocmoe_cffi.abi3.so"):
+        (nvshmem_build / name).write_text("")
 
     def run(script, *args, env_vars=None, **rcs):
         env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-                   FAKE_LOG=str(log), OUT=str(tmp_path / "out"))
+                   FAKE_LOG=str(log), OUT=str(tmp_path / "out"),
+                   NVSHMEM_BUILD=str(nvshmem_build), NVSHMEM_PACKAGE=str(tmp_path / "nvpkg"))
         env.update({f"FAKE_RC_{k.upper()}": str(v) for k, v in rcs.items()})
         env.update(env_vars or {})
         proc = subprocess.run(["bash", script, *args], cwd=str(REPO), env=env, text=True,
@@ -58,6 +64,21 @@ def test_gpu_suite_runs_pytest_on_the_gpu_tests_after_the_cuda_build(machine):
 def test_gpu_suite_fails_when_a_gpu_test_fails(machine):
     proc, _ = machine("tests/gpu_suite.sh", pytest=1)
     assert proc.returncode != 0, proc.stdout
+
+
+def test_gpu_suite_builds_and_stages_the_nvshmem_facade_for_its_tests(machine, tmp_path):
+    proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": "6"})
+    assert proc.returncode == 0, proc.stdout
+    assert "-DROCMOE_SHMEM=nvshmem" in calls and "tests/gpu/test_nvshmem.py" in calls, calls
+    assert (tmp_path / "nvpkg" / "rocmoe" / "librocmoe.so").exists()
+    assert (tmp_path / "nvpkg" / "rocmoe" / "__init__.py").exists()
+
+
+def test_gpu_suite_fails_when_the_nvshmem_build_fails_and_runs_no_test(machine, tmp_path):
+    (tmp_path / "build_nvshmem" / "librocmoe.so").unlink()
+    proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": "6"})
+    assert proc.returncode == 5, proc.stdout
+    assert "-m pytest" not in calls
 
 
 def test_gpu_suite_fails_when_the_build_fails_and_runs_no_test(machine):
@@ -108,7 +129,7 @@ def _gpu_test_files(paths):
 
 def test_gpu_suite_parts_cover_every_gpu_test_file_once(machine):
     parts = []
-    for part in ("1", "2", "3", "4", "5"):
+    for part in ("1", "2", "3", "4", "5", "6"):
         proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": part})
         assert proc.returncode == 0, proc.stdout
         line = next(c for c in calls.splitlines() if "-m pytest -m gpu" in c)
@@ -119,7 +140,7 @@ def test_gpu_suite_parts_cover_every_gpu_test_file_once(machine):
 
 
 def test_gpu_suite_refuses_an_unknown_part(machine):
-    proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": "6"})
+    proc, calls = machine("tests/gpu_suite.sh", env_vars={"GPU_SUITE_PART": "7"})
     assert proc.returncode == 2 and "GPU_SUITE_PART" in proc.stdout
     assert "-m pytest" not in calls
 

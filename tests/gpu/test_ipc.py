@@ -83,17 +83,6 @@ def test_ipc_backend_puts_signals_kernels_and_errors(ranks):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.skipif(not _compiled("nvshmem"),
-                    reason="librocmoe was built without -DROCMOE_SHMEM=nvshmem")
-def test_nvshmem_backend_single_pe_puts_signals_kernels_and_errors():
-    # One PE: NVSHMEM wants a GPU per PE, and the test machine has one GPU.
-    proc = _mpirun(1, SCRIPT, "nvshmem")
-    assert proc.returncode == 0, proc.stdout
-    assert "RANK 0 OK" in proc.stdout, proc.stdout
-
-
-@pytest.mark.gpu
-@needs_gpu
 def test_ipc_bench_verifies_and_reports_a_ratio(tmp_path):
     out = tmp_path / "ipc.json"
     proc = _mpirun(2, "-m", "rocmoe.bench.ipc", "--sizes", "1M,8M", "--iters", "5",

@@ -1,7 +1,7 @@
 """Multi-rank checks of the device kernels of the fused-op handles (run by tests/ops_gpu/*.py
 via mpiexec).
 
-usage: fused_gpu_script.py OPS [--calls N] [--dtype D[,D...]]
+usage: fused_gpu_script.py OPS [--calls N] [--dtype D[,D...]] [--backend B]
   OPS    comma list of gemm | gemm_grouped | rows | embedding | gemv | gemv_tall |
          gemm_timeout |
          bad_counts | abort | gemv_abort | gemv_mismatch | graph | native | lean |
@@ -14,6 +14,7 @@ reference computed from inputs every rank can regenerate (seeded per call), prin
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -22,7 +23,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+if importlib.util.find_spec("rocmoe") is None:  # else PYTHONPATH's (a staged nvshmem build)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import rocmoe  # noqa: E402
 from rocmoe import errors  # noqa: E402
@@ -874,8 +876,9 @@ def main():
     ap.add_argument("op")
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--backend", default="auto")
     a = ap.parse_args()
-    ctx = rocmoe.init(heap_size=256 << 20,
+    ctx = rocmoe.init(backend=a.backend, heap_size=256 << 20,
                       timeout_s=float(os.environ.get("ROCMOE_TIMEOUT_S", 30)))
     checks = {"gemm": check_gemm, "gemm_grouped": check_gemm_grouped, "rows": check_rows,
               "embedding": check_embedding, "gemv": check_gemv, "gemv_tall": check_gemv_tall,
