@@ -179,7 +179,7 @@ def test_two_rank_cpu_dry_run_prints_records_with_matching_results(tmp_path):
                                           "dropless_moe_step_fused_combine"]
     for r in written:
         assert "error" not in r, r
-        assert r["ranks"] == 2 and r["backend"] == "host"
+        assert r["ranks"] == 2 and r["backend"] == "host" and r["torch_distributed"] is True
         assert r["fused_ms"] > 0 and r["baseline_ms"] > 0
         assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["fused_ms"], rel=2e-3)
         # both paths compute the same function
@@ -196,6 +196,22 @@ def test_two_rank_cpu_dry_run_prints_records_with_matching_results(tmp_path):
     fused = written[2]
     assert fused["combine"] == "gemm_all_to_all" and fused["baseline_combine"] == "all_to_all"
     assert "all_to_all" in fused["baseline"] and fused["grad_w1_rel_err_vs_baseline"] < 1e-5
+
+
+
+@pytest.mark.mpi
+def test_heap_only_steps_run_without_torch_distributed(tmp_path):
+    # moe_handles compares two rocmoe transports: no NCCL (gloo) group, which on a GPU could
+    # not take two ranks sharing one device
+    out = tmp_path / "multi.jsonl"
+    proc = helpers.run_mpi("-m", 2, "rocmoe.bench.multi_gpu", "--device", "cpu", "--small",
+                           "--ops", "moe_handles", "--reps", "1", "--iters", "1",
+                           "--warmup", "0", "--output", str(out), timeout=240)
+    assert proc.returncode == 0, proc.stdout
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["op"] == "dropless_moe_step_on_handles" and "error" not in rec, rec
+    assert rec["torch_distributed"] is False
+    assert rec["rel_err_vs_baseline"] < 1e-5 and rec["grad_w1_rel_err_vs_baseline"] < 1e-5
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ from .draws import router_inputs
 from .fused import DLRM_LARGE, DLRM_SMALL, GEMV_LARGE, GEMV_SMALL, MOE_LARGE, MOE_SMALL
 
 OPS = ("embedding", "gemv", "gemm", "moe", "moe_combine", "moe_handles")
+TORCH_DIST_OPS = {"embedding", "gemv", "gemm", "moe"}  # their baselines are NCCL (gloo) calls
 OP_NAMES = {"embedding": "embedding_all_to_all", "gemv": "gemv_all_reduce",
             "gemm": "gemm_all_to_all", "moe": "dropless_moe_step",
             "moe_combine": "dropless_moe_step_fused_combine",
@@ -619,7 +620,10 @@ def run(args) -> int:
                   file=sys.stderr)
             return 2
     ctx = rocmoe.init(comm=comm, backend=backend, heap_size=args.heap)
-    dist = init_torch_distributed(comm, ctx.device)
+    # torch.distributed only where a baseline uses it: NCCL refuses two ranks on one GPU,
+    # and the moe_combine and moe_handles steps, whose baselines run on rocmoe's heap, are
+    # also measured with several ranks sharing one
+    dist = init_torch_distributed(comm, ctx.device) if set(args.ops) & TORCH_DIST_OPS else None
     clock = Clock(comm, ctx.device)
     env = Env(ctx, dist, clock, args)
     root = ctx.rank == 0
@@ -629,6 +633,7 @@ def run(args) -> int:
 
     def put(rec):
         rec = dict(rec, device=device_name, fused_path=env.fused_path,
+                   torch_distributed=dist is not None,
                    nccl_env={k: os.environ.get(k) for k in
                              ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS",
                               "TORCH_SYMM_MEM_DISABLE_MULTICAST")})
@@ -701,7 +706,8 @@ def run(args) -> int:
             out_file.close()
     comm.Barrier()
     try:
-        dist.destroy_process_group()
+        if dist is not None:
+            dist.destroy_process_group()
         ctx.moe_transport = None
         ctx.finalize()  # collective; the nvshmem backend's heap is freed by every PE together
     except Exception as exc:  # the records are out already: report, do not fail the run
