@@ -226,6 +226,30 @@ class Data:
             yield (b.dense, *b.stacked_lookups(), b.labels)
 
 
+def agreed_data(args, world: int, group) -> Data:
+    """Data(args, world), checked across the ranks before the model's first collective. Every
+    rank reads the whole global batch, so all must read the same data: a rank that cannot
+    read its --raw-data-file (a node-local path, a missing copy), or reads a file of another
+    size, makes every rank raise ConfigurationError naming it. Alone it raised while the
+    others waited in the model's creation until ROCMOE_TIMEOUT_S ran out."""
+    data, problem = None, None
+    try:
+        data = Data(args, world)
+    except (rocmoe.RocmoeError, OSError) as exc:
+        problem = exc
+    group.raise_together(problem, "data setup", "reading the training data failed",
+                         rocmoe.ConfigurationError)
+    size = os.path.getsize(args.raw_data_file) if args.data_generation == "dataset" else 0
+    seen = group.allgather(np.array([size, data.num_batches], np.int64), "data setup")
+    if (seen != seen[0]).any():
+        per_rank = ", ".join(f"rank {r}: {b} bytes, {n} batches"
+                             for r, (b, n) in enumerate(seen.tolist()))
+        raise rocmoe.ConfigurationError(
+            f"the ranks read different training data ({per_rank}): each reads the whole "
+            "global batch, so --raw-data-file must name the same file on every node")
+    return data
+
+
 # -- loss and metrics --------------------------------------------------------------------------
 def make_loss(args):
     if args.loss_function == "mse":
@@ -311,7 +335,7 @@ def train(args, ctx, group) -> int:
             f"--mini-batch-size {args.mini_batch_size} and --test-mini-batch-size "
             f"{args.test_mini_batch_size} must be divisible by the {world} ranks: each trains "
             "on its slice of the global batch")
-    data = Data(args, world)
+    data = agreed_data(args, world, group)
     check_architecture(args.arch_sparse_feature_size, data.bottom, ints(args.arch_mlp_top),
                        len(data.table_sizes))
     # the lookup handle's bounds: the larger of the two batch sizes, and per table one index

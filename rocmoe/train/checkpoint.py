@@ -197,11 +197,7 @@ def save_checkpoint(directory, step: int, shard: dict, group: ProcessGroup, conf
 def _agree(group: ProcessGroup, problem, what: str, failed: str) -> None:
     """Collective: every rank raises CheckpointError (`failed`, with this rank's own
     `problem` when it has one) if any rank has a problem."""
-    flags = group.allgather(np.array([int(problem is not None)], np.int64), what)[:, 0]
-    if flags.any():
-        ranks = [r for r in range(group.world_size) if flags[r]]
-        raise CheckpointError(f"{failed} (ranks {ranks} failed"
-                              + (f"; here: {problem}" if problem is not None else "") + ")")
+    group.raise_together(problem, what, failed, CheckpointError)
 
 
 def _prune(directory, newest: int, keep: int) -> None:

@@ -94,6 +94,18 @@ class ProcessGroup:
         """True on every rank when `flag` is true on at least one."""
         return bool(self.allreduce_(np.array([int(bool(flag))], np.int64), what, "max")[0])
 
+    def raise_together(self, problem: Exception | None, what: str, failed: str,
+                       error: type = ContextError) -> None:
+        """Collective: when any rank has a `problem`, every rank raises `error`: `failed`,
+        the ranks that failed and, on such a rank, its own problem. What one rank alone
+        finds wrong (a file it cannot read, a shard it cannot write) then stops every rank
+        at once, instead of leaving the others in their next collective until it times out."""
+        flags = self.allgather(np.array([int(problem is not None)], np.int64), what)[:, 0]
+        if flags.any():
+            ranks = [r for r in range(self.world_size) if flags[r]]
+            raise error(f"{failed} (ranks {ranks} failed"
+                        + (f"; here: {problem}" if problem is not None else "") + ")")
+
     def barrier(self, what: str = "barrier") -> None:
         if self.comm is not None:
             self._wait(self.comm.Ibarrier(), what)

@@ -35,6 +35,7 @@ class ThreadGroup:
 
         class Member:
             world_size = group.world_size
+            raise_together = ProcessGroup.raise_together  # (over the allgather below)
 
             def __init__(self):
                 self.rank = rank
