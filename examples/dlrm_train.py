@@ -240,13 +240,10 @@ def agreed_data(args, world: int, group) -> Data:
     group.raise_together(problem, "data setup", "reading the training data failed",
                          rocmoe.ConfigurationError)
     size = os.path.getsize(args.raw_data_file) if args.data_generation == "dataset" else 0
-    seen = group.allgather(np.array([size, data.num_batches], np.int64), "data setup")
-    if (seen != seen[0]).any():
-        per_rank = ", ".join(f"rank {r}: {b} bytes, {n} batches"
-                             for r, (b, n) in enumerate(seen.tolist()))
-        raise rocmoe.ConfigurationError(
-            f"the ranks read different training data ({per_rank}): each reads the whole "
-            "global batch, so --raw-data-file must name the same file on every node")
+    group.same_everywhere([size, data.num_batches], ["bytes", "batches"], "data setup",
+                          "the ranks read different training data", rocmoe.ConfigurationError,
+                          "each reads the whole global batch, so --raw-data-file must name "
+                          "the same file on every node")
     return data
 
 

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from rocmoe.data.byte_corpus import ByteCorpus, unigram_entropy_bits
+from rocmoe.errors import ConfigurationError, RocmoeError
 from rocmoe.models.gpt_moe import GPTMoE, GPTMoEConfig
 from rocmoe.moe import VExpertScheduler
 from rocmoe.train import checkpoint as ckpt
@@ -223,6 +224,28 @@ def main(argv=None) -> int:
     return status
 
 
+def agreed_corpus(args, group) -> ByteCorpus:
+    """The corpus, checked to be the same on every rank before the model's first collective:
+    each rank draws its rows of the global batch from it with the same seeds. A rank that
+    cannot read it, or reads another (another Python's standard library on another node,
+    another --max-files), makes every rank raise ConfigurationError naming it."""
+    corpus, problem = None, None
+    try:
+        corpus = ByteCorpus(validation_percent=args.validation_percent, max_files=args.max_files)
+    except (RocmoeError, OSError) as exc:
+        problem = exc
+    group.raise_together(problem, "corpus setup", "reading the corpus failed",
+                         ConfigurationError)
+    group.same_everywhere(
+        [corpus.train_files, corpus.validation_files, corpus.train.numel(),
+         corpus.validation.numel()],
+        ["training files", "validation files", "training bytes", "validation bytes"],
+        "corpus setup", "the ranks read different corpora", ConfigurationError,
+        "run one Python installation (one standard library) on every node, with the same "
+        "--max-files and --validation-percent")
+    return corpus
+
+
 def train(args, ctx, group) -> int:
     rank, world = group.rank, group.world_size
     set_threads(args, ctx)
@@ -238,7 +261,7 @@ def train(args, ctx, group) -> int:
                           heads=args.heads, ffn_hidden=args.ffn, experts=args.experts,
                           top_k=args.top_k, moe_every=args.moe_every, dropout=args.dropout,
                           moe_options=options)
-    corpus = ByteCorpus(validation_percent=args.validation_percent, max_files=args.max_files)
+    corpus = agreed_corpus(args, group)
     entropy = unigram_entropy_bits(corpus.train)
     model = GPTMoE(config, ctx=ctx if world > 1 else None, seed=args.seed).to(device, dtype)
     experts = model.expert_parameters()

