@@ -348,8 +348,9 @@ using rocmoe::fused::load_for_device;
 
 int main() {
     // the names the driver gives (cudaDeviceProp::name)
-    const char *no_l1[] = {"NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL"};
-    const char *cached[] = {"NVIDIA H200", "NVIDIA GH200 480GB", "NVIDIA H800",
+    const char *no_l1[] = {"NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H100 NVL",
+                           "NVIDIA H200", "NVIDIA H200 NVL"};
+    const char *cached[] = {"NVIDIA GH200 480GB", "NVIDIA H800",
                             "NVIDIA A100-SXM4-80GB", "", nullptr};
     for (const char *name : no_l1)
         CHECK(load_for_device(name) == kLoadNoL1, "%s: load %d", name, load_for_device(name));
@@ -394,9 +395,9 @@ def test_gemv_balanced_split_takes_every_chunk_once_and_stores_every_row_once(tm
     assert "gemv balanced split: all checks passed" in out, out
 
 
-def test_gemv_loads_skip_l1_by_default_on_an_h100_only(tmp_path):
+def test_gemv_loads_skip_l1_by_default_on_an_h100_or_h200_only(tmp_path):
     """The default load flavour per device name (kNoL1Devices): L1::no_allocate on every H100
-    (the thirty-third session's two H100 sweeps), plain loads elsewhere (the H200 and others:
-    no sweep there has compared the two)."""
+    and H200 (two sweeps on each, the thirty-third and thirty-seventh sessions), plain loads
+    elsewhere (the GH200 and others: no sweep there has compared the two)."""
     out = _build_and_run(tmp_path, LOAD_PROGRAM, "gemv_load")
     assert "gemv load flavour: all checks passed" in out, out

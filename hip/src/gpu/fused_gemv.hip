@@ -54,7 +54,7 @@
 //                              (rows, unroll) built: 1x4 1x8 2x2 2x4 4x1 4x2, others 2x4
 //   ROCMOE_GEMV_LOAD           NVIDIA, register kernel at world size 1: W's loads are
 //                              0 ld.global.nc, 1 + L1::no_allocate, 2 + L2::256B prefetch
-//                              (unset: 1 on an H100, else 0; see kNoL1Devices)
+//                              (unset: 1 on an H100 or H200, else 0; see kNoL1Devices)
 //   ROCMOE_GEMV_PER_CU         workgroups per compute unit (at most what fits)
 //   ROCMOE_GEMV_DIRECT         0: world size 1 runs the protocol kernel too
 //   ROCMOE_GEMV_ROWS           rows per phase-1 task of the protocol kernel (0: automatic)
@@ -94,17 +94,22 @@ constexpr int kDefaultRows = 1;
 constexpr int kDefaultUnroll = 4;
 constexpr int kDefaultStages = 0;
 constexpr int kDefaultLoad = 0;
-// ...except on an H100, where W's loads skip L1 (kLoadNoL1): the thirty-third session's H100
-// sweeps (benchmarks/results/gemv_variants_h100_*thirtythird_session.jsonl, one row a wave,
-// four loads in flight, CUDA-graph replay against torch.mv) had L1::no_allocate ahead of
-// plain ld.global.nc on all six cases of the first (+0.2 to +1.4 %; two children with the
-// plain loads agreed within 0.4 %), with or without the L2 prefetch, and on eight of ten
-// of the second (+0.3 to +1.6 %; 4096^2 fp32 +4 %), tied at 8192 x 28672 fp32 and behind
-// at 4096^2 bf16 (an 8.5 us call: 1.29 against 1.39). Streaming W through L1 evicts x,
-// which every wave of the workgroup reads again. The H200 sweep never ran that
-// pair (its L1::no_allocate runs had two rows a wave and the L2 prefetch), so it keeps the
-// plain loads until a sweep there says otherwise. ROCMOE_GEMV_LOAD overrides both.
-constexpr const char *kNoL1Devices[] = {"H100"};
+// ...except on an H100 or H200, where W's loads skip L1 (kLoadNoL1). Streaming W through
+// L1 evicts x, which every wave of the workgroup reads again. The sweeps (one row a wave,
+// four loads in flight, CUDA-graph replay against torch.mv):
+// - H100, thirty-third session (benchmarks/results/gemv_variants_h100_*thirtythird_session
+//   .jsonl): L1::no_allocate ahead of plain ld.global.nc on all six cases of the first
+//   (+0.2 to +1.4 %; two children with the plain loads agreed within 0.4 %), with or
+//   without the L2 prefetch, and on eight of ten of the second (+0.3 to +1.6 %; 4096^2 fp32
+//   +4 %), tied at 8192 x 28672 fp32, behind at 4096^2 bf16 (an 8.5 us call: 1.29 against
+//   1.39);
+// - H200, thirty-seventh session (results/gemv_variants_h200_l1_thirtyseventh_session*.txt,
+//   two runs of the same variants): ahead of both children with plain loads on all ten
+//   cases, by 0.1-2.4 % of the replayed time (28672 x 8192 and 16384^2 bf16 0.5-1.1 %,
+//   8192^2 bf16 1.9-2.4 %).
+// A model is matched after a space, so that the GH200 (not measured) keeps the plain loads.
+// ROCMOE_GEMV_LOAD overrides both.
+constexpr const char *kNoL1Devices[] = {" H100", " H200"};
 // the balanced split (walk_chunks) stays off: timed against the row split on the H200
 // (twenty-third session, benchmarks/gpu_host_time.sh gemv_ab, results/
 // gemv_balance_ab_h200_twentythird_session.jsonl; torch.mv / rocmoe under CUDA graphs, bf16)
