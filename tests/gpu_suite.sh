@@ -1,7 +1,7 @@
 #!/bin/bash
 # Every GPU test, on a GPU machine, from the repo root:
 #
-#   bash tests/gpu_suite.sh [PYTEST_ARGS...]              # all of them (about 22 min on an H200)
+#   bash tests/gpu_suite.sh [PYTEST_ARGS...]              # all of them (about 26 min)
 #   GPU_SUITE_PART=1 bash tests/gpu_suite.sh              # the ipc backend, expert parallelism,
 #                                                          #   vExpert (about 6 min)
 #   GPU_SUITE_PART=2 bash tests/gpu_suite.sh              # the MoE layer (about 5 min)
@@ -19,6 +19,7 @@
 #   GPU_SUITE_PART=6 bash tests/gpu_suite.sh              # the nvshmem facade at one PE:
 #                                                          #   builds librocmoe with
 #                                                          #   -DROCMOE_SHMEM=nvshmem too
+#                                                          #   (about 4 min)
 #
 # The parts exist because a device command may run for 10 minutes at most: run the six
 # parts as six commands; each prints its own pytest summary line. (Two parts were too few:
