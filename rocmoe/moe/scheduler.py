@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from ..collective import USER_INTS_MOST
-from ..errors import ConfigurationError, PlacementError, RocmoeError
+from ..env import checked_seconds
+from ..errors import ConfigurationError, InvalidArgumentError, PlacementError, RocmoeError
 from .cost_calibration import RatioWindow, split_prediction, sync_prediction
 from .cost_model import CostModel, profile
 from .expert_copy import Copy, ExpertMover
@@ -185,13 +186,10 @@ class VExpertScheduler:
         default_timeout = getattr(self.ctx, "timeout_s", 60.0) if self.ctx is not None else 60.0
         if timeout_s is None:
             timeout_s = default_timeout
-        try:
-            self.timeout_s = float(timeout_s)
-            timeout_ok = 0 < self.timeout_s < math.inf
-        except (TypeError, ValueError):
-            timeout_ok = False
-        if not timeout_ok:
-            self.timeout_s = default_timeout
+        try:  # (the rule of every wait's bound: env.checked_seconds)
+            self.timeout_s, timeout_problem = checked_seconds(timeout_s, "timeout_s"), None
+        except InvalidArgumentError as exc:
+            self.timeout_s, timeout_problem = default_timeout, ConfigurationError(str(exc))
         multi = self.world_size > 1
         # a change takes effect at the next step, or one later when it copies weights
         self.states = [_LayerState(layer, ExpertMover(self.ctx, layer, optimizer, self.timeout_s)
@@ -215,9 +213,8 @@ class VExpertScheduler:
         if problem is None and not load_ok:  # raised on every rank, after the agreement
             problem = ConfigurationError(f"load_decay must be in [0, 1) and load_trend in "
                                          f"[0, 1], got {load_decay} and {load_trend}")
-        if problem is None and not timeout_ok:
-            problem = ConfigurationError(f"timeout_s must be a positive, finite number of "
-                                         f"seconds, got {timeout_s!r}")
+        if problem is None:
+            problem = timeout_problem
         if problem is None and not window_ok:
             problem = ConfigurationError(f"calibration_window must be an int >= 0 (0: no "
                                          f"calibration), got {calibration_window!r}")
