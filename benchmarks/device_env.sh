@@ -16,11 +16,11 @@ build_cuda() {
    cmake --build build/cuda -j 16) > "$1" 2>&1 || { tail -40 "$1"; return 4; }
 }
 
-# build_nvshmem LOG: librocmoe with the nvshmem facade (-DROCMOE_SHMEM=nvshmem, in
-# $NVSHMEM_BUILD, default build/nvshmem),
-# staged as a copy of the package in $NVSHMEM_PACKAGE (default /tmp/nvpkg), which is exported
-# as ROCMOE_NVSHMEM_PACKAGE for tests/gpu/test_nvshmem.py, with NVSHMEM's libraries on
-# LD_LIBRARY_PATH; on failure the log's tail, rc 5
+# build_nvshmem LOG: librocmoe with the nvshmem facade (-DROCMOE_SHMEM=nvshmem) in
+# $NVSHMEM_BUILD (default build/nvshmem), staged as a copy of the package in $NVSHMEM_PACKAGE
+# (default /tmp/nvpkg), which is exported as ROCMOE_NVSHMEM_PACKAGE for
+# tests/gpu/test_nvshmem.py, with NVSHMEM's libraries on LD_LIBRARY_PATH; on failure the
+# log's tail, rc 5. (benchmarks/gpu_multi.sh still builds and stages its own copy.)
 build_nvshmem() {
   local home pkg=${NVSHMEM_PACKAGE:-/tmp/nvpkg} dir=${NVSHMEM_BUILD:-build/nvshmem}
   home=$(python3 -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])" 2>/dev/null)
