@@ -16,18 +16,30 @@ build_cuda() {
    cmake --build build/cuda -j 16) > "$1" 2>&1 || { tail -40 "$1"; return 4; }
 }
 
-# build_nvshmem LOG: librocmoe with the nvshmem facade (-DROCMOE_SHMEM=nvshmem) in
+# stage_nvshmem LOG: librocmoe with the nvshmem facade (-DROCMOE_SHMEM=nvshmem) in
 # $NVSHMEM_BUILD (default build/nvshmem), staged as a copy of the package in $NVSHMEM_PACKAGE
-# (default /tmp/nvpkg), which is exported as ROCMOE_NVSHMEM_PACKAGE for
-# tests/gpu/test_nvshmem.py, with NVSHMEM's libraries on LD_LIBRARY_PATH; on failure the
-# log's tail, rc 5. (benchmarks/gpu_multi.sh still builds and stages its own copy.)
-build_nvshmem() {
-  local home pkg=${NVSHMEM_PACKAGE:-/tmp/nvpkg} dir=${NVSHMEM_BUILD:-build/nvshmem}
-  home=$(python3 -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])" 2>/dev/null)
+# (default /tmp/nvpkg); on failure the log's tail, rc 5. It changes no environment, so a
+# script may run it in the background beside build_cuda (benchmarks/gpu_multi.sh does).
+stage_nvshmem() {
+  local pkg=${NVSHMEM_PACKAGE:-/tmp/nvpkg} dir=${NVSHMEM_BUILD:-build/nvshmem}
   (cmake -S . -B "$dir" -G Ninja -DROCMOE_GPU=cuda -DROCMOE_SHMEM=nvshmem \
      -DROCMOE_INPLACE=OFF -DPython_EXECUTABLE="$(command -v python3)" >/dev/null &&
    cmake --build "$dir" -j 16) > "$1" 2>&1 || { tail -40 "$1"; return 5; }
   rm -rf "$pkg" && mkdir -p "$pkg" && cp -r rocmoe "$pkg/" &&
     cp "$dir"/librocmoe.so "$dir"/_rocmoe_cffi*.so "$pkg/rocmoe/" || return 5
-  export ROCMOE_NVSHMEM_PACKAGE=$pkg LD_LIBRARY_PATH=${home:+$home/lib:}${LD_LIBRARY_PATH:-}
+}
+
+# use_nvshmem: after stage_nvshmem, exports the staged package's path as
+# ROCMOE_NVSHMEM_PACKAGE (tests/gpu/test_nvshmem.py reads it) and puts NVSHMEM's libraries
+# (the nvidia-nvshmem wheel's, on the device) on LD_LIBRARY_PATH
+use_nvshmem() {
+  local home
+  home=$(python3 -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])" 2>/dev/null)
+  export ROCMOE_NVSHMEM_PACKAGE=${NVSHMEM_PACKAGE:-/tmp/nvpkg}
+  export LD_LIBRARY_PATH=${home:+$home/lib:}${LD_LIBRARY_PATH:-}
+}
+
+# build_nvshmem LOG: both, in this shell (rc 5 when the build or the staging fails)
+build_nvshmem() {
+  stage_nvshmem "$1" && use_nvshmem
 }

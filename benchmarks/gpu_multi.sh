@@ -5,8 +5,9 @@
 #
 #   OUT=/some/dir RANKS=2 bash benchmarks/gpu_multi.sh        (repo root, on the GPU machine)
 #
-# Builds librocmoe twice with plain CMake, at the same time: ipc (build/cuda, copied into
-# ./rocmoe) and nvshmem (build/nvshmem, staged as a copy of the package in /tmp/nvpkg). Then
+# Builds librocmoe twice, at the same time, with benchmarks/device_env.sh's functions: ipc
+# (build_cuda: build/cuda, in place) and nvshmem (stage_nvshmem: build/nvshmem, staged as a
+# copy of the package in /tmp/nvpkg). Then
 # four time-boxed runs; each appends its JSON lines to $OUT/multi_gpu.jsonl as they come, so
 # a stage that fails or runs out of time loses only itself. DEADLINE_S (default 400) bounds
 # the whole script; BACKENDS (default "ipc nvshmem") picks the backends, FUSED_BOX_S and
@@ -26,20 +27,14 @@ DTYPES=${DTYPES:-float32}
 MOE_OPS=${MOE_OPS:-moe}
 want_backend() { [[ " $BACKENDS " == *" $1 "* ]]; }
 REPO=$(pwd)
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
-# Never NVLink multicast on shared machines: it can take the host's GPUs out of service.
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# the MPI-as-root settings, no NVLink multicast, cffi from .whl/, the build functions
+source benchmarks/device_env.sh || exit 3
 JSONL="$OUT/multi_gpu.jsonl"
 : > "$JSONL"
 t0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t0 )); }
 stamp() { echo "=== [$(elapsed)s] $*"; }
 
-if ! python3 -c "import cffi, pycparser" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-    $(ls .whl/cffi-2.1.1-*.whl | head -1) $(ls .whl/pycparser-*.whl | head -1) || exit 3
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 SITE=${PYTHONPATH:-}
 
 {
@@ -51,17 +46,14 @@ SITE=${PYTHONPATH:-}
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-NVSHMEM_HOME_GUESS=$(python3 -c "import nvidia.nvshmem as m; print(list(m.__path__)[0])" 2>/dev/null || true)
 if [[ -z ${SKIP_BUILD:-} ]]; then
   stamp "build: ipc and nvshmem, concurrently"
-  ( cmake -S . -B build/cuda -G Ninja -DROCMOE_GPU=cuda -DROCMOE_INPLACE=ON \
-      -DPython_EXECUTABLE="$(command -v python3)" && timeout 240 cmake --build build/cuda -j 16 ) \
-    > "$OUT/build_ipc.log" 2>&1 &
+  timeout 300 bash -c 'source benchmarks/device_env.sh && build_cuda "$1"' _ \
+    "$OUT/build_ipc.log" >/dev/null &
   pid_ipc=$!
   if want_backend nvshmem; then
-    ( cmake -S . -B build/nvshmem -G Ninja -DROCMOE_GPU=cuda -DROCMOE_SHMEM=nvshmem \
-        -DROCMOE_INPLACE=OFF -DPython_EXECUTABLE="$(command -v python3)" &&
-      timeout 240 cmake --build build/nvshmem -j 16 ) > "$OUT/build_nvshmem.log" 2>&1 &
+    timeout 300 bash -c 'source benchmarks/device_env.sh && stage_nvshmem "$1"' _ \
+      "$OUT/build_nvshmem.log" >/dev/null &
   else
     ( exit 9 ) &  # not wanted: a finished stand-in for the build
   fi
@@ -119,16 +111,13 @@ stamp "nvshmem build rc=$nv_ok"
 if ! want_backend nvshmem; then
   stamp "nvshmem: not in BACKENDS"
 elif [[ $nv_ok == 0 ]]; then
-  # a copy of the package with the nvshmem build's modules, run from its own directory
-  rm -rf /tmp/nvpkg && mkdir -p /tmp/nvpkg && cp -r rocmoe /tmp/nvpkg/ &&
-    cp build/nvshmem/librocmoe.so build/nvshmem/_rocmoe_cffi*.so /tmp/nvpkg/rocmoe/
-  export LD_LIBRARY_PATH=${NVSHMEM_HOME_GUESS:+$NVSHMEM_HOME_GUESS/lib:}${LD_LIBRARY_PATH:-}
+  use_nvshmem  # the staged copy of the package, NVSHMEM's libraries on LD_LIBRARY_PATH
   # the symmetric heap comes from nvshmem_malloc: NVSHMEM's reservation must hold it
   export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-10G}
-  run nvshmem_fused "$FUSED_BOX_S" /tmp/nvpkg --backend nvshmem --heap 8G \
+  run nvshmem_fused "$FUSED_BOX_S" "$ROCMOE_NVSHMEM_PACKAGE" --backend nvshmem --heap 8G \
     --ops embedding,gemv,gemm --dtype "${DTYPES// /,}" "${COMMON[@]}"
-  run nvshmem_moe "$MOE_BOX_S" /tmp/nvpkg --backend nvshmem --heap 4G --ops "$MOE_OPS" \
-    "${COMMON[@]}"
+  run nvshmem_moe "$MOE_BOX_S" "$ROCMOE_NVSHMEM_PACKAGE" --backend nvshmem --heap 4G \
+    --ops "$MOE_OPS" "${COMMON[@]}"
 else
   tail -30 "$OUT/build_nvshmem.log"
   echo '{"bench": "multi_gpu", "stage": "nvshmem", "error": "nvshmem build failed or unfinished (build_nvshmem.log)"}' >> "$JSONL"

@@ -17,6 +17,7 @@ from rocmoe_testing import REPO
 # answers `-c ...` (device_env.sh's cffi probe, the build's platform print) with 0
 FAKE = """#!/bin/bash
 echo "{name} $*" >> "$FAKE_LOG"
+if [ "{name}" = mpirun ]; then echo "  in $PWD" >> "$FAKE_LOG"; fi
 if [ "{name}" = python3 ] && [ "$1" = -c ]; then exit 0; fi
 if [ "{name}" = python3 ] && [ "$1 $2" = "-m pytest" ]; then exit ${{FAKE_RC_PYTEST:-0}}; fi
 exit ${{FAKE_RC_{upper}:-0}}
@@ -197,8 +198,29 @@ def test_multi_gpu_session_builds_and_runs_only_the_backends_asked_for(machine):
         "BACKENDS": "ipc", "DEADLINE_S": "200", "DTYPES": "bfloat16 float32",
         "MOE_OPS": "moe,moe_handles"})
     assert proc.returncode == 0, proc.stdout
-    assert "build/cuda" in calls and "build/nvshmem" not in calls
+    assert "-B build/cuda" in calls and "-DROCMOE_SHMEM=nvshmem" not in calls
     runs = [line for line in calls.splitlines() if line.startswith("mpirun -n")]
     assert len(runs) == 2, runs
     assert "--dtype bfloat16,float32" in runs[0] and "--ops moe,moe_handles" in runs[1], runs
     assert "nvshmem: not in BACKENDS" in proc.stdout
+
+
+def test_multi_gpu_session_runs_the_nvshmem_stages_from_the_staged_package(machine, tmp_path):
+    proc, calls = machine("benchmarks/gpu_multi.sh", env_vars={"DEADLINE_S": "200"})
+    assert proc.returncode == 0, proc.stdout
+    assert "-B build/cuda" in calls and "-DROCMOE_SHMEM=nvshmem" in calls, calls
+    package = tmp_path / "nvpkg"
+    assert (package / "rocmoe" / "librocmoe.so").exists()
+    lines = calls.splitlines()
+    places = [lines[i + 1].strip() for i, line in enumerate(lines) if line.startswith("mpirun -n")]
+    assert places == [f"in {REPO}"] * 2 + [f"in {package}"] * 2, places
+
+
+def test_multi_gpu_session_records_a_failed_nvshmem_build_and_still_runs_ipc(machine, tmp_path):
+    (tmp_path / "build_nvshmem" / "librocmoe.so").unlink()  # the staging finds no library
+    proc, calls = machine("benchmarks/gpu_multi.sh", env_vars={"DEADLINE_S": "200"})
+    assert proc.returncode == 0, proc.stdout
+    runs = [line for line in calls.splitlines() if line.startswith("mpirun -n")]
+    assert len(runs) == 2 and all("--backend ipc" in r for r in runs), runs
+    records = (tmp_path / "out" / "multi_gpu.jsonl").read_text()
+    assert '"stage": "nvshmem", "error": "nvshmem build failed' in records, records
