@@ -278,13 +278,18 @@ def _local_tma_source(extra, divisible=()):
 
 @pytest.mark.parametrize("extra", [c for c in gpu_ops.tune_candidates("cuda", rows=1)
                                    if "BLOCK_M" in c or "SPLIT_K" in c], ids=_tile_id)
-def test_every_tuning_tile_builds_the_tma_kernel_with_wgmma_on_sm90(extra):
+def test_every_tuning_tile_builds_the_tma_kernel_with_tensor_cores_on_sm90(extra):
     # the first call of a GemmAllToAll shape times these tiles on the GPU; each must build
     # for Hopper with its TMA loads and matrix instructions (local mode, as the tuner runs:
-    # the direct path unless K is split)
+    # the direct path unless K is split): wgmma from 64 rows a tile, mma.sync below (a warp
+    # group's wgmma takes 64 rows: the tiny-X tiles of 16 and 32 rows)
     src, options = _local_tma_source(extra)
     ptx = triton.compile(src, target=TARGETS["sm90"][0], options=options).asm["ptx"]
-    assert "cp.async.bulk.tensor" in ptx and "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    if extra.get("BLOCK_M", 128) >= 64:
+        assert "wgmma.mma_async" in ptx
+    else:
+        assert "mma.sync" in ptx
 
 
 # the most shared memory a block may take on an H100 or H200 (227 KiB)

@@ -8,7 +8,7 @@ import textwrap
 
 from rocmoe_testing import REPO, mpi_env, require_module
 
-from rocmoe.ops.gpu import class_rows, direct_tasks, rows_class
+from rocmoe.ops.gpu import class_rows, direct_tasks, rows_class, tune_candidates
 
 
 def test_rows_classes_are_the_power_of_two_ranges():
@@ -33,6 +33,25 @@ def test_the_direct_grid_fits_the_classes_fewest_rows_but_fills_the_sms():
     assert direct_tasks(512, 1023, 128, 32, 132) == 128
     # the class of a power of two is sized as the handle made for exactly those rows was
     assert direct_tasks(4096, 8191, 128, 16, 132) == direct_tasks(4096, None, 128, 16, 132)
+
+
+def _tiles_under_64_rows(candidates) -> list:
+    return [c for c in candidates if c.get("BLOCK_M", 128) < 64]
+
+
+def test_the_tuner_times_tiny_tiles_for_at_most_64_rows_in_16_bit_on_cuda():
+    # 16 x 4096 times 4096 x 4096 in 64 x 64 tiles is 64 programs for 132 SMs: tiles of
+    # 16 and 32 rows and narrow N are timed too, where X has at most 64 rows
+    for rows in (1, 16, 64):
+        tiny = _tiles_under_64_rows(tune_candidates("cuda", rows))
+        assert {c["BLOCK_M"] for c in tiny} == {16, 32}, rows
+    assert not _tiles_under_64_rows(tune_candidates("cuda", 65))
+    assert not _tiles_under_64_rows(tune_candidates("cuda", 512))
+
+
+def test_the_tuner_times_no_tiny_tiles_in_float32():
+    # (float32 products on Hopper have no TMA loads and were never timed with them)
+    assert not _tiles_under_64_rows(tune_candidates("cuda", 16, fp32=True))
 
 
 def _interpreted(body: str):

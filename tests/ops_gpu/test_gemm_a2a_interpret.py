@@ -4,7 +4,11 @@ heap: the same kernel source, the same schedule, stores through peer base pointe
 in the workspace, counts with the data, acks, status words and bounded waits as on a GPU
 (no GPU needed, runs in CI)."""
 
+import json
+
 import pytest
+
+from rocmoe.ops.gpu import tune_candidates
 
 from gpu_testing import SCRIPT
 from rocmoe_testing import mpi_env, require_module, run_mpi
@@ -27,6 +31,30 @@ def test_gemm_all_to_all_matches_reference_over_repeated_calls(ranks):
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.count("OK gemm ") == 2 * ranks, proc.stdout
     assert proc.stdout.count("OK rows ") == 2 * ranks, proc.stdout
+
+
+# the tuner's tiles for X of at most 64 rows that no larger X gets
+_TINY_TILES = [c for c in tune_candidates("cuda", rows=16) if c not in tune_candidates("cuda", 65)]
+
+
+@pytest.mark.parametrize("tile", _TINY_TILES,
+                         ids=lambda c: "x".join(str(c[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")))
+def test_every_tiny_x_tuning_tile_matches_reference(tile):
+    # the tiles the tuner times for X of at most 64 rows (16 or 32 rows, 32 or 64 columns, a
+    # K step of 128 over K 32: a masked step) at world size 1, where the tuner keeps one
+    # for the handle's calls
+    proc = run_mpi(SCRIPT, 1, "gemm", "--calls", "3", "--dtype", "fp32,fp16", timeout=300,
+                   env=_env(ROCMOE_TIMEOUT_S="30", ROCMOE_GEMM_CONFIG=json.dumps(tile)))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK gemm ") == 2, proc.stdout
+
+
+def test_a_tiny_x_tile_carries_the_exchange_between_ranks():
+    # at world size > 1 the tuned tile of a product's first call runs the protocol
+    proc = run_mpi(SCRIPT, 3, "gemm", "--calls", "2", "--dtype", "fp16", timeout=300,
+                   env=_env(ROCMOE_TIMEOUT_S="30", ROCMOE_GEMM_CONFIG=json.dumps(_TINY_TILES[1])))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK gemm ") == 3, proc.stdout
 
 
 @pytest.mark.parametrize("ranks", [1, 3])

@@ -172,6 +172,20 @@ _TUNE_SKINNY_16BIT = (
 )
 
 
+# and for tiny X (at most _TINY_ROWS rows: decode steps, an expert's few tokens), 16-bit:
+# the skinny tiles leave most SMs idle there (16 x 4096 times 4096 x 4096 makes 64 tiles of
+# 64 x 64 on an H100's 132 SMs), and the product is W's stream. Narrow N tiles make one
+# tile an SM or more; under 64 rows Triton uses mma.sync (wgmma takes 64 rows a warp
+# group), so a 16- or 32-row tile wastes no tensor-core rows on padding.
+_TINY_ROWS = 64
+_TUNE_TINY_16BIT = (
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
+    dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
+    dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
+)
+
+
 # (tried and dropped, 2026-12-02: 128 x 64 tiles, BLOCK_K 64 / 5 stages and 128 / 3, for
 # one wave of 128 tiles at 256 x 4096^2; the tuner kept 64 x 64 on 128-512 rows every time,
 # results/fused_gpu_h200_gemm_tiles.jsonl)
@@ -233,7 +247,10 @@ def tune_candidates(platform: str, rows: int, fp32: bool = False) -> tuple:
                                         if skinny else ())
     if not skinny:
         return _TUNE_CANDIDATES
-    return _TUNE_CANDIDATES + _TUNE_SKINNY + (() if fp32 else _TUNE_SKINNY_16BIT)
+    if fp32:
+        return _TUNE_CANDIDATES + _TUNE_SKINNY
+    return (_TUNE_CANDIDATES + _TUNE_SKINNY + _TUNE_SKINNY_16BIT
+            + (_TUNE_TINY_16BIT if rows <= _TINY_ROWS else ()))
 
 
 class _GemmLaunch:
