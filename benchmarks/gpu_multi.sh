@@ -48,12 +48,12 @@ cat "$OUT/env.txt"
 
 if [[ -z ${SKIP_BUILD:-} ]]; then
   stamp "build: ipc and nvshmem, concurrently"
-  timeout 300 bash -c 'source benchmarks/device_env.sh && build_cuda "$1"' _ \
-    "$OUT/build_ipc.log" >/dev/null &
+  # (exported, so that `timeout` can run them in a child bash without sourcing again)
+  export -f build_cuda stage_nvshmem
+  timeout 300 bash -c 'build_cuda "$1"' _ "$OUT/build_ipc.log" >/dev/null &
   pid_ipc=$!
   if want_backend nvshmem; then
-    timeout 300 bash -c 'source benchmarks/device_env.sh && stage_nvshmem "$1"' _ \
-      "$OUT/build_nvshmem.log" >/dev/null &
+    timeout 300 bash -c 'stage_nvshmem "$1"' _ "$OUT/build_nvshmem.log" >/dev/null &
   else
     ( exit 9 ) &  # not wanted: a finished stand-in for the build
   fi
