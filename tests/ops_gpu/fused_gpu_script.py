@@ -3,7 +3,7 @@ via mpiexec).
 
 usage: fused_gpu_script.py OPS [--calls N] [--dtype D[,D...]] [--backend B]
   OPS    comma list of gemm | gemm_grouped | rows | embedding | gemv | gemv_tall |
-         gemm_timeout |
+         gemm_timeout | tiny |
          bad_counts | abort | gemv_abort | gemv_mismatch | graph | native | lean |
          first_call_drift
 On a GPU the handles run their CUDA/HIP kernels (ipc backend); on a CPU-only machine the
@@ -136,6 +136,38 @@ def check_split(ctx, dtype, calls):
         plans = list(h._launches.values())
         got = [p.constexprs["SPLIT_K"] for p in plans]
         assert got == [want_split], f"the plan runs SPLIT_K {got}, the config asks {want_split}"
+    h.close()
+
+
+def check_tiny(ctx, dtype, calls):
+    # X of a few rows (a decode step's batch, an expert's few tokens) through the tile that
+    # ROCMOE_GEMM_CONFIG forces (the test sets one of the tuner's tiny-X tiles): 1 to 64
+    # rows, so full and masked row tiles, each rank's rows split over every rank
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    k, n = (4096, 4096) if dev.type == "cuda" else (64, 96)
+    h = device_kernels(ops.GemmAllToAll(ctx, max_rows=64, K=k, N=n, dtype=dtype))
+    w = torch.randn(k, n, generator=torch.Generator().manual_seed(71)) / 64
+    wd = w.to(dev, dtype)
+    for call in range(calls):
+        m = (16, 64, 1, 33)[call % 4]
+        xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(80 + 7 * call + s))
+              for s in range(world)]
+        counts = [m // world] * world
+        counts[-1] += m - sum(counts)
+        with torch.no_grad():
+            out, recv = h(xs[rank].to(dev, dtype), wd, counts)
+        h.synchronize()
+        first = sum(counts[:rank])
+        ref = torch.cat([xs[s][first:first + counts[rank]].to(dtype).double()
+                         @ w.to(dtype).double() for s in range(world)])
+        assert recv.cpu().tolist() == [counts[rank]] * world
+        e = rel_err(out[:ref.shape[0]], ref)
+        assert e < TOL[dtype], f"rank {rank} call {call} ({m} rows): relative error {e}"
+    if dev.type == "cuda" and "ROCMOE_GEMM_CONFIG" in os.environ:
+        want = json.loads(os.environ["ROCMOE_GEMM_CONFIG"])
+        for plan in h._launches.values():
+            got = {key: plan.cfg.get(key) for key in want}
+            assert got == want, f"a plan runs {got}, the config asks {want}"
     h.close()
 
 
@@ -886,7 +918,7 @@ def main():
               "abort": check_abort, "gemv_abort": check_gemv_abort,
               "gemv_mismatch": check_gemv_mismatch, "graph": check_graph,
               "nosync": check_nosync, "native": check_native, "lean": check_lean,
-              "split": check_split, "embedding_bad_index": check_embedding_bad_index,
+              "split": check_split, "tiny": check_tiny, "embedding_bad_index": check_embedding_bad_index,
               "first_call_drift": check_first_call_drift,
               "function_rows": check_function_rows}
     # several ops / dtypes in one process: a GPU job pays MPI + CUDA start-up once; a failing

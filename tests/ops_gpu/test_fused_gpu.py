@@ -1,9 +1,13 @@
 """The fused-op handles' device kernels on a real GPU (skipped on CPU-only machines): every
 op and dtype at 1, 2 and 4 ranks (ranks share the GPU when there are fewer) against the
-references, the split-K GEMM, and several calls of each handle captured in a CUDA graph and
+references, the split-K GEMM, the tuner's tiles for X of a few rows, and several calls of each handle captured in a CUDA graph and
 replayed. Launch paths and failure cases: test_fused_launch_and_failures_gpu.py."""
 
+import json
+
 import pytest
+
+from rocmoe.ops.gpu import tune_candidates
 
 from gpu_testing import require_gpu_build, run_checks
 
@@ -27,6 +31,29 @@ def test_split_k_gemm_matches_reference_and_replays_from_graphs_on_gpu(ranks):
     split = '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "SPLIT_K": 4}'
     run_checks(ranks, ["split", "gemm", "gemm_grouped", "graph"], ["bf16", "fp32"],
                timeout=400, calls=3, ROCMOE_TIMEOUT_S="60", ROCMOE_GEMM_CONFIG=split)
+
+
+# the tuner's tiles for X of at most 64 rows that no larger X gets (mma.sync under 64 rows)
+_TINY_TILES = [c for c in tune_candidates("cuda", rows=16) if c not in tune_candidates("cuda", 65)]
+
+
+def _tile_id(c) -> str:
+    return "x".join(str(c[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+
+
+@pytest.mark.parametrize("tile", _TINY_TILES, ids=_tile_id)
+def test_every_tiny_x_tile_matches_reference_on_gpu(tile):
+    require_gpu_build()
+    # each tiny-X tile, forced, at 16, 64, 1 and 33 rows times 4096 x 4096: whichever the
+    # tuner keeps on the GPU computes the right rows
+    run_checks(1, ["tiny"], ["bf16", "fp16"], timeout=300, calls=4, ROCMOE_TIMEOUT_S="60",
+               ROCMOE_GEMM_CONFIG=json.dumps(tile))
+
+
+def test_a_tiny_x_tile_carries_the_exchange_between_ranks_on_gpu():
+    require_gpu_build()
+    run_checks(2, ["tiny"], ["bf16"], timeout=300, calls=4, ROCMOE_TIMEOUT_S="60",
+               ROCMOE_GEMM_CONFIG=json.dumps(_TINY_TILES[1]))
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
