@@ -176,13 +176,23 @@ _TUNE_SKINNY_16BIT = (
 # the skinny tiles leave most SMs idle there (16 x 4096 times 4096 x 4096 makes 64 tiles of
 # 64 x 64 on an H100's 132 SMs), and the product is W's stream. Narrow N tiles make one
 # tile an SM or more; under 64 rows Triton uses mma.sync (wgmma takes 64 rows a warp
-# group), so a 16- or 32-row tile wastes no tensor-core rows on padding.
+# group), so a 16- or 32-row tile wastes no tensor-core rows on padding. On an H100
+# (thirty-ninth session: results/fused_gpu_h100_thirtyninth_session_full.jsonl, "candidates",
+# and results/probe_gemm_tiles_tiny_h100_thirtyninth_session.jsonl) the tuner's time fell
+# from the best older tile's 17.8 to 12.8 us at 16 x 4096^2, 13.9 to 11.1 at 64 x 4096^2 and
+# 52.7 to 47.9 at 16 x 8192^2. Graph-replayed, cuBLAS stays ahead at 4096^2: 10.3-10.6 us
+# against 13.1-14.4 for the kept 16 x 32 x 128 tile and 11.5-12.0 for the K step of 256
+# (added after those runs, so not yet tuned by the bench), and 9.9-10.7 against 10.9-11.6 at
+# 64 rows. N 16, split K 2, 8 stages, two warps and cp.async loads instead of TMA were no
+# faster in the probes.
 _TINY_ROWS = 64
 _TUNE_TINY_16BIT = (
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
     dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
+    dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
     dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
     dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
+    dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
 )
 
 
