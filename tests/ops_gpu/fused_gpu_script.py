@@ -109,28 +109,38 @@ def check_gemm(ctx, dtype, calls, groups=1):
     assert h.epoch == calls, h.epoch
 
 
+def _check_even_split(ctx, h, xs, w, wd, dtype, what: str, on_device: bool = False):
+    """One call of GEMM handle `h`: this rank's X (xs[rank], every rank's X regenerable)
+    times w, its rows split evenly over the ranks (the last takes the remainder; counts as a
+    device tensor when `on_device`), checked against a float64 reference."""
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    m = xs[rank].shape[0]
+    counts = [m // world] * world
+    counts[-1] += m - sum(counts)
+    with torch.no_grad():
+        out, recv = h(xs[rank].to(dev, dtype), wd,
+                      torch.tensor(counts, device=dev) if on_device else counts)
+    h.synchronize()
+    first = sum(counts[:rank])
+    ref = torch.cat([xs[s][first:first + counts[rank]].to(dtype).double()
+                     @ w.to(dtype).double() for s in range(world)])
+    assert recv.cpu().tolist() == [counts[rank]] * world
+    e = rel_err(out[:ref.shape[0]], ref)
+    assert e < TOL[dtype], f"rank {rank} {what}: relative error {e}"
+
+
 def check_split(ctx, dtype, calls):
     # a skinny product whose config (ROCMOE_GEMM_CONFIG, set by the test) splits K: every
     # tile's partials meet at its semaphore; sources send their rows to every rank
-    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    world, dev = ctx.world_size, ctx.device
     m, k, n = (256, 4096, 1024) if dev.type == "cuda" else (32, 64, 48)
     want_split = json.loads(os.environ.get("ROCMOE_GEMM_CONFIG", "{}")).get("SPLIT_K", 1)
     h = device_kernels(ops.GemmAllToAll(ctx, max_rows=m, K=k, N=n, dtype=dtype))
     xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(70 + s)) for s in range(world)]
     w = torch.randn(k, n, generator=torch.Generator().manual_seed(69)) / 64
-    counts = [m // world] * world
-    counts[-1] += m - sum(counts)
-    xd, wd = xs[rank].to(dev, dtype), w.to(dev, dtype)
+    wd = w.to(dev, dtype)
     for call in range(calls):
-        with torch.no_grad():
-            out, recv = h(xd, wd, torch.tensor(counts, device=dev) if call % 2 else counts)
-        h.synchronize()
-        first = sum(counts[:rank])
-        ref = torch.cat([xs[s][first:first + counts[rank]].to(dtype).double()
-                         @ w.to(dtype).double() for s in range(world)])
-        assert recv.cpu().tolist() == [counts[rank]] * world
-        e = rel_err(out[:ref.shape[0]], ref)
-        assert e < TOL[dtype], f"rank {rank} call {call}: relative error {e}"
+        _check_even_split(ctx, h, xs, w, wd, dtype, f"call {call}", on_device=call % 2 == 1)
     if ctx.device.type == "cuda" and "ROCMOE_GEMM_CONFIG" in os.environ:
         # (without a config the tuner picks, split or not: the results above are checked)
         plans = list(h._launches.values())
@@ -143,7 +153,7 @@ def check_tiny(ctx, dtype, calls):
     # X of a few rows (a decode step's batch, an expert's few tokens) through the tile that
     # ROCMOE_GEMM_CONFIG forces (the test sets one of the tuner's tiny-X tiles): 1 to 64
     # rows, so full and masked row tiles, each rank's rows split over every rank
-    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    world, dev = ctx.world_size, ctx.device
     k, n = (4096, 4096) if dev.type == "cuda" else (64, 96)
     h = device_kernels(ops.GemmAllToAll(ctx, max_rows=64, K=k, N=n, dtype=dtype))
     w = torch.randn(k, n, generator=torch.Generator().manual_seed(71)) / 64
@@ -152,17 +162,7 @@ def check_tiny(ctx, dtype, calls):
         m = (16, 64, 1, 33)[call % 4]
         xs = [torch.randn(m, k, generator=torch.Generator().manual_seed(80 + 7 * call + s))
               for s in range(world)]
-        counts = [m // world] * world
-        counts[-1] += m - sum(counts)
-        with torch.no_grad():
-            out, recv = h(xs[rank].to(dev, dtype), wd, counts)
-        h.synchronize()
-        first = sum(counts[:rank])
-        ref = torch.cat([xs[s][first:first + counts[rank]].to(dtype).double()
-                         @ w.to(dtype).double() for s in range(world)])
-        assert recv.cpu().tolist() == [counts[rank]] * world
-        e = rel_err(out[:ref.shape[0]], ref)
-        assert e < TOL[dtype], f"rank {rank} call {call} ({m} rows): relative error {e}"
+        _check_even_split(ctx, h, xs, w, wd, dtype, f"call {call} ({m} rows)")
     if dev.type == "cuda" and "ROCMOE_GEMM_CONFIG" in os.environ:
         want = json.loads(os.environ["ROCMOE_GEMM_CONFIG"])
         for plan in h._launches.values():
