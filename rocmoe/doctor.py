@@ -87,9 +87,20 @@ def check_native() -> list[Finding]:
         from . import _native
     except Exception as exc:  # the whole point is to report a broken install, whatever it is
         return [Finding(FAIL, "native library", f"{exc}")]
-    return [Finding(OK, "native library",
-                    f"librocmoe {_native.version()}, backends {', '.join(_native.backends_compiled())}, "
-                    f"GPU platform {_native.gpu_platform()}")]
+    found = [Finding(OK, "native library",
+                     f"librocmoe {_native.version()}, backends {', '.join(_native.backends_compiled())}, "
+                     f"GPU platform {_native.gpu_platform()}")]
+    # optional: a listed embedding call's per-table words written in C++ (else in Python,
+    # about 1 us a table of host time)
+    from .ops.gpu import records
+    if records.native_writer() is not None:
+        found.append(Finding(OK, "table records", "written by _rocmoe_records (C++)"))
+    else:
+        found.append(Finding(WARN, "table records",
+                             f"written in Python ({records.native_problem()}); rebuild with "
+                             "torch importable (`pip install --no-build-isolation -e .`) for "
+                             "less host time a listed embedding call"))
+    return found
 
 
 _MPI_PROBE = ("from mpi4py import MPI; c = MPI.COMM_WORLD; "

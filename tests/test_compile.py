@@ -374,6 +374,9 @@ def test_cmake_hip_build_links_against_amdhip64(tmp_path):
     assert "rocmoe_ipc_store_signal" in _dynamic_symbols(lib)
     assert "libamdhip64" in _needed(lib)
     assert list((tmp_path / "hip").glob("_rocmoe_cffi*.so")), "the cffi module was not built"
+    # the table-records writer is host C++ even when hipcc compiles it (CMakeLists.txt)
+    assert list((tmp_path / "hip").glob("_rocmoe_records*.so")), \
+        "_rocmoe_records was not built with hipcc as the C++ compiler"
 
 
 def test_cmake_cuda_build_links_against_cudart(tmp_path):

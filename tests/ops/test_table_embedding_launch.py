@@ -13,12 +13,24 @@ import torch
 from rocmoe._native import ffi
 from rocmoe.ops import gpu
 from rocmoe.ops._common import MODES
-from rocmoe.ops.gpu import embedding_launch
+from rocmoe.ops.gpu import embedding_launch, records
 
 ROWS, DIM, BATCH, MOST = (5, 7, 9), 8, 4, 6
 
 
 INLINE = 32  # hip/src/gpu/fused_embedding.hip's kInlineTables (0 in a build without GPU)
+
+
+@pytest.fixture(autouse=True, params=["cpp-writer", "python-writer"])
+def writer(request, monkeypatch):
+    """Every test runs with each of the two writers of a listed call's words
+    (rocmoe/ops/gpu/records.py): the C++ one (_rocmoe_records, built with torch's headers)
+    and the Python one a build without it falls back to."""
+    if request.param == "python-writer":
+        monkeypatch.setattr(records, "native_writer", lambda: None)
+    elif records.native_writer() is None:
+        pytest.skip(f"_rocmoe_records is not built: {records.native_problem()}")
+    return request.param
 
 
 def _fake_gpu(monkeypatch):
@@ -247,3 +259,42 @@ def test_each_fire_lands_its_own_batch_and_output(monkeypatch):
         assert launch.prepare(weights, indices, offsets, BATCH) == BATCH
         launch.fire(BATCH, o)
         assert (seen[-1]["batch"], seen[-1]["out"]) == (BATCH, o.data_ptr())
+
+
+def test_a_listed_call_in_tuples_writes_the_same_words_as_in_lists(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, indices, offsets = _inputs()
+    _call(launch, tuple(weights), tuple(indices), tuple(offsets))
+    assert [t["indices"] for t in seen[0]["tables"]] == [i.data_ptr() for i in indices]
+    assert [t["offsets"] for t in seen[0]["tables"]] == [o.data_ptr() for o in offsets]
+
+
+def test_parameter_tables_are_taken_as_plain_tensors(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, indices, offsets = _inputs()
+    params = [torch.nn.Parameter(w, requires_grad=False) for w in weights]
+    assert _call(launch, params, indices, offsets) == BATCH
+    assert [t["weights"] for t in seen[0]["tables"]] == [w.data_ptr() for w in weights]
+
+
+class _Marked(torch.Tensor):
+    """A tensor subclass: the fast path leaves it to the general path."""
+
+
+def test_a_table_of_a_tensor_subclass_goes_to_the_general_path_at_once(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, indices, offsets = _inputs()
+    weights[1] = weights[1].as_subclass(_Marked)
+    adopted = []
+    adopt = launch._adopt
+    monkeypatch.setattr(launch, "_adopt", lambda w: adopted.append(1) or adopt(w))
+    assert launch.prepare(weights, indices, offsets, BATCH) is None and not seen
+    assert len(adopted) == 1  # adopted once, then declined: never adopted over and over
+
+
+def test_lookups_on_another_device_go_to_the_general_path(monkeypatch):
+    launch, seen = _launch(monkeypatch)
+    weights, indices, offsets = _inputs()
+    _call(launch, weights, indices, offsets)
+    launch.index = 0  # the handle's GPU is device 0 now; the CPU lookups are elsewhere
+    assert launch.prepare(weights, indices, offsets, BATCH) is None

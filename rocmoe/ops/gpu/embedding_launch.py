@@ -12,6 +12,7 @@ import torch
 
 from ... import errors
 from .._common import MODES
+from . import records
 from .hip_args import _StructLaunch, _fill, _launched, _stream_ptr, _word_view
 from .team import team_for
 
@@ -143,10 +144,11 @@ class TableEmbeddingLaunch(_StructLaunch):
     (EmbeddingAllToAll.__call__), written once, with its own table records. A call checks and
     writes each table's three per-call words (indices, offsets, index count) in one pass,
     and each table's weight pointer only when the tables are not the ones it adopted last
-    (identity, then data_ptr: a `.data =` swap keeps the object but moves the storage). Host
-    time grows by well under a microsecond a table (the first version, which checked every
-    table in one pass and wrote the records in another, spent about 2 us a table: 67 us a
-    call at 26 tables on the H200's host).
+    (identity, then data_ptr: a `.data =` swap keeps the object but moves the storage). The
+    per-table pass runs in C++ where _rocmoe_records was built (records.py): about 0.05 us a
+    table on CI's host, against 1.1 us for the same pass in Python (and 2 us a table, 67 us
+    a call at 26 tables on the H200's host, for the first version, which checked every
+    table in one pass and wrote the records in another).
 
     `prepare` returns the call's global batch with the records written, or None when any
     table needs what the general path does (int32 or strided indices, per-sample weights,
@@ -168,6 +170,10 @@ class TableEmbeddingLaunch(_StructLaunch):
         # the records as flat int64 words: table t's field f is word t * len(_REC) + f
         self.records = memoryview(ffi.buffer(tables)).cast("B").cast("q")
         self.tables = tables  # args.tables points into it and does not own it
+        # each table's per-call words, checked and written in C++ where that was built
+        # (records.py: about 10 ns a table, against 0.9 us in Python)
+        self._write, self._records_arg = records.lookup_writer(
+            int(ffi.cast("intptr_t", tables)), self.records)
         super().__init__(handle, args, lib.rocmoe_gpu_embedding_a2a)
         self._per_call_words(view, at, ("stream", "batch", "out"))
         self.index = handle._device_index  # what get_device() says of the handle's tensors
@@ -221,29 +227,17 @@ class TableEmbeddingLaunch(_StructLaunch):
             return None
         if batch < 0 or batch > self.max_batch or batch % self.world:
             return None
-        rec, index, most, i64, tensor = self.records, self.index, self.most, _I64, _TENSOR
-        stride, f_idx, f_off, f_num = len(_REC), _REC["indices"], _REC["offsets"], \
-            _REC["num_indices"]
         self.stacked_words = None  # the records get this call's words, whatever comes
-        at = 0
-        for w, idx, off, ptr in zip(weights, indices, offsets, self.weight_ptrs):
-            if not (type(idx) is tensor and type(off) is tensor and idx.dtype is i64
-                    and off.dtype is i64 and idx.get_device() == index
-                    and off.get_device() == index and idx.dim() == 1 and off.dim() == 1
-                    and idx.is_contiguous() and off.is_contiguous()
-                    and off.numel() == batch):
-                return None
-            if w.data_ptr() != ptr:  # a table moved: adopt the tables again, then start over
-                return self.prepare(weights, indices, offsets, batch) \
-                    if self._adopt(weights) else None
-            n = idx.numel()
-            if n > most:
-                return None
-            rec[at + f_idx] = idx.data_ptr()
-            rec[at + f_off] = off.data_ptr()
-            rec[at + f_num] = n
-            at += stride
-        return batch
+        if type(weights) not in _SEQUENCES:
+            weights = list(weights)
+        code = self._write(weights, indices, offsets, self._records_arg, _STRIDE, _FIELDS,
+                           self.index, batch, self.most)
+        if code == records.WRITTEN:
+            return batch
+        if code == records.MOVED:  # a table moved: adopt the tables again, then start over
+            return self.prepare(weights, indices, offsets, batch) \
+                if self._adopt(weights) else None
+        return None
 
     def _prepare_stacked(self, weights, indices, offsets, batch) -> Optional[int]:
         """`prepare` for stacked lookups: `indices` [num_tables, L] and `offsets`
@@ -299,6 +293,9 @@ class TableEmbeddingLaunch(_StructLaunch):
 _TENSOR = torch.Tensor
 
 
+_SEQUENCES = (list, tuple)
+
+
 _I64 = torch.int64
 
 
@@ -308,6 +305,9 @@ _DATA_PTR = torch.Tensor.data_ptr
 # rocmoe_gpu_table's fields as int64 columns (checked against the C layout at first use)
 _REC = {"weights": 0, "indices": 1, "offsets": 2, "per_sample_weights": 3, "rows": 4,
         "num_indices": 5}
+# a table's record in int64 words, and the words of it a listed call checks and writes
+_STRIDE = len(_REC)
+_FIELDS = tuple(_REC[f] for f in ("weights", "indices", "offsets", "num_indices"))
 
 
 def _table_records(ffi, tables, n: int):
