@@ -253,3 +253,20 @@ def test_bench_dispatches_to_the_module_main(monkeypatch):
     monkeypatch.setattr(heap, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["bench", "heap", "--quick", "--sizes", "4K"]) == 0
     assert seen == [["--quick", "--sizes", "4K"]]
+
+
+def test_doctor_says_the_cpp_writer_writes_listed_lookups_where_it_was_built():
+    from rocmoe.ops.gpu import records
+    if records.native_writer() is None:
+        pytest.skip(f"_rocmoe_records is not built: {records.native_problem()}")
+    found = [f for f in doctor.check_native() if f.check == "table records"]
+    assert len(found) == 1 and found[0].status == doctor.OK and "C++" in found[0].message
+
+
+def test_doctor_warns_when_listed_lookups_fall_back_to_the_python_writer(monkeypatch):
+    from rocmoe.ops.gpu import records
+    monkeypatch.setattr(records, "native_writer", lambda: None)
+    monkeypatch.setattr(records, "_native_problem", "ImportError: built for another torch")
+    found = [f for f in doctor.check_native() if f.check == "table records"]
+    assert len(found) == 1 and found[0].status == doctor.WARN, found
+    assert "another torch" in found[0].message and "Python" in found[0].message
