@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from rocmoe.bench.timing import captured, interleaved_ms  # noqa: E402
 
 
 @triton.jit
@@ -110,38 +111,11 @@ def bare_call(v: dict, x: torch.Tensor, w: torch.Tensor):
     return call
 
 
-def graph_of(fn, before=None):
-    """One call of fn (after `before`, when given) captured in a CUDA graph: its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=side):
-        if before is not None:
-            before()
-        fn()
-    torch.cuda.synchronize()
-    return g.replay
-
-
 def replay_us(replay, replays: int = 20, rounds: int = 7) -> float:
-    """Median us per replay of `replays` back-to-back replays behind a GPU sleep."""
-    replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(2_000_000)
-        s.record()
-        for _ in range(replays):
-            replay()
-        e.record()
-        e.synchronize()
-        samples.append(s.elapsed_time(e) * 1e3 / replays)
-    return statistics.median(samples)
+    """Median us per replay of `replays` back-to-back replays behind an untimed one (the
+    GPU busy when the first timed replay is launched)."""
+    return interleaved_ms({0: (lambda: None, replay)}, rounds=rounds, calls=replays,
+                          queued=True)[0] * 1e3
 
 
 def traced(replay, replays: int = 30) -> list:
@@ -188,12 +162,12 @@ def summarize(ops: list, per_replay: int, skip_names=()) -> dict:
 def study(name: str, fn, flush, replays: int) -> dict:
     rec = dict(case=name)
     try:
-        warm = graph_of(fn)
+        warm = captured(fn)
         rec["graph_us"] = round(replay_us(warm), 2)
         ops = traced(warm, replays)
         per = max(1, len(ops) // replays)
         rec["warm"] = summarize(ops, per)
-        cold = graph_of(fn, before=flush)
+        cold = captured(lambda: (flush(), fn()))
         rec["flushed_graph_us"] = round(replay_us(cold), 2)
         ops = traced(cold, replays)
         per = max(1, len(ops) // replays)
