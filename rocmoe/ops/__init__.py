@@ -67,6 +67,17 @@ def _anchor(ctx) -> torch.Tensor:
 # ...) is (None where torch does not say: then every call goes through the dispatcher)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+# whether a torch-function mode is active (has_torch_function says so only for a sequence
+# that holds a tensor; `_direct_call` asks before looking at any tensor)
+_function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+
+
+def _direct_call() -> bool:
+    """The call-wide half of `_direct`: grad mode off, not compiling, no torch-function or
+    torch-dispatch mode and no torch.func transform active."""
+    return not (torch.is_grad_enabled() or _dispatch_modes is None or _transforms_active is None
+                or _function_modes is None or torch.compiler.is_compiling()
+                or _dispatch_modes() or _transforms_active() or _function_modes())
 
 
 def _direct(tensors) -> bool:
@@ -78,10 +89,9 @@ def _direct(tensors) -> bool:
     (benchmarks/probe_functional_host.py), half a GEMV call. Every other call takes the
     custom op, so autograd, torch.compile, torch.func, fake tensors and modes see the op as
     before."""
-    # (a loop, not all() over a generator: this runs before every direct call's launch)
-    if (torch.is_grad_enabled() or _dispatch_modes is None or _transforms_active is None
-            or torch.compiler.is_compiling() or _dispatch_modes() or _transforms_active()):
+    if not _direct_call():
         return False
+    # (a loop, not all() over a generator: this runs before every direct call's launch)
     for t in tensors:
         if type(t) not in PLAIN_TENSORS:  # (the tensor types a direct call takes)
             return False
@@ -132,6 +142,19 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
         if repeat is not None:
             return repeat[0]
     indices, offsets = _as_list(indices), _as_list(offsets)
+    if (per_sample_weights is None and type(weights) is list and type(indices) is list
+            and type(offsets) is list and _direct_call()):
+        # listed lookups, a repeat of the last call at world size 1: the handle's writer
+        # checks each table's three tensors as it writes their words (plain tensors or
+        # Parameters, dtype, device, shape: rocmoe/ops/gpu/records.py), so `_direct`'s loop
+        # over them is not run first (about 2.8 of 6.5 us of this prologue at 26 tables on
+        # the CI host); anything the writer declines goes on below and is checked there
+        repeat = _kernels.embedding_repeat(ctx, weights, indices, offsets, mode)
+        if repeat is not None:
+            return repeat[0]
+        offered = True  # (declined: embedding_forward need not offer these lists again)
+    else:
+        offered = False
     psw = None if per_sample_weights is None else _as_list(per_sample_weights)
     if not (type(weights) is list and type(indices) is list and type(offsets) is list
             and (psw is None or type(psw) is list)):
@@ -139,7 +162,8 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
         return _kernels.embedding_forward(ctx, weights, indices, offsets, mode, psw)[0]
     tensors = weights + indices + offsets + (psw or [])
     if _direct(tensors) or _checked_eagerly(ctx, tensors):
-        return _kernels.embedding_forward(ctx, weights, indices, offsets, mode, psw)[0]
+        return _kernels.embedding_forward(ctx, weights, indices, offsets, mode, psw,
+                                          offer_repeat=not offered)[0]
     layout = ""
     if torch.compiler.is_compiling():
         # the fake kernel needs the global shape: use the layout agreed in an eager call with

@@ -328,9 +328,12 @@ _SEQUENCES = (list, torch.Tensor)  # per-table lookups: listed, or stacked in on
 
 
 def embedding_forward(ctx, weights, indices, offsets, mode="sum", psw=None,
-                      expect: Optional[Sequence[int]] = None) -> torch.Tensor:
+                      expect: Optional[Sequence[int]] = None,
+                      offer_repeat: bool = True) -> torch.Tensor:
+    """(output, agreed layout). `offer_repeat=False`: the caller offered these lookups to
+    the repeat path already and it declined."""
     op = "embedding_all_to_all"
-    if psw is None and expect is None:
+    if offer_repeat and psw is None and expect is None:
         repeat = embedding_repeat(ctx, weights, indices, offsets, mode)
         if repeat is not None:
             return repeat

@@ -9,6 +9,9 @@ host rank (world size 1)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -162,3 +165,81 @@ def test_a_no_grad_call_with_another_tensor_subclass_takes_the_custom_op(ctx, di
     with torch.no_grad():
         ops.gemm_all_to_all(x, w, [6])
     assert dispatched["gemm_all_to_all"] == 1
+
+
+class _FunctionRecorder(torch.overrides.TorchFunctionMode):
+    """A torch-function mode that lets every call through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_a_no_grad_call_under_a_torch_function_mode_takes_the_custom_op(ctx, dispatched,
+                                                                        name):
+    with torch.no_grad(), _FunctionRecorder():
+        got, want = _call(name)
+    assert dispatched[name] >= 1  # (the mode sees the op's call, and may call it itself)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _spy_embedding_repeat(monkeypatch, answer):
+    """Replaces the functional embedding's repeat path (GPU-only, world size 1: its handle's
+    writer checks every table's tensors) with a spy that records its arguments."""
+    seen = []
+
+    def spy(ctx_, weights, indices, offsets, mode):
+        # who offered: rocmoe.ops' function itself, or the implementation after its checks
+        # (spy <- _kernels.embedding_repeat <- the offering function)
+        offerer = sys._getframe(2).f_code
+        seen.append((weights, indices, offsets,
+                     os.path.basename(offerer.co_filename), offerer.co_name))
+        return answer
+    monkeypatch.setattr(_kernels, "_embedding_repeat", spy)
+    return seen
+
+
+def _listed():
+    g = torch.Generator().manual_seed(5)
+    tables = [torch.randn(6, 4, generator=g) for _ in range(3)]
+    idx = [torch.tensor([0, 5, 2]), torch.tensor([1]), torch.tensor([3, 3])]
+    off = [torch.tensor([0, 1]), torch.tensor([0, 0]), torch.tensor([0, 2])]
+    return tables, idx, off
+
+
+def test_listed_lookups_without_grad_go_to_the_repeat_path_with_every_tensor_as_given(
+        ctx, monkeypatch):
+    out = torch.zeros(1)
+    seen = _spy_embedding_repeat(monkeypatch, (out, []))
+    tables, idx, off = _listed()
+    with torch.no_grad():
+        assert ops.embedding_all_to_all(tables, idx, off) is out
+    assert len(seen) == 1 and seen[0][3:] == ("__init__.py", "embedding_all_to_all")
+    for given, handed in zip((tables, idx, off), seen[0][:3]):
+        assert all(a is b for a, b in zip(given, handed)) and len(given) == len(handed)
+
+
+def test_listed_lookups_the_repeat_path_declines_are_offered_once_and_computed(
+        ctx, monkeypatch):
+    tables, idx, off = _listed()
+    want = ops.embedding_all_to_all(tables, idx, off).detach()
+    seen = _spy_embedding_repeat(monkeypatch, None)
+    with torch.no_grad():
+        got = ops.embedding_all_to_all(tables, idx, off)
+    assert len(seen) == 1
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("context", ["grad", "torch_function_mode"])
+def test_listed_lookups_are_not_offered_to_the_repeat_path_with_grad_or_under_a_mode(
+        ctx, monkeypatch, context):
+    seen = _spy_embedding_repeat(monkeypatch, None)
+    tables, idx, off = _listed()
+    if context == "grad":
+        ops.embedding_all_to_all([t.requires_grad_() for t in tables], idx, off)
+    else:
+        with torch.no_grad(), _FunctionRecorder():
+            ops.embedding_all_to_all(tables, idx, off)
+    # the custom op's implementation (_kernels.embedding_forward) offers them after its own
+    # checks; the function itself, before them, must not
+    assert [s[3:] for s in seen] == [("_kernels.py", "embedding_forward")]
