@@ -19,15 +19,17 @@ from . import triton_gemm_a2a as kernels
 from .gpu import launch_options
 
 # the modes a GemmAllToAll handle runs a tile in: (kernel MODE, the DIRECT path, GROUPS_P2)
-# - direct: world size 1, one W, K unsplit (X's own tiles, no plan)
-# - local / local_grouped: world size 1 with a plan (split K, or W [G, K, N])
+# - direct: world size 1, one W (X's own tiles, no plan; K split or not)
+# - local / local_grouped: world size 1 with a plan (W [G, K, N]; "local", one W with a
+#   plan, is what a handle ran split K in before the direct path split K too)
 # - exchange / exchange_grouped: world size > 1, tiles stored into the peers' heaps
 GEMM_MODES = {"direct": (kernels.MODE_LOCAL, True, 1),
               "local": (kernels.MODE_LOCAL, False, 1),
               "local_grouped": (kernels.MODE_LOCAL, False, 8),
               "exchange": (kernels.MODE_EXCHANGE, False, 1),
               "exchange_grouped": (kernels.MODE_EXCHANGE, False, 8)}
-# every mode a tile that does not split K runs in (the plain local mode is a split K's)
+# every mode a tile that does not split K runs in (a split K runs direct, or in the plain
+# local mode built for it by earlier releases)
 UNSPLIT_MODES = ("direct", "local_grouped", "exchange", "exchange_grouped")
 
 
@@ -73,7 +75,7 @@ def gemm_source(platform: str, dtype: str = "bf16", mode: str = "exchange",
     constexprs = dict(WORLD_P2=world_p2, GROUPS_P2=groups_p2 or mode_groups, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], MODE=kmode, COPY=False,
                       FP32_IEEE=fp32, EVEN_N=even, EVEN_K=even, USE_TMA=tma, SPLIT_K=split_k,
-                      DIRECT=direct and split_k == 1, CLOCK=kernels.device_clock(platform))
+                      DIRECT=direct, CLOCK=kernels.device_clock(platform))
     signature = dict(kernels.aot_signatures(dtype)["gemm_a2a_kernel"])
     if tma:
         signature.update(x_ptr=f"tensordesc<{dtype}[{bm}, {bk}]>",

@@ -293,7 +293,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
     # the last of the tile's tasks to arrive sums the partials in K order (the same result
     # whatever the arrival order), stores the tile and counts it done. A call with more tiles
     # than the scratch holds, or bad counts, runs unsplit.
-    # DIRECT (MODE_LOCAL with G = 1 and SPLIT_K = 1, counts [1]): no plan, see below.
+    # DIRECT (MODE_LOCAL with G = 1, counts [1]): no plan, see below.
     if USE_TMA:
         out_ty = x_ptr.dtype
     else:
@@ -301,7 +301,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
     status = status_addr.to(tl.pointer_type(tl.int32))
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     if DIRECT:
-        # world size 1 with one W and K unsplit: the tiles are X's own, so the K loop's
+        # world size 1 with one W: the tiles are X's own, so the K loop's
         # loads depend on nothing read from memory: the plan below puts a chain of dependent
         # loads (counts, order) and reductions before the first tile load of every program,
         # which cost 1-2 us of a 25 us GEMM on an H200 (probe_gemm_gap_h200.jsonl). The
@@ -311,17 +311,36 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
         # is made), and the kernel ran 6-11 % behind the same tile without a count at
         # 256-512 x 4096^2 (probe_skinny_gemm_h200.jsonl)
         # (rows past the capacity are never stored: a count above it is bad)
+        # SPLIT_K > 1 (tiny X: 16 x 4096 times 4096 x 4096 makes 32 tiles 128 wide): a tile
+        # is SPLIT_K tasks as on the plan's path below, joined at the tile's semaphore; the
+        # count is read by the task that stores. Fewer tiles than the grid's split ones
+        # (a call of fewer rows) split the same; more than the scratch holds run unsplit.
         m_tiles = tl.cdiv(tl.minimum(M, capacity), BLOCK_M)
+        d_tiles = m_tiles * n_tiles_n
+        if SPLIT_K > 1:
+            d_splits = tl.where(d_tiles > split_tiles, 1, SPLIT_K)
+        else:
+            d_splits = 1
+        d_k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), d_splits) * BLOCK_K
         task = tl.program_id(0)
-        while task < m_tiles * n_tiles_n:
-            m_tile, n_tile = _grouped_tile(task, m_tiles, n_tiles_n, GROUP_M)
+        while task < d_tiles * d_splits:
+            tile_task = task // d_splits
+            m_tile, n_tile = _grouped_tile(tile_task, m_tiles, n_tiles_n, GROUP_M)
+            d_lo = (task % d_splits) * d_k_per
             acc = _tile_product(x_ptr, w_ptr, m_tile * BLOCK_M, M - m_tile * BLOCK_M, n_tile,
-                                0, 0, K, N, K, stride_xm, stride_xk, stride_wg, stride_wk,
-                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, COPY, FP32_IEEE,
-                                EVEN_N, EVEN_K, USE_TMA)
-            rows_taken, _ = _direct_count(counts_ptr, capacity, M)
-            _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M, BLOCK_N,
-                        EVEN_N)
+                                0, d_lo, tl.minimum(d_lo + d_k_per, K), N, K, stride_xm,
+                                stride_xk, stride_wg, stride_wk, stride_wn, BLOCK_M, BLOCK_N,
+                                BLOCK_K, COPY, FP32_IEEE, EVEN_N, EVEN_K, USE_TMA)
+            d_store = True
+            if SPLIT_K > 1:
+                if d_splits > 1:
+                    acc, d_store, _ = _split_join(acc, split_addr, split_tiles, tile_task,
+                                                  task % d_splits, True, True, SPLIT_K,
+                                                  BLOCK_M, BLOCK_N)
+            if d_store:
+                rows_taken, _ = _direct_count(counts_ptr, capacity, M)
+                _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M, BLOCK_N,
+                            EVEN_N)
             task += num_programs
         if tl.program_id(0) == 0:
             rows_taken, bad_count = _direct_count(counts_ptr, capacity, M)

@@ -193,6 +193,15 @@ _TUNE_TINY_16BIT = (
     dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
     dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
     dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
+    # split K on the direct path (forty-first session): 16 x 4096 times 4096 x 4096 in 128
+    # tasks of 16 x 128 (K split 4) or 16 x 64 (K split 2) tiles, joined at each tile's
+    # semaphore. Bare Triton kernels of these tiles ran 7.0-7.2 us graph-replayed on an H100
+    # where the kept 16 x 32 x 256 tile ran 9.3 and cuBLAS's split-K kernel and its reduce
+    # 6.7 + 2.0 (results/probe_tiny_graph_h100_fortyfirst_session.jsonl, with torch's sum of
+    # the partials, which the join replaces). The split path with the plan (before the
+    # direct path split) was no faster in the thirty-ninth session's probes.
+    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=4),
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=2),
 )
 
 
@@ -296,11 +305,12 @@ class _GemmLaunch:
             cfg, tiles if scratch_status is None else
             (math.ceil(max(1, x.shape[0]) / bm) + g) * self.n_tiles, dev)
         tasks = tiles * split_k  # a split tile is split_k tasks
-        # world size 1, one W, K unsplit: the kernel's DIRECT path (no plan; X's own tiles)
-        self.direct = self.local and g == 1 and split_k == 1
+        # world size 1, one W: the kernel's DIRECT path (no plan; X's own tiles, K split or
+        # not)
+        self.direct = self.local and g == 1
         if self.direct:
-            tasks = direct_tasks(handle.max_rows, most_rows, bm, self.n_tiles,
-                                 sm_count(dev) if dev.type != "cpu" else _CPU_PROGRAMS)
+            tasks = split_k * direct_tasks(handle.max_rows, most_rows, bm, self.n_tiles,
+                                           sm_count(dev) if dev.type != "cpu" else _CPU_PROGRAMS)
         if self.local and dev.type != "cpu":
             sms = sm_count(dev)
             per_sm = cfg.get("PROGRAMS_PER_SM")
