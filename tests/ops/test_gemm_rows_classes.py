@@ -224,3 +224,31 @@ def test_at_world_size_two_only_the_products_first_plan_is_tuned(monkeypatch):
     assert tuned == [40]
     assert plans == {6: (False, False, {"tuned_at": 40}), 4: (True, False, {"tuned_at": 40}),
                      8: (True, False, {"tuned_at": 40})}
+
+
+_SPLIT_SCRIPT = """
+    import os
+    os.environ["ROCMOE_GEMM_CONFIG"] = '{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 2}'
+    h = ops.GemmAllToAll(ctx, max_rows=1024, K=32, N=32, dtype=torch.float32)
+    h._engine = "triton"
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 32, generator=g)
+    for rows in (12, 5):
+        x = torch.randn(rows, 32, generator=g)
+        with torch.no_grad():
+            out, recv = h(x, w, [rows])
+        assert torch.allclose(out[:rows], x @ w, atol=1e-4), rows
+    print({key[-1]: (plan.direct, plan.constexprs["SPLIT_K"], plan.split_tiles,
+                     plan.split_scratch.numel()) for key, plan in h._launches.items()})
+    h.close()
+"""
+
+
+def test_the_direct_path_splits_k_with_scratch_for_its_rows_class_alone():
+    plans = _interpreted(_SPLIT_SCRIPT)
+    # 12 rows: class 4 (8-15 rows), one 16-row tile times two 16-wide column tiles; 5 rows:
+    # class 3. Both run the DIRECT path with K split in 2, and their scratch holds those 2
+    # tiles (a semaphore word each, 256-byte aligned, then 2 partials of 16 x 16 fp32 a
+    # tile), not the 130 tiles the handle's 1024 rows would make
+    want = (True, 2, 2, 256 + 2 * 2 * 16 * 16 * 4)
+    assert plans == {4: want, 3: want}, plans

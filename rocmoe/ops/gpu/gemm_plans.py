@@ -301,9 +301,15 @@ class _GemmLaunch:
         self.per = g
         # the most tasks the counts could ask for (device counts are never read here)
         tiles = world * (math.ceil(handle.max_rows / bm) + g) * self.n_tiles
-        split_k, self.split_scratch = self._split_scratch(
-            cfg, tiles if scratch_status is None else
-            (math.ceil(max(1, x.shape[0]) / bm) + g) * self.n_tiles, dev)
+        split_tiles = tiles
+        if scratch_status is not None:
+            split_tiles = (math.ceil(max(1, x.shape[0]) / bm) + g) * self.n_tiles
+        elif self.local and g == 1 and most_rows is not None:
+            # the direct path splits the tiles of its rows class's calls (a call of more
+            # rows, which the class never has, would run unsplit): a 16-row class of a
+            # 4096-row handle gets scratch for 16 rows, not for 4096
+            split_tiles = math.ceil(max(1, min(handle.max_rows, most_rows)) / bm) * self.n_tiles
+        split_k, self.split_scratch = self._split_scratch(cfg, split_tiles, dev)
         tasks = tiles * split_k  # a split tile is split_k tasks
         # world size 1, one W: the kernel's DIRECT path (no plan; X's own tiles, K split or
         # not)
