@@ -184,7 +184,14 @@ _TUNE_SKINNY_16BIT = (
 # against 13.1-14.4 for the kept 16 x 32 x 128 tile and 11.5-12.0 for the K step of 256
 # (added after those runs, so not yet tuned by the bench), and 9.9-10.7 against 10.9-11.6 at
 # 64 rows. N 16, split K 2, 8 stages, two warps and cp.async loads instead of TMA were no
-# faster in the probes.
+# faster in the probes. Split K on the direct path (forty-first session: bare Triton kernels
+# of 16 x 128 x 128 split 4 and 16 x 64 x 128 split 2 ran 7.0-7.2 us with W warm where the
+# kept tile ran 9.3, results/probe_tiny_graph_h100_fortyfirst_session.jsonl) lost the
+# tuner's timing once joined at the tiles' semaphores: 12.06 and 11.39 us against 11.27 for
+# the kept 16 x 32 x 256 at 16 x 4096^2, 31.6 / 27.6 against 11.7 at 64 rows, 53.2 / 50.1
+# against 47.7 at 16 x 8192^2 (results/fused_gpu_h100_fortyfirst_session_full.jsonl,
+# "candidates"), so they are not candidates; the direct path keeps its split for a config
+# that asks for one (ROCMOE_GEMM_CONFIG).
 _TINY_ROWS = 64
 _TUNE_TINY_16BIT = (
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
@@ -193,15 +200,6 @@ _TUNE_TINY_16BIT = (
     dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
     dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
     dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
-    # split K on the direct path (forty-first session): 16 x 4096 times 4096 x 4096 in 128
-    # tasks of 16 x 128 (K split 4) or 16 x 64 (K split 2) tiles, joined at each tile's
-    # semaphore. Bare Triton kernels of these tiles ran 7.0-7.2 us graph-replayed on an H100
-    # where the kept 16 x 32 x 256 tile ran 9.3 and cuBLAS's split-K kernel and its reduce
-    # 6.7 + 2.0 (results/probe_tiny_graph_h100_fortyfirst_session.jsonl, with torch's sum of
-    # the partials, which the join replaces). The split path with the plan (before the
-    # direct path split) was no faster in the thirty-ninth session's probes.
-    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=4),
-    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=2),
 )
 
 
