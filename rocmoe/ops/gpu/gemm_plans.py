@@ -191,7 +191,9 @@ _TUNE_SKINNY_16BIT = (
 # the kept 16 x 32 x 256 at 16 x 4096^2, 31.6 / 27.6 against 11.7 at 64 rows, 53.2 / 50.1
 # against 47.7 at 16 x 8192^2 (results/fused_gpu_h100_fortyfirst_session_full.jsonl,
 # "candidates"), so they are not candidates; the direct path keeps its split for a config
-# that asks for one (ROCMOE_GEMM_CONFIG).
+# that asks for one (ROCMOE_GEMM_CONFIG). Deeper pipelines (6-8 stages, K steps of 512) and
+# swapped operands (W's columns as the MMA's rows) were within 0.45 us of the kept tile in
+# bare kernels (results/probe_tiny_graph_stages_h100_fortyfirst_session.jsonl).
 _TINY_ROWS = 64
 _TUNE_TINY_16BIT = (
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
