@@ -561,13 +561,17 @@ def expect_rejected_input(h, x, w, what):
 def check_bad_counts(ctx, dtype, calls):
     # bad device counts on one rank are reported by every rank, and the handle stays usable
     world = ctx.world_size
+    # (and the rows after it are right: with a split-K config, ROCMOE_GEMM_CONFIG, every
+    # tile's semaphore was re-zeroed by the bad call's last task)
     h = device_kernels(ops.GemmAllToAll(ctx, max_rows=8, K=16, N=16, dtype=dtype))
-    x, w, _ = _shared_gemm_case(ctx, dtype)
+    x, w, ref = _shared_gemm_case(ctx, dtype)
     expect_bad_device_counts(h, x, w, "")
     with torch.no_grad():
         out, recv = h(x, w, [2] * world)
     h.synchronize()
     assert recv.cpu().tolist() == [2] * world
+    e = rel_err(out[:2 * world], ref)
+    assert e < TOL[dtype], f"rank {ctx.rank}: relative error {e} after the bad counts"
 
 
 def check_abort(ctx, dtype, calls):

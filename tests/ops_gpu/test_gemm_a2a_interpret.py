@@ -103,6 +103,16 @@ def test_bad_device_counts_are_reported_by_every_rank_and_the_handle_stays_usabl
     assert proc.stdout.count("REJECTED") == ranks, proc.stdout
 
 
+def test_bad_device_counts_on_the_direct_split_k_path_leave_the_next_call_right():
+    # world size 1 with K split in 3: the direct path joins each tile's partials at its
+    # semaphore; a bad count stores nothing, is reported, and the next call is right
+    proc = run_mpi(SCRIPT, 1, "bad_counts", timeout=240,
+                   env=_env(ROCMOE_GEMM_CONFIG='{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, '
+                                              '"SPLIT_K": 3}'))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("REJECTED") == 1, proc.stdout
+
+
 def test_a_rejected_input_aborts_the_call_on_every_rank_without_a_hang():
     proc = run_mpi(SCRIPT, 2, "abort", timeout=240, env=_env())
     assert proc.returncode == 0, proc.stdout
