@@ -133,11 +133,12 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
     ctx = resolve_context(ctx)
     weights = _as_list(weights)
     if (per_sample_weights is None and type(indices) is torch.Tensor
-            and type(offsets) is torch.Tensor and type(weights) is list
-            and _direct(weights + [indices, offsets])):
+            and type(offsets) is torch.Tensor and type(weights) is list and _direct_call()):
         # stacked lookups: a repeat of the last call at world size 1 writes the tables'
         # records from the two tensors as they are (iterating their rows as tensors would
-        # make a view of each: the host time of two tensors a table)
+        # make a view of each: the host time of two tensors a table). The two are plain
+        # tensors (just above) and the handle takes only tables it adopted, plain tensors
+        # or Parameters (gpu.TableEmbeddingLaunch._adopt), so no per-tensor loop first
         repeat = _kernels.embedding_repeat(ctx, weights, indices, offsets, mode)
         if repeat is not None:
             return repeat[0]

@@ -230,16 +230,20 @@ def test_listed_lookups_the_repeat_path_declines_are_offered_once_and_computed(
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("form", ["listed", "stacked"])
 @pytest.mark.parametrize("context", ["grad", "torch_function_mode"])
-def test_listed_lookups_are_not_offered_to_the_repeat_path_with_grad_or_under_a_mode(
-        ctx, monkeypatch, context):
+def test_lookups_are_not_offered_to_the_repeat_path_with_grad_or_under_a_mode(
+        ctx, monkeypatch, context, form):
     seen = _spy_embedding_repeat(monkeypatch, None)
     tables, idx, off = _listed()
+    if form == "stacked":  # (two lookups a table, dlrm's lS_i / lS_o)
+        idx = torch.stack([i[:1].repeat(2) for i in idx])
+        off = torch.stack([torch.tensor([0, 1])] * len(tables))
     if context == "grad":
         ops.embedding_all_to_all([t.requires_grad_() for t in tables], idx, off)
     else:
         with torch.no_grad(), _FunctionRecorder():
             ops.embedding_all_to_all(tables, idx, off)
     # the custom op's implementation (_kernels.embedding_forward) offers them after its own
-    # checks; the function itself, before them, must not
+    # checks (as rows, listed); the function itself, before them, must not
     assert [s[3:] for s in seen] == [("_kernels.py", "embedding_forward")]

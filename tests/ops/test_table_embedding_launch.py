@@ -298,3 +298,13 @@ def test_lookups_on_another_device_go_to_the_general_path(monkeypatch):
     _call(launch, weights, indices, offsets)
     launch.index = 0  # the handle's GPU is device 0 now; the CPU lookups are elsewhere
     assert launch.prepare(weights, indices, offsets, BATCH) is None
+
+
+def test_stacked_lookups_on_a_table_of_a_tensor_subclass_go_to_the_general_path(monkeypatch):
+    # the stacked path has no writer check of the tables' types: the handle adopts only
+    # plain tensors and Parameters (rocmoe.ops' functional op relies on it)
+    launch, seen = _launch(monkeypatch)
+    weights, _, _ = _inputs()
+    weights[2] = weights[2].as_subclass(_Marked)
+    idx, off = _stacked()
+    assert launch.prepare(weights, idx, off, BATCH) is None and not seen

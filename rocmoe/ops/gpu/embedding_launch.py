@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ... import errors
-from .._common import MODES
+from .._common import MODES, PLAIN_TENSORS
 from . import records
 from .hip_args import _StructLaunch, _fill, _launched, _stream_ptr, _word_view
 from .team import team_for
@@ -195,7 +195,10 @@ class TableEmbeddingLaunch(_StructLaunch):
         loads need the alignment); writes their pointers and rows into the records."""
         dtype, index, rec, stride = self.handle.dtype, self.index, self.records, len(_REC)
         for w, shape in zip(weights, self.shapes):
-            if not (isinstance(w, torch.Tensor) and w.get_device() == index
+            # (plain tensors and Parameters only: a subclass may override what a tensor
+            # does, so it goes to the general path; the functional op's stacked lookups
+            # rely on this in place of a type check of their own)
+            if not (type(w) in PLAIN_TENSORS and w.get_device() == index
                     and w.dtype is dtype and w.shape == shape and w.is_contiguous()
                     and w.data_ptr() % 16 == 0):
                 return False
