@@ -132,30 +132,26 @@ def embedding_all_to_all(weights: Sequence[torch.Tensor], indices: Sequence[torc
     Returns [B_global // world, T_total, D]: this rank's bags, all tables in global order."""
     ctx = resolve_context(ctx)
     weights = _as_list(weights)
-    if (per_sample_weights is None and type(indices) is torch.Tensor
-            and type(offsets) is torch.Tensor and type(weights) is list and _direct_call()):
-        # stacked lookups: a repeat of the last call at world size 1 writes the tables'
-        # records from the two tensors as they are (iterating their rows as tensors would
-        # make a view of each: the host time of two tensors a table). The two are plain
-        # tensors (just above) and the handle takes only tables it adopted, plain tensors
-        # or Parameters (gpu.TableEmbeddingLaunch._adopt), so no per-tensor loop first
+    # a repeat of the last call at world size 1 may go to its handle before any per-tensor
+    # check: the handle takes only tables it adopted (plain tensors or Parameters,
+    # gpu.TableEmbeddingLaunch._adopt), and its writer checks each table's lookups as it
+    # writes their words (rocmoe/ops/gpu/records.py); what it declines is checked below.
+    # (`_direct`'s loop over every tensor cost about 2.8 of this prologue's 6.5 us at 26
+    # listed tables on the CI host)
+    direct = per_sample_weights is None and type(weights) is list and _direct_call()
+    if direct and type(indices) is torch.Tensor and type(offsets) is torch.Tensor:
+        # stacked lookups: written from the two tensors as they are (iterating their rows
+        # as tensors would make a view of each: the host time of two tensors a table)
         repeat = _kernels.embedding_repeat(ctx, weights, indices, offsets, mode)
         if repeat is not None:
             return repeat[0]
     indices, offsets = _as_list(indices), _as_list(offsets)
-    if (per_sample_weights is None and type(weights) is list and type(indices) is list
-            and type(offsets) is list and _direct_call()):
-        # listed lookups, a repeat of the last call at world size 1: the handle's writer
-        # checks each table's three tensors as it writes their words (plain tensors or
-        # Parameters, dtype, device, shape: rocmoe/ops/gpu/records.py), so `_direct`'s loop
-        # over them is not run first (about 2.8 of 6.5 us of this prologue at 26 tables on
-        # the CI host); anything the writer declines goes on below and is checked there
+    # (offered and declined: embedding_forward need not offer these lists again)
+    offered = direct and type(indices) is list and type(offsets) is list
+    if offered:
         repeat = _kernels.embedding_repeat(ctx, weights, indices, offsets, mode)
         if repeat is not None:
             return repeat[0]
-        offered = True  # (declined: embedding_forward need not offer these lists again)
-    else:
-        offered = False
     psw = None if per_sample_weights is None else _as_list(per_sample_weights)
     if not (type(weights) is list and type(indices) is list and type(offsets) is list
             and (psw is None or type(psw) is list)):
