@@ -194,3 +194,30 @@ def test_idle_gap_trace_results_split_interleaved_calls_by_name_from_their_start
         assert (r["host_to_launch"], r["launch_to_gpu"], r["gpu_busy"]) == (
             to_launch, to_gpu, kernel), r
         assert r["ops"] == [f"{name}_kernel"] and r["gpu_ops"] == 1
+
+
+def test_tiny_gemm_ncu_summary_names_the_split_k_reduce_by_its_call_and_reads_ncu_units(
+        capsys):
+    # benchmarks/ncu_tiny_gemm.py --summarize: a row per kernel of ncu's raw CSV, named from
+    # the "launch N: label" lines before it (cuBLAS's split-K reduce, a second kernel of one
+    # call, by that call's label), values scaled from the unit in ncu's units row (ns to us,
+    # sectors of 32 bytes to MB)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from ncu_tiny_gemm import summarize
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    summarize(str(REPO / "benchmarks" / "results" /
+                  "ncu_tiny_gemm_h100_fortysecond_session_app_replay_16.csv"))
+    # (label: 30 columns, kernel: 28, then the values)
+    rows = [(line[:30].strip(), line[30:58].strip(), line[58:].split())
+            for line in capsys.readouterr().out.splitlines()[1:]]
+    shape = "16x4096x4096"
+    assert [(label, kernel[:14]) for label, kernel, _ in rows] == [
+        (f"handle {shape} (first)", "gemm_a2a_kerne"), (f"handle {shape}", "gemm_a2a_kerne"),
+        (f"torch {shape} (first)", "nvjet_sm90_tst"), (f"torch {shape} (first)", "void cublasLt:"),
+        (f"torch {shape}", "nvjet_sm90_tst"), (f"torch {shape}", "void cublasLt:")], rows
+    # the warm handle call: 11044 ns, 1.4 MB from DRAM, 1.23e6 sectors (39.25 MB) to the SMs,
+    # 128 programs
+    us, dram_mb, to_sm_mb, *_, grid, _ = rows[1][2]
+    assert (us, dram_mb, to_sm_mb, grid) == ("11.04", "1.40", "39.25", "128.00"), rows[1]
