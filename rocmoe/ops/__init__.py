@@ -15,7 +15,10 @@ The fast path is the persistent handles (rocmoe/ops/handles/): `GemmAllToAll`,
 `AllToAllRows`, `EmbeddingAllToAll`, `GemvAllReduce`, created once and then called with no
 host collective, no host synchronisation, and capturable in CUDA/HIP graphs. The functions
 above run on cached handles after agreeing on every call's shapes on the host; a call that
-neither autograd nor a tracer takes part in skips the custom op's dispatch (`_direct`).
+neither autograd nor a tracer takes part in skips the custom op's dispatch (`_direct`). At
+world size 1 on a GPU such a call, when its last call's handle takes it, goes straight to
+that handle (the repeat path: no agreement, no sync), so it can be captured in a CUDA graph
+too, once a first call of its shapes ran outside the capture.
 """
 
 from __future__ import annotations

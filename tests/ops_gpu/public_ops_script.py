@@ -307,6 +307,82 @@ with torch.no_grad():
             (False, f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
         report(f"held_outputs/{name}_round{k // 3}", ok, detail)
 
+# At world size 1 the functions take their handles' repeat paths, which neither sync nor
+# agree on the host: calls of each (GEMV, GEMM, listed and stacked lookups) captured in one
+# CUDA graph replay what eager calls compute on whatever the captured inputs hold at replay
+# time (new values copied in before each replay, as a model's static inputs get them)
+if world == 1:
+    def function_inputs(seed):
+        g = torch.Generator().manual_seed(seed)
+        tabs = [torch.randn(r, 24, generator=g) for r in A]
+        return dict(
+            W=torch.randn(80, 32, generator=g).to(bf16), x=torch.randn(32, generator=g).to(bf16),
+            X=torch.randn(16, 64, generator=g).to(bf16),
+            Wm=(torch.randn(64, 48, generator=g) / 8).to(bf16), tabs=tabs,
+            idx=torch.stack([torch.randint(0, min(A), (3 * B,), generator=g) for _ in A]),
+            offs=torch.arange(0, 3 * B, 3).repeat(len(A), 1))
+
+    def function_calls(t):
+        """The four functional calls on the tensors of `t` (on the GPU), named."""
+        return {
+            "gemv": rocmoe.ops.gemv_all_reduce(t["W"], t["x"], ctx=ctx),
+            "gemm": rocmoe.ops.gemm_all_to_all(t["X"], t["Wm"], [16], ctx=ctx),
+            "embedding_listed": rocmoe.ops.embedding_all_to_all(
+                t["tabs"], list(t["idx"]), list(t["offs"]), ctx=ctx),
+            "embedding_stacked": rocmoe.ops.embedding_all_to_all(
+                t["tabs"], t["idx"], t["offs"], ctx=ctx)}
+
+    def function_references(t):
+        return {
+            "gemv": reference.gemv_all_reduce(t["W"], t["x"], ctx=ctx),
+            "gemm": reference.gemm_all_to_all(t["X"], t["Wm"], [16], ctx=ctx),
+            "embedding_listed": reference.embedding_all_to_all(
+                t["tabs"], list(t["idx"]), list(t["offs"]), ctx=ctx),
+            "embedding_stacked": reference.embedding_all_to_all(
+                t["tabs"], list(t["idx"]), list(t["offs"]), ctx=ctx)}
+
+    def to_dev(t):
+        return {k: [u.to(dev) for u in v] if isinstance(v, list) else v.to(dev)
+                for k, v in t.items()}
+
+    def copy_into(static, t):
+        for k, v in t.items():
+            for dst, src in (zip(static[k], v) if isinstance(v, list) else [(static[k], v)]):
+                dst.copy_(src)
+
+    with torch.no_grad():
+        static = to_dev(function_inputs(1200))
+        function_calls(static)  # each call's first shape: the general path, then repeats
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            function_calls(static)  # warm-up on the capture stream
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                captured = function_calls(static)
+        except Exception as exc:  # noqa: BLE001 - reported as the checks' failure
+            captured = None
+            for name in ("gemv", "gemm", "embedding_listed", "embedding_stacked"):
+                report(f"functions_graph/{name}", False, f"capture: {type(exc).__name__}: {exc}")
+        if captured is not None:
+            wrong_by_call = {name: [] for name in captured}  # what each replay got wrong
+            for replay in range(2):
+                fresh = function_inputs(1300 + replay)
+                copy_into(static, to_dev(fresh))
+                graph.replay()
+                torch.cuda.synchronize()
+                for name, want in function_references(fresh).items():
+                    got = captured[name]
+                    ok, detail = close(got, want, bf16 if name in ("gemv", "gemm") else fp32) \
+                        if got.shape == want.shape else \
+                        (False, f"shape {tuple(got.shape)} vs {tuple(want.shape)}")
+                    wrong_by_call[name] += [] if ok else [f"replay {replay}: {detail}"]
+            for name, wrong in wrong_by_call.items():
+                report(f"functions_graph/{name}", not wrong, "; ".join(wrong))
+
 # bad input on the last rank only: every rank raises, nobody hangs
 counts = [4] * world
 if rank == world - 1:
