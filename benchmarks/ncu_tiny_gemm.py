@@ -23,7 +23,8 @@ not; its save and restore of memory between passes is the likely cause):
 W warm (the graph replays' case): the same with `--replay-mode application`, one shape a
 run and its tile forced (ROCMOE_GEMM_CONFIG, the tuner's pick), so that every pass of the
 program runs the same kernels; the second call of each pair finds W where the first left
-it. Each op runs twice to warm up, then twice between cudaProfilerStart/Stop. A profiled
+it. Each op warms up, then runs twice between cudaProfilerStart/Stop (ncu_ffn.py's
+profile_in_order, which prints the calls' labels in launch order). A profiled
 call may run more than one kernel (cuBLAS's split-K GEMM runs a reduce after it): the
 summary names each row by its call's label and the kernel's own name. Without a profiler
 it is a plain run.
@@ -97,7 +98,8 @@ def main() -> None:
     from rocmoe import ops
     from rocmoe.bench.fused_gpu import random_gemm_inputs
     ctx = rocmoe.init(heap_size=1 << 30)
-    order = []
+    from ncu_ffn import profile_in_order  # (benchmarks/, this script's folder)
+    calls = []
     with torch.no_grad():
         for spec in args.shapes.split(","):
             m, k, n = (int(v) for v in spec.split("x"))
@@ -105,20 +107,12 @@ def main() -> None:
                                       torch.Generator(device=ctx.device).manual_seed(3))
             h = ops.GemmAllToAll(ctx, m, k, n, torch.bfloat16)
             h(x, w, [m])  # (tunes the rows class's tile)
-            order.append((f"handle {m}x{k}x{n}", lambda h=h, x=x, w=w, m=m: h(x, w, [m])))
-            order.append((f"torch {m}x{k}x{n}", lambda x=x, w=w: torch.matmul(x, w)))
-        for _, fn in order:  # warm: compiled, W in the L2
-            fn()
-            fn()
-        torch.cuda.synchronize()
-        torch.cuda.profiler.start()
-        for i, (label, fn) in enumerate(order):
-            fn()
-            fn()  # (the second call is the one whose W the first warmed)
-            print(f"launch {2 * i}: {label} (first)")
-            print(f"launch {2 * i + 1}: {label}")
-        torch.cuda.synchronize()
-        torch.cuda.profiler.stop()
+            calls.append((f"handle {m}x{k}x{n}", lambda h=h, x=x, w=w, m=m: h(x, w, [m])))
+            calls.append((f"torch {m}x{k}x{n}", lambda x=x, w=w: torch.matmul(x, w)))
+        # each op twice in a row: the second call is the one whose W the first warmed
+        profile_in_order([pair for label, fn in calls
+                          for pair in ((f"{label} (first)", fn), (label, fn))],
+                         f"shapes {args.shapes}")
     ctx.finalize()
 
 
