@@ -24,7 +24,11 @@ This probe separates three suspects, per shape:
 
 A variant is o|s (orientation, swapped), then BMxBNxBK, then w<warps>s<stages>k<splits>,
 e.g. o16x32x256w4s4k1 or s16x128x128w4s4k4. Split K > 1: fp32 partial tiles, summed by
-torch after the kernel (its own op in the trace).
+torch after the kernel (its own op in the trace). A last letter sums them in a Triton kernel
+of this file instead: `r` launched plainly, `p` with programmatic dependent launch (PDL:
+the sum's programs start while the product's run, the product's programs let them launch
+at their start, and the sum waits at griddepcontrol.wait for the product's stores), as
+cuBLAS's split-K GEMM runs its reduce after its main kernel.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ import tempfile
 import torch
 import triton
 import triton.language as tl
+try:  # Triton's grid dependency control (Hopper's programmatic dependent launch)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: the `p` variants fail to build, reported per case
+    gdc_launch_dependents = gdc_wait = None
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from rocmoe.bench.timing import captured, interleaved_ms  # noqa: E402
@@ -47,7 +55,11 @@ from rocmoe.bench.timing import captured, interleaved_ms  # noqa: E402
 @triton.jit
 def tiny_kernel(x_desc, w_desc, c_ptr, part_ptr, M, N, K, tiles_n, k_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SWAP: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr):
+                SWAP: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
+                PDL: tl.constexpr = False):
+    if PDL:
+        # let the sum's programs launch now; they wait for this grid's stores
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = pid % SPLIT
     tile = pid // SPLIT
@@ -78,13 +90,30 @@ def tiny_kernel(x_desc, w_desc, c_ptr, part_ptr, M, N, K, tiles_n, k_per_split,
         tl.store(part_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mask)
 
 
+@triton.jit
+def split_sum_kernel(part_ptr, c_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    # c = sum of the SPLIT fp32 partials [SPLIT, M, N], in split order, as c's dtype
+    if PDL:
+        gdc_wait()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, cache_modifier=".cg")
+    tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
 def parse_variant(text: str) -> dict:
+    reduce = text[-1] if text[-1] in "rp" else ""
+    text_all = text
+    text = text[:-1] if reduce else text
     kind, rest = text[0], text[1:]
     dims, rest = rest.split("w")
     warps, rest = rest.split("s")
     stages, splits = rest.split("k")
     bm, bn, bk = (int(v) for v in dims.split("x"))
-    return dict(name=text, swap=kind == "s", BM=bm, BN=bn, BK=bk, warps=int(warps),
+    return dict(name=text_all, reduce=reduce, swap=kind == "s", BM=bm, BN=bn, BK=bk, warps=int(warps),
                 stages=int(stages), split=int(splits))
 
 
@@ -101,12 +130,22 @@ def bare_call(v: dict, x: torch.Tensor, w: torch.Tensor):
     grid = (triton.cdiv(m, v["BM"]) * tiles_n * v["split"],)
     k_per = k // v["split"]
 
+    pdl = v.get("reduce") == "p"
+    sum_block = 512
+    sum_grid = (triton.cdiv(m * n, sum_block),)
+
     def call():
         tiny_kernel[grid](x_desc, w_desc, c, parts, m, n, k, tiles_n, k_per,
                           BLOCK_M=v["BM"], BLOCK_N=v["BN"], BLOCK_K=v["BK"], SWAP=v["swap"],
-                          SPLIT=v["split"], STAGES=v["stages"], num_warps=v["warps"])
+                          SPLIT=v["split"], STAGES=v["stages"], PDL=pdl,
+                          num_warps=v["warps"])
         if v["split"] > 1:
-            torch.sum(parts, 0, out=c)
+            if v.get("reduce"):
+                split_sum_kernel[sum_grid](parts, c, m * n, SPLIT=v["split"], BLOCK=sum_block,
+                                           PDL=pdl, num_warps=4,
+                                           **(dict(launch_pdl=True) if pdl else {}))
+            else:
+                torch.sum(parts, 0, out=c)
         return c
     return call
 
@@ -162,6 +201,10 @@ def summarize(ops: list, per_replay: int, skip_names=()) -> dict:
 def study(name: str, fn, flush, replays: int) -> dict:
     rec = dict(case=name)
     try:
+        # stream-ordered launches, back to back behind an untimed one (as the tuner times)
+        rec["queued_us"] = round(replay_us(fn), 2)
+        ops = traced(fn, replays)
+        rec["eager"] = summarize(ops, max(1, len(ops) // replays))
         warm = captured(fn)
         rec["graph_us"] = round(replay_us(warm), 2)
         ops = traced(warm, replays)
@@ -233,7 +276,8 @@ def main(argv=None) -> int:
                 rec = dict(base, **study(name, fn, flush, args.replays), rel_err=err)
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
-                print(name, shape, rec.get("graph_us"), rec.get("flushed_graph_us"),
+                print(name, shape, rec.get("queued_us"), rec.get("graph_us"),
+                      rec.get("flushed_graph_us"),
                       rec.get("warm", {}).get("op_us"), rec.get("error", ""), flush=True)
         h.close()
     out.close()

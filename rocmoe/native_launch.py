@@ -17,9 +17,11 @@ strides), which is at least as fine as what Triton specialises on; a call whose 
 differ goes back through the JIT. The parameter layout must match the driver's
 (`cuFuncGetParamInfo`: count and size of every parameter), or no native launch is made.
 
-CUDA only, and only for kernels without clusters, PDL, cooperative grids or scratch
-buffers: everywhere else (AMD included, where this has not run) callers keep Triton's
-launcher. ROCMOE_NATIVE_LAUNCH=0 turns it off.
+CUDA only, and only for kernels without clusters, cooperative grids or scratch buffers:
+everywhere else (AMD included, where this has not run) callers keep Triton's launcher. A
+kernel compiled for programmatic dependent launch (Triton's `launch_pdl`) is launched the
+same way through `cuLaunchKernelEx` with the PDL attribute (`rocmoe_cu_launch_pdl`), as
+Triton's own launcher does. ROCMOE_NATIVE_LAUNCH=0 turns it off.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class _Driver:
                               "cuTensorMapEncodeTiled")
         self.ffi, self.lib = ffi, lib
         self.launch = lib.rocmoe_cu_launch
+        # (None: the driver has no cuLaunchKernelEx, so no native PDL launch)
+        self.launch_pdl = lib.rocmoe_cu_launch_pdl if lib.rocmoe_cu_pdl_available() else None
         self.encode = lib.rocmoe_cu_encode_tiled
 
     def params_of(self, function: int) -> list:
@@ -184,11 +188,15 @@ class NativeLaunch:
         if not enabled() or device.type != "cuda" or getattr(torch.version, "hip", None):
             raise Unsupported("native launches are for CUDA only")
         md = compiled.metadata
-        if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False)
-                or getattr(md, "launch_cooperative_grid", False)
+        if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_cooperative_grid", False)
                 or getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0)):
-            raise Unsupported("clusters, PDL, cooperative grids or scratch buffers")
+            raise Unsupported("clusters, cooperative grids or scratch buffers")
         drv = _driver()
+        self.pdl = bool(getattr(md, "launch_pdl", False))
+        if self.pdl and drv.launch_pdl is None:
+            raise Unsupported("a PDL kernel, and the driver has no cuLaunchKernelEx")
+        # the driver call of every launch: PDL kernels keep their attribute
+        self._launch = drv.launch_pdl if self.pdl else drv.launch
         compiled._init_handles()
         self.function = int(compiled.function)
         self.block = 32 * int(md.num_warps)
@@ -405,8 +413,8 @@ class NativeLaunch:
     def launch_as_written(self, grid_x: int, stream: int) -> None:
         """Launch a 1-D grid on `stream` (a raw handle, as stream_getter gives it) with the
         parameter buffer as it stands."""
-        rc = self._drv.launch(self.function, grid_x, 1, 1, self.block, self.shared, stream,
-                              self._params)
+        rc = self._launch(self.function, grid_x, 1, 1, self.block, self.shared, stream,
+                          self._params)
         if rc != 0:
             from ._native import check
             check(rc, "native launch")
@@ -428,9 +436,9 @@ class NativeLaunch:
             return False
         self.written = True
         n = len(grid)
-        rc = self._drv.launch(self.function, grid[0], grid[1] if n > 1 else 1,
-                              grid[2] if n > 2 else 1, self.block, self.shared, self._stream(),
-                              self._params)
+        rc = self._launch(self.function, grid[0], grid[1] if n > 1 else 1,
+                          grid[2] if n > 2 else 1, self.block, self.shared, self._stream(),
+                          self._params)
         if rc != 0:
             from ._native import check
             check(rc, "native launch")

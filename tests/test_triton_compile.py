@@ -81,6 +81,37 @@ def test_split_k_gemm_a2a_builds_with_matrix_instructions(target_key):
         assert instruction in compiled.asm[asm_key], f"no {instruction} for {target_key}"
 
 
+# the tuner's split-and-sum tile (gpu.gemm_plans: SPLIT_SUM)
+_SPLIT_SUM_TILE = next(c for c in gpu_ops.tune_candidates("cuda", rows=16) if c.get("SPLIT_SUM"))
+
+
+def test_split_sum_product_lets_its_dependent_launch_start_on_sm90():
+    # the product of a SPLIT_SUM tile (direct path) signals griddepcontrol.launch_dependents,
+    # so that the sum's programs, launched for PDL, start while it runs
+    build = aot.gemm_source("cuda", "bf16", "direct", _SPLIT_SUM_TILE, tma=True, even=True,
+                            world_p2=2)
+    assert build.constexprs["SPLIT_SUM"] and build.constexprs["PDL"]
+    ptx = triton.compile(build.source, target=TARGETS["sm90"][0], options=build.options).asm["ptx"]
+    assert "griddepcontrol.launch_dependents" in ptx and "mma.sync" in ptx
+
+
+def test_split_sum_waits_for_the_product_on_sm90():
+    build = aot.split_sum_source("cuda", "bf16", _SPLIT_SUM_TILE)
+    assert build.options.get("launch_pdl") is True
+    compiled = triton.compile(build.source, target=TARGETS["sm90"][0], options=build.options)
+    assert "griddepcontrol.wait" in compiled.asm["ptx"]
+    assert compiled.metadata.launch_pdl
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a"])
+def test_split_sum_builds_without_pdl_on_amd(arch):
+    # CDNA has no programmatic dependent launch: the sum follows the product in stream order
+    build = aot.split_sum_source("hip", "bf16", _SPLIT_SUM_TILE)
+    assert build.constexprs["PDL"] is False and "launch_pdl" not in build.options
+    compiled = triton.compile(build.source, target=TARGETS[arch][0], options=build.options)
+    assert "global_load" in compiled.asm["amdgcn"] or "buffer_load" in compiled.asm["amdgcn"]
+
+
 def test_gemm_a2a_signal_is_system_scope_release_on_sm90():
     ptx = _compile("gemm_a2a_kernel", "sm90").asm["ptx"]
     assert re.search(r"atom(\.global)?\.sys\.release\.exch", ptx), "no sys-scope release"

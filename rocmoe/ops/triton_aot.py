@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 
 from . import triton_gemm_a2a as kernels
 from .gpu import launch_options
+from .gpu.gemm_plans import SPLIT_SUM_BLOCK, split_sum_modes, split_sum_options
 
 # the modes a GemmAllToAll handle runs a tile in: (kernel MODE, the DIRECT path, GROUPS_P2)
 # - direct: world size 1, one W (X's own tiles, no plan; K split or not)
@@ -69,19 +70,36 @@ def gemm_source(platform: str, dtype: str = "bf16", mode: str = "exchange",
     cfg = dict(kernels.default_config(platform, fp32), **(extra or {}))
     kmode, direct, mode_groups = GEMM_MODES[mode]
     split_k = int(cfg.get("SPLIT_K", 1))
+    # a split summed by split_kernel's second launch: the direct path only, for
+    # programmatic dependent launch on CUDA (gpu.gemm_plans.split_sum_modes)
+    split_sum, pdl = split_sum_modes(cfg, direct, platform)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     # as gpu.gemm_plans._GemmLaunch makes them (PROGRAMS_PER_SM and USE_TMA in a config are
     # the grid's and the launch's, not constexprs of their own)
     constexprs = dict(WORLD_P2=world_p2, GROUPS_P2=groups_p2 or mode_groups, BLOCK_M=bm,
                       BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], MODE=kmode, COPY=False,
                       FP32_IEEE=fp32, EVEN_N=even, EVEN_K=even, USE_TMA=tma, SPLIT_K=split_k,
-                      DIRECT=direct, CLOCK=kernels.device_clock(platform))
+                      DIRECT=direct, CLOCK=kernels.device_clock(platform),
+                      SPLIT_SUM=split_sum, PDL=pdl)
     signature = dict(kernels.aot_signatures(dtype)["gemm_a2a_kernel"])
     if tma:
         signature.update(x_ptr=f"tensordesc<{dtype}[{bm}, {bk}]>",
                          w_ptr=f"tensordesc<{dtype}[{bk}, {bn}]>")
     return AotBuild(_source("gemm_a2a_kernel", signature, constexprs, divisible),
                     launch_options(cfg), constexprs, cfg)
+
+
+def split_sum_source(platform: str, dtype: str = "bf16", extra: Optional[dict] = None
+                     ) -> AotBuild:
+    """split_sum_kernel, the second launch of a SPLIT_SUM tile config (`extra` over the
+    platform's default, as gemm_source takes it), with the constexprs and launch options
+    gpu.gemm_plans gives it (launched for PDL on CUDA)."""
+    cfg = dict(kernels.default_config(platform, dtype == "fp32"), **(extra or {}))
+    _, pdl = split_sum_modes(cfg, True, platform)
+    constexprs = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      SPLIT_K=int(cfg.get("SPLIT_K", 1)), BLOCK=SPLIT_SUM_BLOCK, PDL=pdl)
+    return AotBuild(_source("split_sum_kernel", kernels.aot_signatures(dtype)["split_sum_kernel"],
+                            constexprs), split_sum_options(pdl), constexprs, cfg)
 
 
 def grouped_tiles_source(platform: str, dtype: str = "bf16", block_n: int = 0, *,

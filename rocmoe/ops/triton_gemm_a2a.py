@@ -162,6 +162,75 @@ def _split_join(acc, split_addr, split_tiles, tile_task, part, has_rows, free,
 
 
 @triton.jit
+def _split_part_store(acc, split_addr, split_tiles, n_tiles_n, m_tile, n_tile, part, N,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    # One K range of a split tile with SPLIT_SUM: its fp32 partial goes to part `part` of
+    # the scratch, laid out as the output is ([SPLIT_K, rows, N] with rows the scratch's
+    # row tiles times BLOCK_M: split_tiles / n_tiles_n of them), so that split_sum_kernel
+    # sums flat ranges of it. Every row of the tile is stored (rows past X's are zeros or
+    # never read); columns past N are not.
+    rows = (split_tiles // n_tiles_n) * BLOCK_M
+    base = (split_addr.to(tl.pointer_type(tl.float32)) + part.to(tl.int64) * rows * N
+            + (m_tile * BLOCK_M).to(tl.int64) * N + n_tile * BLOCK_N)
+    e_r = tl.arange(0, BLOCK_M)
+    e_c = tl.arange(0, BLOCK_N)
+    ptrs = base + (e_r[:, None].to(tl.int64) * N + e_c[None, :])
+    if EVEN_N:
+        # N a multiple of BLOCK_N: every row of the tile starts 16-byte aligned (the
+        # scratch's allocation is, and the compiler cannot see it through the integer
+        # address): 16-byte stores, no column mask
+        tl.store(tl.multiple_of(ptrs, [16, 16]), acc)
+    else:
+        tl.store(ptrs, acc, mask=e_c[None, :] < N - n_tile * BLOCK_N)
+
+
+@_kernel(do_not_specialize=("M",))
+def split_sum_kernel(out_ptr, counts_ptr, M, split_addr, split_tiles, N, capacity,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    # The second launch of a SPLIT_SUM call (gemm_a2a_kernel's DIRECT path, world size 1):
+    # out[:rows_taken] = the sum of the SPLIT_K partials in K order (the same result
+    # whatever order the product's programs ran in), BLOCK elements a program. Why not the
+    # product's own join at a semaphore per tile (_split_join): its last task in reads the
+    # partials back after the others' stores and one atomic, a chain of L2 round trips at
+    # the end of the kernel; on an H100 a 16 x 4096^2 product split 4 ran 12.1 us so
+    # joined against 7.2 bare, and 9.15 us graph-replayed with this sum launched for PDL
+    # (10.12 launched plainly; the unsplit tile 10.9, torch.matmul 9.58:
+    # results/probe_tiny_graph_pdl_h100_fortythird_session.jsonl).
+    # PDL: launched for programmatic dependent launch, this grid starts while the product
+    # runs and waits here for all of it (its stores visible); without PDL the wait returns
+    # at once (the stream ordered the two). Calls of more tiles than the scratch holds ran
+    # unsplit and stored their own rows: nothing to do. The count, recv and the status word
+    # are the product's (it read the count with _direct_count, as here).
+    # The count is read before the wait: it was written before the product was launched
+    # (stream order), so it is there while the product runs, and the partials' loads after
+    # the wait do not wait for it too (one L2 round trip less at the end of the call: on an
+    # H100 the sum read it after the wait and ended 1.3 us after the product where the
+    # probe's sum, with no count, ended 0.45 us after)
+    rows_taken, _ = _direct_count(counts_ptr, capacity, M)
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    split = tl.cdiv(tl.minimum(M, capacity), BLOCK_M) * n_tiles_n <= split_tiles
+    part_elems = ((split_tiles // n_tiles_n) * BLOCK_M).to(tl.int64) * N
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < tl.where(split, rows_taken, 0).to(tl.int64) * N
+    if PDL:
+        _cuda_extra.gdc_wait()
+    if split:
+        parts = split_addr.to(tl.pointer_type(tl.float32))
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            # unmasked, so 16-byte loads: the scratch has room for the last program's whole
+            # block past the last part (_GemmLaunch._split_scratch), and an element past the
+            # rows stored this call is summed from stale partials and not stored
+            # (the scratch's address is an integer, so the compiler cannot know the 16-byte
+            # alignment its allocation has and every part keeps: said here, or every load
+            # is a 4-byte one)
+            acc += tl.load(tl.multiple_of(parts + s * part_elems + offs, 16),
+                           cache_modifier=".cg")
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _pick(values, index, positions):
     # values[index] of a register vector (the masked sum of a one-hot)
     return tl.sum(tl.where(positions == index, values, 0), axis=0)
@@ -281,7 +350,8 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     MODE: tl.constexpr, COPY: tl.constexpr, FP32_IEEE: tl.constexpr,
                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr = False,
                     SPLIT_K: tl.constexpr = 1, DIRECT: tl.constexpr = False,
-                    CLOCK: tl.constexpr = 0):
+                    CLOCK: tl.constexpr = 0, SPLIT_SUM: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
     # counts [world, G] int64 (G = 1 for one W): rows of X, destination-major then group.
     # COPY: no W, the "product" is X itself (the row exchange; N = K). USE_TMA (Hopper):
     # x_ptr / w_ptr are tensor descriptors of X [M, K] and W [G*K, N] with [BLOCK_M, BLOCK_K]
@@ -294,6 +364,12 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
     # whatever the arrival order), stores the tile and counts it done. A call with more tiles
     # than the scratch holds, or bad counts, runs unsplit.
     # DIRECT (MODE_LOCAL with G = 1, counts [1]): no plan, see below.
+    # SPLIT_SUM (DIRECT with SPLIT_K > 1 only): no join here; each task stores its fp32
+    # partial and split_sum_kernel, the next launch, sums them (see there). PDL (with
+    # SPLIT_SUM, Hopper, the sum launched for programmatic dependent launch): this grid
+    # lets the sum's programs launch at once; they wait for its stores at griddepcontrol.wait
+    if PDL:
+        _cuda_extra.gdc_launch_dependents()
     if USE_TMA:
         out_ty = x_ptr.dtype
     else:
@@ -334,9 +410,15 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
             d_store = True
             if SPLIT_K > 1:
                 if d_splits > 1:
-                    acc, d_store, _ = _split_join(acc, split_addr, split_tiles, tile_task,
-                                                  task % d_splits, True, True, SPLIT_K,
-                                                  BLOCK_M, BLOCK_N)
+                    if SPLIT_SUM:
+                        _split_part_store(acc, split_addr, split_tiles, n_tiles_n, m_tile,
+                                          n_tile, task % d_splits, N, BLOCK_M, BLOCK_N,
+                                          EVEN_N)
+                        d_store = False
+                    else:
+                        acc, d_store, _ = _split_join(acc, split_addr, split_tiles,
+                                                      tile_task, task % d_splits, True, True,
+                                                      SPLIT_K, BLOCK_M, BLOCK_N)
             if d_store:
                 rows_taken, _ = _direct_count(counts_ptr, capacity, M)
                 _store_tile(out_ptr, 0, m_tile, n_tile, acc, rows_taken, N, BLOCK_M, BLOCK_N,
@@ -751,7 +833,12 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             split_tiles="i32", WORLD_P2="constexpr", GROUPS_P2="constexpr", BLOCK_M="constexpr",
             BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", MODE="constexpr",
             COPY="constexpr", FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
-            USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr", CLOCK="constexpr"),
+            USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr", CLOCK="constexpr",
+            SPLIT_SUM="constexpr", PDL="constexpr"),
+        "split_sum_kernel": dict(
+            out_ptr=p, counts_ptr=i64, M="i32", split_addr="i64", split_tiles="i32", N="i32",
+            capacity="i64", BLOCK_M="constexpr", BLOCK_N="constexpr", SPLIT_K="constexpr",
+            BLOCK="constexpr", PDL="constexpr"),
         "collect_kernel": dict(
             out_ptr=p, peer_bases_ptr=i64, recv_ptr=i64, status_addr="i64", ws_offset="i64",
             ack_off="i64", count_off="i64", epoch_off="i64", counters_off="i64",

@@ -36,6 +36,23 @@ def test_same_shapes_launch_with_only_the_pointers_written():
     assert nl.stepped == []  # X and W did not move: their maps stay
 
 
+def test_a_split_sum_plan_launches_its_sum_after_the_product():
+    nl = FakeNative()
+    plan = FakePlan()
+    sums = []
+    # the product is launched before its sum, and the sum gets the call's output, counts and M
+    plan.split_sum = lambda out, counts, m: sums.append((len(nl.launched), out, counts, m))
+    lean = _LeanGemmLaunch(plan, None, nl)
+    x, w = torch.randn(64, 16), torch.randn(16, 8)
+    before = nl.generation
+    nl.full_launch()
+    lean.record(x, w, before)
+    out, counts, recv = _outputs()
+    assert lean(x, w, counts, out, recv, STREAM)
+    (launched, s_out, s_counts, s_m), = sums
+    assert launched == 1 and s_out is out and s_counts is counts and s_m == 64
+
+
 def test_a_moved_x_is_written_through_its_step():
     nl, lean, x, w = _setup()
     x2 = x.clone()

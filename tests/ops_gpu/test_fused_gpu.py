@@ -50,6 +50,15 @@ def test_every_tiny_x_tile_matches_reference_on_gpu(tile):
                ROCMOE_GEMM_CONFIG=json.dumps(tile))
 
 
+def test_split_sum_tile_replays_from_cuda_graphs_on_gpu():
+    require_gpu_build()
+    # the split-and-sum tile (its sum launched for PDL on Hopper): the tiny shapes, and
+    # several calls of each handle captured in one graph and replayed, equal to eager
+    tile = next(c for c in _TINY_TILES if c.get("SPLIT_SUM"))
+    run_checks(1, ["tiny", "graph"], ["bf16"], timeout=300, calls=4, ROCMOE_TIMEOUT_S="60",
+               ROCMOE_GEMM_CONFIG=json.dumps(tile))
+
+
 def test_a_tiny_x_tile_carries_the_exchange_between_ranks_on_gpu():
     require_gpu_build()
     run_checks(2, ["tiny"], ["bf16"], timeout=300, calls=4, ROCMOE_TIMEOUT_S="60",

@@ -113,6 +113,37 @@ def test_bad_device_counts_on_the_direct_split_k_path_leave_the_next_call_right(
     assert proc.stdout.count("REJECTED") == 1, proc.stdout
 
 
+_SPLIT_SUM_TILE = '{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3, "SPLIT_SUM": true}'
+
+
+def test_split_sum_adds_the_split_partials_in_a_second_launch():
+    # world size 1, K's two steps split in 3 (one range empty) with SPLIT_SUM: each task
+    # stores its partial and split_sum_kernel, launched after the product, sums them into
+    # the output (on Hopper launched for PDL; here in stream order)
+    proc = run_mpi(SCRIPT, 1, "gemm", "--calls", "3", "--dtype", "fp32,fp16", timeout=300,
+                   env=_env(ROCMOE_TIMEOUT_S="30", ROCMOE_GEMM_CONFIG=_SPLIT_SUM_TILE))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK gemm ") == 2, proc.stdout
+
+
+def test_bad_device_counts_on_the_split_sum_path_leave_the_next_call_right():
+    # the sum stores no row of a call whose count is bad (the product reports it), and the
+    # next call's rows are right
+    proc = run_mpi(SCRIPT, 1, "bad_counts", timeout=240,
+                   env=_env(ROCMOE_GEMM_CONFIG=_SPLIT_SUM_TILE))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("REJECTED") == 1, proc.stdout
+
+
+def test_split_sum_is_a_join_in_the_kernel_between_ranks():
+    # at world size > 1 there is no DIRECT path: a SPLIT_SUM config's split tiles join at
+    # their semaphores and go to the peers as before
+    proc = run_mpi(SCRIPT, 3, "gemm", "--calls", "2", "--dtype", "fp32", timeout=300,
+                   env=_env(ROCMOE_TIMEOUT_S="30", ROCMOE_GEMM_CONFIG=_SPLIT_SUM_TILE))
+    assert proc.returncode == 0, proc.stdout
+    assert proc.stdout.count("OK gemm fp32") == 3, proc.stdout
+
+
 def test_a_rejected_input_aborts_the_call_on_every_rank_without_a_hang():
     proc = run_mpi(SCRIPT, 2, "abort", timeout=240, env=_env())
     assert proc.returncode == 0, proc.stdout

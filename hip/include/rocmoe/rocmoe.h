@@ -398,6 +398,13 @@ int rocmoe_gpu_embedding_inline_tables(void);
 int rocmoe_cu_available(void);
 int rocmoe_cu_launch(uint64_t function, uint32_t grid_x, uint32_t grid_y, uint32_t grid_z,
                      uint32_t block_x, uint32_t shared_bytes, uint64_t stream, void **params);
+/* the same launch with programmatic dependent launch (Hopper's PDL: the kernel may start
+ * before the one ahead of it on the stream ends, and waits for it at griddepcontrol.wait);
+ * rocmoe_cu_pdl_available says whether the driver has cuLaunchKernelEx */
+int rocmoe_cu_pdl_available(void);
+int rocmoe_cu_launch_pdl(uint64_t function, uint32_t grid_x, uint32_t grid_y, uint32_t grid_z,
+                         uint32_t block_x, uint32_t shared_bytes, uint64_t stream,
+                         void **params);
 int rocmoe_cu_param_info(uint64_t function, uint64_t index, uint64_t *offset, uint64_t *size);
 int rocmoe_cu_encode_tiled(void *map, int data_type, uint32_t rank, uint64_t address,
                            const uint64_t *dims, const uint64_t *byte_strides,

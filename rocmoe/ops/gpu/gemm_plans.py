@@ -21,6 +21,23 @@ from .triton_launcher import _LAUNCHERS, _PLATFORM
 
 _CPU_PROGRAMS = 4  # the most programs a GEMM runs on the interpreter (_num_programs)
 
+# split_sum_kernel's elements a program (a 16 x 4096 output is 128 programs)
+SPLIT_SUM_BLOCK = 512
+
+
+def split_sum_modes(cfg: dict, direct: bool, platform: str, pdl_capable: bool = True) -> tuple:
+    """(SPLIT_SUM, PDL) of a tile config: its SPLIT_SUM holds on the DIRECT path with K
+    split (anywhere else a split tile joins in the kernel, _split_join); PDL, the sum
+    launched for programmatic dependent launch, on CUDA where the device has it (Hopper, not
+    the interpreter: tma_capable)."""
+    split_sum = bool(cfg.get("SPLIT_SUM")) and direct and int(cfg.get("SPLIT_K", 1)) > 1
+    return split_sum, split_sum and platform == "cuda" and pdl_capable
+
+
+def split_sum_options(pdl: bool) -> dict:
+    """split_sum_kernel's launch options."""
+    return dict(num_warps=4, **({"launch_pdl": True} if pdl else {}))
+
 
 def direct_tasks(max_rows: int, most_rows: Optional[int], bm: int, n_tiles: int,
                  sms: int) -> int:
@@ -194,6 +211,15 @@ _TUNE_SKINNY_16BIT = (
 # that asks for one (ROCMOE_GEMM_CONFIG). Deeper pipelines (6-8 stages, K steps of 512) and
 # swapped operands (W's columns as the MMA's rows) were within 0.45 us of the kept tile in
 # bare kernels (results/probe_tiny_graph_stages_h100_fortyfirst_session.jsonl).
+#
+# Split K with the partials summed by a second launch (SPLIT_SUM: split_sum_kernel, launched
+# for programmatic dependent launch on Hopper) is what cuBLAS runs at 16 x 4096^2 (its
+# nvjet ..._splitK kernel, then cublasLt::splitKreduce_kernel). Bare, on an H100 (forty-third
+# session, results/probe_tiny_graph_pdl_h100_fortythird_session.jsonl), 16 x 128 x 128
+# split 4 graph-replayed in 9.15 us with the PDL sum (10.12 with the sum launched plainly),
+# against 10.91 for the handle's kept tile and 9.58 for torch.matmul; at 64 x 4096^2 and 16
+# x 8192^2 the split-and-sum variants lost to the unsplit tiles (11.4-13.0 against 10.2;
+# 51.2-52.4 against 49.7), which the tuner times too.
 _TINY_ROWS = 64
 _TUNE_TINY_16BIT = (
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
@@ -202,6 +228,8 @@ _TUNE_TINY_16BIT = (
     dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
     dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6),
     dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, SPLIT_K=4,
+         SPLIT_SUM=True),
 )
 
 
@@ -324,6 +352,10 @@ class _GemmLaunch:
                           else (tasks if tasks <= 8 * sms else min(tasks, 4 * sms)))
         else:
             self.nprog = _num_programs(dev, tasks, cfg.get("PROGRAMS_PER_SM"))
+        # SPLIT_SUM: the split tiles' partials summed by a second launch (_SplitSum, made
+        # below once the capacity is known)
+        split_sum, pdl = split_sum_modes(dict(cfg, SPLIT_K=split_k), self.direct, _PLATFORM,
+                                         tma_capable(dev))
         self.options = launch_options(cfg) if dev.type != "cpu" else {}
         self.use_tma_wanted = bool(cfg.get("USE_TMA")) and not self.copy
         self.fixed_spec = None
@@ -336,7 +368,8 @@ class _GemmLaunch:
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
             MODE=0 if self.local else 1, COPY=self.copy, FP32_IEEE=x.dtype == torch.float32,
             EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False,
-            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock())
+            SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock(), SPLIT_SUM=split_sum,
+            PDL=pdl)
         self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
                     self.nprog)
         layout = handle.layout
@@ -349,6 +382,7 @@ class _GemmLaunch:
         self.split_args = ((self.split_scratch.data_ptr(), self.split_tiles)
                            if self.split_scratch is not None else (0, 0))
         self.capacity = layout.capacity if scratch_status is None else 1 << 62
+        self.split_sum = _SplitSum(self, n, split_k, pdl, dev) if split_sum else None
         if not self.local:
             rows = 64 if dev.type != "cpu" else 16
             self.collect_blocks = math.ceil(layout.capacity / rows)
@@ -371,8 +405,10 @@ class _GemmLaunch:
         self.split_tiles = int(tiles)
         if split_k <= 1 or self.copy:
             return 1, None
+        # (+ one block of split_sum_kernel: its last program loads a whole block past the
+        # last part's rows, unmasked)
         nbytes = (math.ceil(tiles * 4 / 256) * 256
-                  + tiles * split_k * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 4)
+                  + tiles * split_k * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 4 + SPLIT_SUM_BLOCK * 4)
         if nbytes > _SPLIT_SCRATCH_MAX or tiles >= 1 << 31:
             return 1, None
         return split_k, torch.zeros(nbytes, dtype=torch.uint8, device=dev)
@@ -398,7 +434,7 @@ class _GemmLaunch:
             raw = self._raw_args(handle, team, x, w, strides_w, counts, out, recv)
             tried = tma_native
             if tma_native.launch((self.nprog,), raw):
-                self._launched(team, out, recv, x.device)
+                self._launched(team, out, recv, x.device, x, counts)
                 return
         if self.copy:
             w_raw, use_tma = x, False
@@ -424,11 +460,13 @@ class _GemmLaunch:
             if use_tma not in self.native and compiled is not None:
                 self.native[use_tma] = native_launch.try_native(compiled, raw, _GEMM_DYNAMIC,
                                                                 x.device)
-        self._launched(team, out, recv, x.device)
+        self._launched(team, out, recv, x.device, x, counts)
 
-    def _launched(self, team, out, recv, device) -> None:
-        """After the kernel of a call is enqueued: the first launch's budget goes, and at
-        world size > 1 the receiving side follows."""
+    def _launched(self, team, out, recv, device, x=None, counts=None) -> None:
+        """After the kernel of a call is enqueued: the split tiles' sum (SPLIT_SUM), the
+        first launch's budget goes, and at world size > 1 the receiving side follows."""
+        if self.split_sum is not None:
+            self.split_sum(out, counts, x.shape[0])
         if not self.launched:
             self._first_launch_done()
         if not self.local:
@@ -459,6 +497,49 @@ class _GemmLaunch:
             if self.collect_native is None and compiled is not None:
                 self.collect_native = native_launch.try_native(compiled, c_args, (0, 1, 2),
                                                                device) or False
+
+
+class _SplitSum:
+    """The second launch of a SPLIT_SUM plan: split_sum_kernel over the plan's split
+    scratch, into the call's output. Its first launch goes through the JIT, later ones
+    natively (cuLaunchKernelEx with the PDL attribute where the plan has PDL), and a call
+    whose out, counts and M are the last native launch's launches the parameter buffer as
+    it stands."""
+
+    def __init__(self, plan: "_GemmLaunch", n: int, split_k: int, pdl: bool, dev):
+        rows = (plan.split_tiles // plan.n_tiles) * plan.bm  # the scratch's rows
+        self.grid = max(1, math.ceil(rows * n / SPLIT_SUM_BLOCK))
+        self.fixed = (plan.split_scratch.data_ptr(), plan.split_tiles, n, plan.capacity)
+        self.constexprs = dict(BLOCK_M=plan.bm, BLOCK_N=plan.cfg["BLOCK_N"], SPLIT_K=split_k,
+                               BLOCK=SPLIT_SUM_BLOCK, PDL=pdl)
+        self.options = split_sum_options(pdl) if dev.type != "cpu" else {}
+        self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
+                    self.grid)
+        self.spec = None
+        self.native = None  # NativeLaunch; False once refused
+        self.stream = native_launch.stream_getter(dev) if dev.type == "cuda" else None
+        self.last, self.generation = None, -1  # (out, counts, M) of the last native launch
+
+    def __call__(self, out: torch.Tensor, counts: torch.Tensor, m: int) -> None:
+        args = (out, counts, m) + self.fixed
+        nl = self.native
+        if nl:
+            last = (out.data_ptr(), counts.data_ptr(), m)
+            if last == self.last and nl.generation == self.generation:
+                nl.launch_as_written(self.grid, self.stream())
+                return
+            if nl.launch((self.grid,), args):
+                self.last, self.generation = last, nl.generation
+                return
+            self.last = None
+        launcher = _LAUNCHERS["split_sum_kernel"]
+        if self.spec is None:  # the arguments a call cannot change, specialised once
+            self.spec = launcher.specialize(args, range(3, len(args)))
+        compiled = launcher((self.grid,), args, self.constexprs, self.options,
+                            (self.key, self.spec), dynamic=(0, 1, 2))
+        if nl is None and compiled is not None:
+            self.native = native_launch.try_native(compiled, args, (0, 1, 2),
+                                                   out.device) or False
 
 
 # gemm_a2a_kernel's arguments as _GemmLaunch passes them: the tensors, M and the strides of
@@ -519,6 +600,10 @@ def _tuned_launch(handle, team, x, w, groups, counts, out,
     scratch_recv = torch.empty(1, dtype=torch.int64, device=x.device)
     best, best_ms, timed = None, float("inf"), []
     candidates = tune_candidates(_PLATFORM, x.shape[0], x.dtype == torch.float32)
+    if team.world > 1 or groups > 1:
+        # the plan itself will not be DIRECT, where a SPLIT_SUM config would join its split
+        # in the kernel instead (split_sum_modes): not the kernel the tuner would time here
+        candidates = tuple(c for c in candidates if not c.get("SPLIT_SUM"))
     local_counts = counts.reshape(team.world, -1).sum(0) if counts.numel() else counts
     for extra in candidates:
         cfg = dict(base, **extra)
@@ -695,6 +780,8 @@ class _LeanGemmLaunch:
             self.recv_cell[0] = self.recv_p = p
         plan = self.plan
         nl.launch_as_written(plan.nprog, stream)
+        if plan.split_sum is not None:
+            plan.split_sum(out, counts, self.m)
         if not plan.local:
             plan._collect(self.team, out, recv, x.device)
         return True

@@ -104,5 +104,5 @@ def _make_specializer(fn):
 
 
 _LAUNCHERS = {name: _Launcher(name) for name in
-              ("gemm_a2a_kernel", "collect_kernel", "abort_kernel", "grouped_weight_grad_kernel",
-               "grouped_plan_kernel", "grouped_tiles_kernel")}
+              ("gemm_a2a_kernel", "split_sum_kernel", "collect_kernel", "abort_kernel",
+               "grouped_weight_grad_kernel", "grouped_plan_kernel", "grouped_tiles_kernel")}
