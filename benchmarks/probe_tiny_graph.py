@@ -23,7 +23,9 @@ This probe separates three suspects, per shape:
         --output probe.jsonl
 
 A variant is o|s (orientation, swapped), then BMxBNxBK, then w<warps>s<stages>k<splits>,
-e.g. o16x32x256w4s4k1 or s16x128x128w4s4k4. Split K > 1: fp32 partial tiles, summed by
+e.g. o16x32x256w4s4k1 or s16x128x128w4s4k4; `oc...` stores the rows of a count read from
+memory after the K loop (as the handle's direct path does), `oe...` the same count read
+before the loop (orientation o only). Split K > 1: fp32 partial tiles, summed by
 torch after the kernel (its own op in the trace). A last letter sums them in a Triton kernel
 of this file instead: `r` launched plainly, `p` with programmatic dependent launch (PDL:
 the sum's programs start while the product's run, the product's programs let them launch
@@ -53,13 +55,18 @@ from rocmoe.bench.timing import captured, interleaved_ms  # noqa: E402
 
 
 @triton.jit
-def tiny_kernel(x_desc, w_desc, c_ptr, part_ptr, M, N, K, tiles_n, k_per_split,
+def tiny_kernel(x_desc, w_desc, c_ptr, part_ptr, count_ptr, M, N, K, tiles_n, k_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SWAP: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-                PDL: tl.constexpr = False):
+                PDL: tl.constexpr = False, COUNT: tl.constexpr = 0):
+    # COUNT 1: the rows stored are a count read from memory after the K loop (as the
+    # handle's DIRECT path reads its count), 2: the same count read before the loop
     if PDL:
         # let the sum's programs launch now; they wait for this grid's stores
         gdc_launch_dependents()
+    rows = M
+    if COUNT == 2:
+        rows = tl.minimum(tl.load(count_ptr), M)
     pid = tl.program_id(0)
     split = pid % SPLIT
     tile = pid // SPLIT
@@ -83,7 +90,9 @@ def tiny_kernel(x_desc, w_desc, c_ptr, part_ptr, M, N, K, tiles_n, k_per_split,
             b = w_desc.load([k, pn * BLOCK_N])
             acc = tl.dot(a, b, acc)
         offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-        mask = rm[:, None] < M
+        if COUNT == 1:
+            rows = tl.minimum(tl.load(count_ptr), M)
+        mask = rm[:, None] < rows
     if SPLIT == 1:
         tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
     else:
@@ -109,11 +118,13 @@ def parse_variant(text: str) -> dict:
     text_all = text
     text = text[:-1] if reduce else text
     kind, rest = text[0], text[1:]
+    count = {"c": 1, "e": 2}.get(rest[0], 0)  # the stored rows read from memory (tiny_kernel)
+    rest = rest[1:] if count else rest
     dims, rest = rest.split("w")
     warps, rest = rest.split("s")
     stages, splits = rest.split("k")
     bm, bn, bk = (int(v) for v in dims.split("x"))
-    return dict(name=text_all, reduce=reduce, swap=kind == "s", BM=bm, BN=bn, BK=bk, warps=int(warps),
+    return dict(name=text_all, reduce=reduce, count=count, swap=kind == "s", BM=bm, BN=bn, BK=bk, warps=int(warps),
                 stages=int(stages), split=int(splits))
 
 
@@ -131,14 +142,15 @@ def bare_call(v: dict, x: torch.Tensor, w: torch.Tensor):
     k_per = k // v["split"]
 
     pdl = v.get("reduce") == "p"
+    count = torch.full((1,), m, dtype=torch.int64, device=x.device)
     sum_block = 512
     sum_grid = (triton.cdiv(m * n, sum_block),)
 
     def call():
-        tiny_kernel[grid](x_desc, w_desc, c, parts, m, n, k, tiles_n, k_per,
+        tiny_kernel[grid](x_desc, w_desc, c, parts, count, m, n, k, tiles_n, k_per,
                           BLOCK_M=v["BM"], BLOCK_N=v["BN"], BLOCK_K=v["BK"], SWAP=v["swap"],
                           SPLIT=v["split"], STAGES=v["stages"], PDL=pdl,
-                          num_warps=v["warps"])
+                          COUNT=v.get("count", 0), num_warps=v["warps"])
         if v["split"] > 1:
             if v.get("reduce"):
                 split_sum_kernel[sum_grid](parts, c, m * n, SPLIT=v["split"], BLOCK=sum_block,
