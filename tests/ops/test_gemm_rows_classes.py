@@ -244,6 +244,19 @@ _SPLIT_SCRIPT = """
 """
 
 
+_SPLIT_SUM_SCRIPT = _SPLIT_SCRIPT.replace(
+    '"SPLIT_K": 2}', '"SPLIT_K": 2, "SPLIT_SUM": true}').replace(
+    "plan.split_scratch.numel())", "plan.split_scratch.numel(), plan.split_sum.grid)")
+
+
+def test_a_split_sum_plan_has_room_for_its_sums_last_block():
+    plans = _interpreted(_SPLIT_SUM_SCRIPT)
+    # the same scratch plus one block of split_sum_kernel (512 fp32: its last program loads
+    # a whole block unmasked), and a sum grid over the scratch's 16 rows x 32 columns
+    want = (True, 2, 2, 256 + 2 * 2 * 16 * 16 * 4 + 512 * 4, 1)
+    assert plans == {4: want, 3: want}, plans
+
+
 def test_the_direct_path_splits_k_with_scratch_for_its_rows_class_alone():
     plans = _interpreted(_SPLIT_SCRIPT)
     # 12 rows: class 4 (8-15 rows), one 16-row tile times two 16-wide column tiles; 5 rows:

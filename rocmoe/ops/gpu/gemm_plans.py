@@ -405,10 +405,11 @@ class _GemmLaunch:
         self.split_tiles = int(tiles)
         if split_k <= 1 or self.copy:
             return 1, None
-        # (+ one block of split_sum_kernel: its last program loads a whole block past the
-        # last part's rows, unmasked)
+        # (+ one block of split_sum_kernel for a SPLIT_SUM config: its last program loads a
+        # whole block past the last part's rows, unmasked)
         nbytes = (math.ceil(tiles * 4 / 256) * 256
-                  + tiles * split_k * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 4 + SPLIT_SUM_BLOCK * 4)
+                  + tiles * split_k * cfg["BLOCK_M"] * cfg["BLOCK_N"] * 4
+                  + (SPLIT_SUM_BLOCK * 4 if cfg.get("SPLIT_SUM") else 0))
         if nbytes > _SPLIT_SCRATCH_MAX or tiles >= 1 << 31:
             return 1, None
         return split_k, torch.zeros(nbytes, dtype=torch.uint8, device=dev)
