@@ -103,17 +103,18 @@ def test_bad_device_counts_are_reported_by_every_rank_and_the_handle_stays_usabl
     assert proc.stdout.count("REJECTED") == ranks, proc.stdout
 
 
-def test_bad_device_counts_on_the_direct_split_k_path_leave_the_next_call_right():
-    # world size 1 with K split in 3: the direct path joins each tile's partials at its
-    # semaphore; a bad count stores nothing, is reported, and the next call is right
-    proc = run_mpi(SCRIPT, 1, "bad_counts", timeout=240,
-                   env=_env(ROCMOE_GEMM_CONFIG='{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, '
-                                              '"SPLIT_K": 3}'))
+_SPLIT_TILE = '{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3}'
+_SPLIT_SUM_TILE = _SPLIT_TILE[:-1] + ', "SPLIT_SUM": true}'
+
+
+@pytest.mark.parametrize("config", [_SPLIT_TILE, _SPLIT_SUM_TILE], ids=["joined", "summed"])
+def test_bad_device_counts_on_the_direct_split_k_path_leave_the_next_call_right(config):
+    # world size 1 with K split in 3, the partials joined at each tile's semaphore or summed
+    # by a second launch (SPLIT_SUM): a bad count stores nothing, is reported (by the
+    # product), and the next call is right
+    proc = run_mpi(SCRIPT, 1, "bad_counts", timeout=240, env=_env(ROCMOE_GEMM_CONFIG=config))
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.count("REJECTED") == 1, proc.stdout
-
-
-_SPLIT_SUM_TILE = '{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "SPLIT_K": 3, "SPLIT_SUM": true}'
 
 
 def test_split_sum_adds_the_split_partials_in_a_second_launch():
@@ -124,15 +125,6 @@ def test_split_sum_adds_the_split_partials_in_a_second_launch():
                    env=_env(ROCMOE_TIMEOUT_S="30", ROCMOE_GEMM_CONFIG=_SPLIT_SUM_TILE))
     assert proc.returncode == 0, proc.stdout
     assert proc.stdout.count("OK gemm ") == 2, proc.stdout
-
-
-def test_bad_device_counts_on_the_split_sum_path_leave_the_next_call_right():
-    # the sum stores no row of a call whose count is bad (the product reports it), and the
-    # next call's rows are right
-    proc = run_mpi(SCRIPT, 1, "bad_counts", timeout=240,
-                   env=_env(ROCMOE_GEMM_CONFIG=_SPLIT_SUM_TILE))
-    assert proc.returncode == 0, proc.stdout
-    assert proc.stdout.count("REJECTED") == 1, proc.stdout
 
 
 def test_split_sum_is_a_join_in_the_kernel_between_ranks():

@@ -463,7 +463,7 @@ class _GemmLaunch:
                                                                 x.device)
         self._launched(team, out, recv, x.device, x, counts)
 
-    def _launched(self, team, out, recv, device, x=None, counts=None) -> None:
+    def _launched(self, team, out, recv, device, x, counts) -> None:
         """After the kernel of a call is enqueued: the split tiles' sum (SPLIT_SUM), the
         first launch's budget goes, and at world size > 1 the receiving side follows."""
         if self.split_sum is not None:
