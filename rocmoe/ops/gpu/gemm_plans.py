@@ -435,7 +435,7 @@ class _GemmLaunch:
             raw = self._raw_args(handle, team, x, w, strides_w, counts, out, recv)
             tried = tma_native
             if tma_native.launch((self.nprog,), raw):
-                self._launched(team, out, recv, x.device, x, counts)
+                self._launched(team, out, recv, x, counts)
                 return
         if self.copy:
             w_raw, use_tma = x, False
@@ -461,9 +461,9 @@ class _GemmLaunch:
             if use_tma not in self.native and compiled is not None:
                 self.native[use_tma] = native_launch.try_native(compiled, raw, _GEMM_DYNAMIC,
                                                                 x.device)
-        self._launched(team, out, recv, x.device, x, counts)
+        self._launched(team, out, recv, x, counts)
 
-    def _launched(self, team, out, recv, device, x, counts) -> None:
+    def _launched(self, team, out, recv, x, counts) -> None:
         """After the kernel of a call is enqueued: the split tiles' sum (SPLIT_SUM), the
         first launch's budget goes, and at world size > 1 the receiving side follows."""
         if self.split_sum is not None:
@@ -471,7 +471,7 @@ class _GemmLaunch:
         if not self.launched:
             self._first_launch_done()
         if not self.local:
-            self._collect(team, out, recv, device)
+            self._collect(team, out, recv, x.device)
 
     def _first_launch_done(self) -> None:
         """The plan's first launch is enqueued: later ones wait the context's timeout. A
