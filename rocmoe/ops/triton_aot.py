@@ -70,7 +70,7 @@ def gemm_source(platform: str, dtype: str = "bf16", mode: str = "exchange",
     cfg = dict(kernels.default_config(platform, fp32), **(extra or {}))
     kmode, direct, mode_groups = GEMM_MODES[mode]
     split_k = int(cfg.get("SPLIT_K", 1))
-    # a split summed by split_kernel's second launch: the direct path only, for
+    # a split summed by split_sum_kernel, a second launch: the direct path only, for
     # programmatic dependent launch on CUDA (gpu.gemm_plans.split_sum_modes)
     split_sum, pdl = split_sum_modes(cfg, direct, platform)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
