@@ -362,7 +362,6 @@ class _GemmLaunch:
         # use_tma -> NativeLaunch (None: refused, see native_launch.last_refusal); made from
         # the kernel the JIT ran on the first call of each
         self.native: dict = {}
-        self.collect_native = None  # NativeLaunch, False when refused
         self.constexprs = dict(
             WORLD_P2=team.world_p2, GROUPS_P2=max(1, 1 << (g - 1).bit_length()), BLOCK_M=bm,
             BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
@@ -391,10 +390,10 @@ class _GemmLaunch:
                                  layout.counts, layout.local, layout.counters, layout.recv,
                                  layout.parity_bytes, layout.source_bytes, team.rank, world, n,
                                  layout.capacity, world * self.collect_blocks)
-            self.collect_const = dict(WORLD_P2=team.world_p2, ROWS=rows, BLOCK_N=cn)
-            self.collect_opts = {"num_warps": 4} if dev.type != "cpu" else {}
-            self.collect_key = (rows, cn, self.collect_blocks)
-            self.collect_spec = None
+            self.collect = _HelperLaunch(
+                "collect_kernel", (world, self.collect_blocks),
+                dict(WORLD_P2=team.world_p2, ROWS=rows, BLOCK_N=cn),
+                {"num_warps": 4} if dev.type != "cpu" else {}, (rows, cn, self.collect_blocks))
 
     def _split_scratch(self, cfg: dict, tiles: int, dev) -> tuple:
         """SPLIT_K of the kernel and its scratch (a semaphore and SPLIT_K fp32 partials for
@@ -486,61 +485,67 @@ class _GemmLaunch:
     def _collect(self, team, out, recv, device) -> None:
         """The receiving side of a call at world size > 1: wait for every source, copy what
         arrived into `out`, acknowledge."""
-        c_args = (out, team.peer_bases, recv, *self.collect_args)
-        cn = self.collect_native
-        if not cn or not cn.launch((team.world, self.collect_blocks), c_args):
-            collect = _LAUNCHERS["collect_kernel"]
-            if self.collect_spec is None:
-                self.collect_spec = collect.specialize(c_args, range(3, len(c_args)))
-            compiled = collect((team.world, self.collect_blocks), c_args, self.collect_const,
-                               self.collect_opts, (self.collect_key, self.collect_spec),
-                               dynamic=(0, 1, 2))
-            if self.collect_native is None and compiled is not None:
-                self.collect_native = native_launch.try_native(compiled, c_args, (0, 1, 2),
-                                                               device) or False
+        self.collect((out, team.peer_bases, recv, *self.collect_args), device)
+
+
+class _HelperLaunch:
+    """One of a plan's helper kernels (the collect, the split sum), launched as the plan
+    launches its product: the first call through the JIT, specialised once on the arguments
+    a call cannot change (all but the first three: the tensors and M), later calls natively
+    where native_launch takes the compiled kernel."""
+
+    DYNAMIC = (0, 1, 2)
+
+    def __init__(self, name: str, grid: tuple, constexprs: dict, options: dict, key):
+        self.name, self.grid = name, grid
+        self.constexprs, self.options, self.key = constexprs, options, key
+        self.spec = None
+        self.native = None  # NativeLaunch; False once refused
+
+    def __call__(self, args: tuple, device) -> bool:
+        """Launch; True when the launch was native."""
+        nl = self.native
+        if nl and nl.launch(self.grid, args):
+            return True
+        launcher = _LAUNCHERS[self.name]
+        if self.spec is None:
+            self.spec = launcher.specialize(args, range(len(self.DYNAMIC), len(args)))
+        compiled = launcher(self.grid, args, self.constexprs, self.options,
+                            (self.key, self.spec), dynamic=self.DYNAMIC)
+        if nl is None and compiled is not None:
+            self.native = native_launch.try_native(compiled, args, self.DYNAMIC,
+                                                   device) or False
+        return False
 
 
 class _SplitSum:
     """The second launch of a SPLIT_SUM plan: split_sum_kernel over the plan's split
-    scratch, into the call's output. Its first launch goes through the JIT, later ones
-    natively (cuLaunchKernelEx with the PDL attribute where the plan has PDL), and a call
-    whose out, counts and M are the last native launch's launches the parameter buffer as
-    it stands."""
+    scratch, into the call's output (a _HelperLaunch: natively after the first call, with
+    the PDL attribute where the plan has PDL). A call whose out, counts and M are the last
+    native launch's launches the parameter buffer as it stands."""
 
     def __init__(self, plan: "_GemmLaunch", n: int, split_k: int, pdl: bool, dev):
         rows = (plan.split_tiles // plan.n_tiles) * plan.bm  # the scratch's rows
         self.grid = max(1, math.ceil(rows * n / SPLIT_SUM_BLOCK))
         self.fixed = (plan.split_scratch.data_ptr(), plan.split_tiles, n, plan.capacity)
-        self.constexprs = dict(BLOCK_M=plan.bm, BLOCK_N=plan.cfg["BLOCK_N"], SPLIT_K=split_k,
-                               BLOCK=SPLIT_SUM_BLOCK, PDL=pdl)
-        self.options = split_sum_options(pdl) if dev.type != "cpu" else {}
-        self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
-                    self.grid)
-        self.spec = None
-        self.native = None  # NativeLaunch; False once refused
+        constexprs = dict(BLOCK_M=plan.bm, BLOCK_N=plan.cfg["BLOCK_N"], SPLIT_K=split_k,
+                          BLOCK=SPLIT_SUM_BLOCK, PDL=pdl)
+        options = split_sum_options(pdl) if dev.type != "cpu" else {}
+        key = (tuple(sorted(constexprs.items())), tuple(sorted(options.items())), self.grid)
+        self.kernel = _HelperLaunch("split_sum_kernel", (self.grid,), constexprs, options, key)
         self.stream = native_launch.stream_getter(dev) if dev.type == "cuda" else None
         self.last, self.generation = None, -1  # (out, counts, M) of the last native launch
 
     def __call__(self, out: torch.Tensor, counts: torch.Tensor, m: int) -> None:
-        args = (out, counts, m) + self.fixed
-        nl = self.native
-        if nl:
-            last = (out.data_ptr(), counts.data_ptr(), m)
-            if last == self.last and nl.generation == self.generation:
-                nl.launch_as_written(self.grid, self.stream())
-                return
-            if nl.launch((self.grid,), args):
-                self.last, self.generation = last, nl.generation
-                return
+        last = (out.data_ptr(), counts.data_ptr(), m)
+        nl = self.kernel.native
+        if nl and last == self.last and nl.generation == self.generation:
+            nl.launch_as_written(self.grid, self.stream())
+            return
+        if self.kernel((out, counts, m) + self.fixed, out.device):
+            self.last, self.generation = last, self.kernel.native.generation
+        else:
             self.last = None
-        launcher = _LAUNCHERS["split_sum_kernel"]
-        if self.spec is None:  # the arguments a call cannot change, specialised once
-            self.spec = launcher.specialize(args, range(3, len(args)))
-        compiled = launcher((self.grid,), args, self.constexprs, self.options,
-                            (self.key, self.spec), dynamic=(0, 1, 2))
-        if nl is None and compiled is not None:
-            self.native = native_launch.try_native(compiled, args, (0, 1, 2),
-                                                   out.device) or False
 
 
 # gemm_a2a_kernel's arguments as _GemmLaunch passes them: the tensors, M and the strides of
