@@ -518,19 +518,24 @@ def _shared_gemm_case(ctx, dtype):
 def expect_bad_device_counts(h, x, w, what):
     """Rank world-1's device counts ask for more rows than it has (2 * world + 5 of
     2 * world): only the kernel sees it; it must report bad input there, and every other
-    rank must raise naming it."""
+    rank must raise naming it. Its X is NaN, so that a row of the rejected call stored on any
+    rank (the direct path's own output at world size 1) shows as NaN."""
     rank, world = h.rank, h.world
     counts = torch.full((world,), 2, dtype=torch.int64)
     if rank == world - 1:
         counts[0] = 7
+        x = torch.full_like(x, float("nan"))
+    out = None
     try:
         with torch.no_grad():
-            h(x, w, counts.to(x.device))
+            out, _ = h(x, w, counts.to(x.device))
         h.synchronize()
     except errors.InvalidArgumentError as exc:
         print(f"RANK {rank} REJECTED {exc}", flush=True)
     else:
         raise AssertionError(f"bad counts were accepted{what}")
+    if out is not None:
+        assert not out.isnan().any(), f"rank {rank}: the rejected call stored rows{what}"
 
 
 def expect_invalid_everywhere(h, call, naming, accepted):
