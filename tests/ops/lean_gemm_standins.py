@@ -52,7 +52,7 @@ class FakeNative:
 
 class FakePlan:
     nprog, local = 7, True
-    split_sum = None  # or a callable (out, counts, M): the sum launch of a SPLIT_SUM plan
+    split_sum = None  # or a callable (out, counts, M, stream): a SPLIT_SUM plan's sum
 
 
 def lean_call_on_cpu(rows: int, k: int, n: int, capacity_rows: int, nl: FakeNative, patch):

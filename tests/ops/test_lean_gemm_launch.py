@@ -40,8 +40,10 @@ def test_a_split_sum_plan_launches_its_sum_after_the_product():
     nl = FakeNative()
     plan = FakePlan()
     sums = []
-    # the product is launched before its sum, and the sum gets the call's output, counts and M
-    plan.split_sum = lambda out, counts, m: sums.append((len(nl.launched), out, counts, m))
+    # the product is launched before its sum, and the sum gets the call's output, counts, M
+    # and stream
+    plan.split_sum = lambda out, counts, m, stream: sums.append(
+        (len(nl.launched), out, counts, m, stream))
     lean = _LeanGemmLaunch(plan, None, nl)
     x, w = torch.randn(64, 16), torch.randn(16, 8)
     before = nl.generation
@@ -49,8 +51,9 @@ def test_a_split_sum_plan_launches_its_sum_after_the_product():
     lean.record(x, w, before)
     out, counts, recv = _outputs()
     assert lean(x, w, counts, out, recv, STREAM)
-    (launched, s_out, s_counts, s_m), = sums
+    (launched, s_out, s_counts, s_m, s_stream), = sums
     assert launched == 1 and s_out is out and s_counts is counts and s_m == 64
+    assert s_stream == STREAM
 
 
 def test_a_moved_x_is_written_through_its_step():

@@ -521,8 +521,10 @@ class _HelperLaunch:
 class _SplitSum:
     """The second launch of a SPLIT_SUM plan: split_sum_kernel over the plan's split
     scratch, into the call's output (a _HelperLaunch: natively after the first call, with
-    the PDL attribute where the plan has PDL). A call whose out, counts and M are the last
-    native launch's launches the parameter buffer as it stands."""
+    the PDL attribute where the plan has PDL). After a native launch, a call of the same M
+    writes only the out and counts addresses that moved (as _LeanGemmLaunch does: an output
+    ring hands out a few buffers in turn, and rewriting every argument cost the lean call
+    about 6 us of host time) and launches the parameter buffer as it stands."""
 
     def __init__(self, plan: "_GemmLaunch", n: int, split_k: int, pdl: bool, dev):
         rows = (plan.split_tiles // plan.n_tiles) * plan.bm  # the scratch's rows
@@ -534,18 +536,35 @@ class _SplitSum:
         key = (tuple(sorted(constexprs.items())), tuple(sorted(options.items())), self.grid)
         self.kernel = _HelperLaunch("split_sum_kernel", (self.grid,), constexprs, options, key)
         self.stream = native_launch.stream_getter(dev) if dev.type == "cuda" else None
-        self.last, self.generation = None, -1  # (out, counts, M) of the last native launch
+        # the native kernel's generation and M at its last full write (-1: none), the
+        # addresses in its buffer, and the cells and compiled alignments of out and counts
+        self.generation, self.m, self.out_p, self.counts_p = -1, -1, 0, 0
+        self.cells = None
 
-    def __call__(self, out: torch.Tensor, counts: torch.Tensor, m: int) -> None:
-        last = (out.data_ptr(), counts.data_ptr(), m)
+    def __call__(self, out: torch.Tensor, counts: torch.Tensor, m: int,
+                 stream: Optional[int] = None) -> None:
+        """Launch after the product; `stream`: the current stream's raw handle, when the
+        caller has it."""
         nl = self.kernel.native
-        if nl and last == self.last and nl.generation == self.generation:
-            nl.launch_as_written(self.grid, self.stream())
-            return
+        if nl and nl.generation == self.generation and m == self.m:
+            (out_cell, out_aligned), (counts_cell, counts_aligned) = self.cells
+            p, q = out.data_ptr(), counts.data_ptr()
+            if (p == self.out_p or ((p & 15) == 0) is out_aligned) and \
+                    (q == self.counts_p or ((q & 15) == 0) is counts_aligned):
+                if p != self.out_p:
+                    out_cell[0] = self.out_p = p
+                if q != self.counts_p:
+                    counts_cell[0] = self.counts_p = q
+                nl.launch_as_written(self.grid, self.stream() if stream is None else stream)
+                return
         if self.kernel((out, counts, m) + self.fixed, out.device):
-            self.last, self.generation = last, self.kernel.native.generation
+            nl = self.kernel.native
+            if self.cells is None:
+                self.cells = (nl.pointer_cell(0), nl.pointer_cell(1))
+            self.generation, self.m = nl.generation, m
+            self.out_p, self.counts_p = out.data_ptr(), counts.data_ptr()
         else:
-            self.last = None
+            self.generation = -1
 
 
 # gemm_a2a_kernel's arguments as _GemmLaunch passes them: the tensors, M and the strides of
@@ -787,7 +806,7 @@ class _LeanGemmLaunch:
         plan = self.plan
         nl.launch_as_written(plan.nprog, stream)
         if plan.split_sum is not None:
-            plan.split_sum(out, counts, self.m)
+            plan.split_sum(out, counts, self.m, stream)
         if not plan.local:
             plan._collect(self.team, out, recv, x.device)
         return True
