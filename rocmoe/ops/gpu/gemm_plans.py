@@ -523,8 +523,9 @@ class _SplitSum:
     scratch, into the call's output (a _HelperLaunch: natively after the first call, with
     the PDL attribute where the plan has PDL). After a native launch, a call of the same M
     writes only the out and counts addresses that moved (as _LeanGemmLaunch does: an output
-    ring hands out a few buffers in turn, and rewriting every argument cost the lean call
-    about 6 us of host time) and launches the parameter buffer as it stands."""
+    ring hands out a few buffers in turn) and launches the parameter buffer as it stands.
+    (The second launch's own driver cost remains: the 16-row lean call took 25.1 us of host
+    time against the 64-row one's 13.1 on the H100, torch.matmul's split-K 30.5 and 18.0.)"""
 
     def __init__(self, plan: "_GemmLaunch", n: int, split_k: int, pdl: bool, dev):
         rows = (plan.split_tiles // plan.n_tiles) * plan.bm  # the scratch's rows
