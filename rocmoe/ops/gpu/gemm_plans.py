@@ -219,7 +219,12 @@ _TUNE_SKINNY_16BIT = (
 # split 4 graph-replayed in 9.15 us with the PDL sum (10.12 with the sum launched plainly),
 # against 10.91 for the handle's kept tile and 9.58 for torch.matmul; at 64 x 4096^2 and 16
 # x 8192^2 the split-and-sum variants lost to the unsplit tiles (11.4-13.0 against 10.2;
-# 51.2-52.4 against 49.7), which the tuner times too.
+# 51.2-52.4 against 49.7), which the tuner times too. In the handle (forty-fourth session,
+# results/fused_gpu_h100_fortyfourth_session_gemm*.jsonl) the tuner kept this tile at 16 x
+# 4096^2 in three runs out of three, graph-replayed at 1.044-1.101 x torch.matmul. At 64 rows
+# no split tile is a candidate: 64 x 64-128 tiles split 2 or 4 ways replayed in 11.6-15.9 us
+# against the unsplit 64 x 32 x 256's 10.4-11.0
+# (results/probe_tiny_graph_split64_h100_fortyfourth_session.jsonl).
 _TINY_ROWS = 64
 _TUNE_TINY_16BIT = (
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
