@@ -30,7 +30,10 @@ torch after the kernel (its own op in the trace). A last letter sums them in a T
 of this file instead: `r` launched plainly, `p` with programmatic dependent launch (PDL:
 the sum's programs start while the product's run, the product's programs let them launch
 at their start, and the sum waits at griddepcontrol.wait for the product's stores), as
-cuBLAS's split-K GEMM runs its reduce after its main kernel.
+cuBLAS's split-K GEMM runs its reduce after its main kernel. Each case also records
+`host_us`, the host's wall time a call with the GPU busy (as rocmoe.bench.fused_gpu's): the
+bare variants' include Triton's Python launcher, so compare them with each other (`p`
+against `r`: the host's cost of a PDL launch), not with the handle.
 """
 
 from __future__ import annotations
@@ -215,6 +218,10 @@ def study(name: str, fn, flush, replays: int) -> dict:
     try:
         # stream-ordered launches, back to back behind an untimed one (as the tuner times)
         rec["queued_us"] = round(replay_us(fn), 2)
+        # host wall time a call with the GPU busy (the bench's host_us): a `p` variant
+        # against its `r` twin is what launching the sum for PDL costs the host
+        from rocmoe.bench.fused_gpu import host_us_samples
+        rec["host_us"] = round(statistics.median(host_us_samples(fn)), 2)
         ops = traced(fn, replays)
         rec["eager"] = summarize(ops, max(1, len(ops) // replays))
         warm = captured(fn)
@@ -288,7 +295,7 @@ def main(argv=None) -> int:
                 rec = dict(base, **study(name, fn, flush, args.replays), rel_err=err)
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
-                print(name, shape, rec.get("queued_us"), rec.get("graph_us"),
+                print(name, shape, rec.get("queued_us"), rec.get("host_us"), rec.get("graph_us"),
                       rec.get("flushed_graph_us"),
                       rec.get("warm", {}).get("op_us"), rec.get("error", ""), flush=True)
         h.close()
