@@ -126,7 +126,8 @@ class CountingCell:
 def _counting_setup():
     nl, lean, x, w = _setup()
     nl.cells = {pos: CountingCell() for pos in POINTER_POSITIONS}
-    lean.out_cell, lean.counts_cell, lean.recv_cell = nl.cells[2], nl.cells[3], nl.cells[6]
+    lean.out_slot.cell, lean.counts_slot.cell, lean.recv_slot.cell = (nl.cells[2], nl.cells[3],
+                                                                      nl.cells[6])
     return nl, lean, x, w
 
 

@@ -523,6 +523,27 @@ class _HelperLaunch:
         return False
 
 
+class _PointerSlot:
+    """A pointer argument in a NativeLaunch's parameter buffer that a caller rewrites in
+    place (native_launch's pointer_cell): the address written last (-1: not known), so that
+    an address already there costs neither its alignment check nor its write (a cffi
+    store). An output ring and the device counts give the same tensors call after call."""
+
+    __slots__ = ("cell", "aligned", "p")
+
+    def __init__(self, native, pos: int):
+        self.cell, self.aligned = native.pointer_cell(pos)
+        self.p = -1
+
+    def put(self, p: int) -> bool:
+        """Write address `p` (not already there); False, with nothing written, when its
+        16-byte alignment is not the one the kernel was compiled for."""
+        if ((p & 15) == 0) is not self.aligned:
+            return False
+        self.cell[0] = self.p = p
+        return True
+
+
 class _SplitSum:
     """The second launch of a SPLIT_SUM plan: split_sum_kernel over the plan's split
     scratch, into the call's output (a _HelperLaunch: natively after the first call, with
@@ -542,10 +563,10 @@ class _SplitSum:
         key = (tuple(sorted(constexprs.items())), tuple(sorted(options.items())), self.grid)
         self.kernel = _HelperLaunch("split_sum_kernel", (self.grid,), constexprs, options, key)
         self.stream = native_launch.stream_getter(dev) if dev.type == "cuda" else None
-        # the native kernel's generation and M at its last full write (-1: none), the
-        # addresses in its buffer, and the cells and compiled alignments of out and counts
-        self.generation, self.m, self.out_p, self.counts_p = -1, -1, 0, 0
-        self.cells = None
+        # the native kernel's generation and M at its last full write (-1: none); its out
+        # and counts slots, made at the first native launch
+        self.generation, self.m = -1, -1
+        self.out_slot = self.counts_slot = None
 
     def __call__(self, out: torch.Tensor, counts: torch.Tensor, m: int,
                  stream: Optional[int] = None) -> None:
@@ -553,22 +574,17 @@ class _SplitSum:
         caller has it."""
         nl = self.kernel.native
         if nl and nl.generation == self.generation and m == self.m:
-            (out_cell, out_aligned), (counts_cell, counts_aligned) = self.cells
             p, q = out.data_ptr(), counts.data_ptr()
-            if (p == self.out_p or ((p & 15) == 0) is out_aligned) and \
-                    (q == self.counts_p or ((q & 15) == 0) is counts_aligned):
-                if p != self.out_p:
-                    out_cell[0] = self.out_p = p
-                if q != self.counts_p:
-                    counts_cell[0] = self.counts_p = q
+            if (p == self.out_slot.p or self.out_slot.put(p)) and \
+                    (q == self.counts_slot.p or self.counts_slot.put(q)):
                 nl.launch_as_written(self.grid, self.stream() if stream is None else stream)
                 return
         if self.kernel((out, counts, m) + self.fixed, out.device):
             nl = self.kernel.native
-            if self.cells is None:
-                self.cells = (nl.pointer_cell(0), nl.pointer_cell(1))
+            if self.out_slot is None:
+                self.out_slot, self.counts_slot = _PointerSlot(nl, 0), _PointerSlot(nl, 1)
             self.generation, self.m = nl.generation, m
-            self.out_p, self.counts_p = out.data_ptr(), counts.data_ptr()
+            self.out_slot.p, self.counts_slot.p = out.data_ptr(), counts.data_ptr()
         else:
             self.generation = -1
 
@@ -758,21 +774,17 @@ class _LeanGemmLaunch:
     def __init__(self, plan: "_GemmLaunch", team: Team, native):
         self.plan, self.team, self.nl = plan, team, native
         self.x_step, self.w_step = native.step(0), native.step(1)
-        self.out_cell, self.out_aligned = native.pointer_cell(2)
-        self.counts_cell, self.counts_aligned = native.pointer_cell(3)
-        self.recv_cell, self.recv_aligned = native.pointer_cell(6)
+        # out, counts and recv: rewritten in place when their address moved
+        self.out_slot, self.counts_slot, self.recv_slot = (
+            _PointerSlot(native, pos) for pos in (2, 3, 6))
         self.gen, self.m, self.xp, self.wp = -1, -1, 0, 0
-        # the out / counts / recv addresses in the buffer since the last record (-1: not
-        # known): an output ring and the device counts give the same tensors call after
-        # call, and an address written already needs neither its alignment check nor its
-        # write (a cffi store), host time before the launch
-        self.out_p = self.counts_p = self.recv_p = -1
 
     def record(self, x: torch.Tensor, w: torch.Tensor, gen_before: int) -> None:
         """After a launch through the plan: the base of the next lean launches, when that
         launch wrote every argument of this kernel (and M > 1, W contiguous)."""
         nl = self.nl
-        self.out_p = self.counts_p = self.recv_p = -1  # the plan wrote every argument
+        # the plan wrote every argument: no address is known to be in the buffer
+        self.out_slot.p = self.counts_slot.p = self.recv_slot.p = -1
         if nl.generation > gen_before and nl.written and x.shape[0] > 1 and w.is_contiguous():
             self.gen, self.m = nl.generation, x.shape[0]
             self.xp, self.wp = x.data_ptr(), w.data_ptr()
@@ -795,20 +807,14 @@ class _LeanGemmLaunch:
                 return False
             self.wp = wp
         p = out.data_ptr()
-        if p != self.out_p:
-            if ((p & 15) == 0) is not self.out_aligned:
-                return False
-            self.out_cell[0] = self.out_p = p
+        if p != self.out_slot.p and not self.out_slot.put(p):
+            return False
         p = counts.data_ptr()
-        if p != self.counts_p:
-            if ((p & 15) == 0) is not self.counts_aligned:
-                return False
-            self.counts_cell[0] = self.counts_p = p
+        if p != self.counts_slot.p and not self.counts_slot.put(p):
+            return False
         p = recv.data_ptr()
-        if p != self.recv_p:
-            if ((p & 15) == 0) is not self.recv_aligned:
-                return False
-            self.recv_cell[0] = self.recv_p = p
+        if p != self.recv_slot.p and not self.recv_slot.put(p):
+            return False
         plan = self.plan
         nl.launch_as_written(plan.nprog, stream)
         if plan.split_sum is not None:
