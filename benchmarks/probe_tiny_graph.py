@@ -25,7 +25,9 @@ This probe separates three suspects, per shape:
 A variant is o|s (orientation, swapped), then BMxBNxBK, then w<warps>s<stages>k<splits>,
 e.g. o16x32x256w4s4k1 or s16x128x128w4s4k4; `oc...` stores the rows of a count read from
 memory after the K loop (as the handle's direct path does), `oe...` the same count read
-before the loop (orientation o only). Split K > 1: fp32 partial tiles, summed by
+before the loop (orientation o only); a `z` there (`oz...`, `ocz...`) starts each
+program's K loop at its own step, so that the programs do not all read one slice of X at
+once. Split K > 1: fp32 partial tiles, summed by
 torch after the kernel (its own op in the trace). A last letter sums them in a Triton kernel
 of this file instead: `r` launched plainly, `p` with programmatic dependent launch (PDL:
 the sum's programs start while the product's run, the product's programs let them launch
@@ -61,7 +63,7 @@ from rocmoe.bench.timing import captured, interleaved_ms  # noqa: E402
 def tiny_kernel(x_desc, w_desc, c_ptr, part_ptr, count_ptr, M, N, K, tiles_n, k_per_split,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 SWAP: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
-                PDL: tl.constexpr = False, COUNT: tl.constexpr = 0):
+                PDL: tl.constexpr = False, COUNT: tl.constexpr = 0, ROT: tl.constexpr = False):
     # COUNT 1: the rows stored are a count read from memory after the K loop (as the
     # handle's DIRECT path reads its count), 2: the same count read before the loop
     if PDL:
@@ -88,10 +90,20 @@ def tiny_kernel(x_desc, w_desc, c_ptr, part_ptr, count_ptr, M, N, K, tiles_n, k_
         mask = rm[None, :] < M
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in tl.range(k_lo, k_lo + k_per_split, BLOCK_K, num_stages=STAGES):
-            a = x_desc.load([pm * BLOCK_M, k])
-            b = w_desc.load([k, pn * BLOCK_N])
-            acc = tl.dot(a, b, acc)
+        if ROT:
+            # each program starts its K loop at its own step (pn mod steps), so the 128
+            # programs read 16 different slices of X at a time, not one slice all at once
+            steps = k_per_split // BLOCK_K
+            for i in tl.range(0, steps, num_stages=STAGES):
+                k = k_lo + ((i + pn) % steps) * BLOCK_K
+                a = x_desc.load([pm * BLOCK_M, k])
+                b = w_desc.load([k, pn * BLOCK_N])
+                acc = tl.dot(a, b, acc)
+        else:
+            for k in tl.range(k_lo, k_lo + k_per_split, BLOCK_K, num_stages=STAGES):
+                a = x_desc.load([pm * BLOCK_M, k])
+                b = w_desc.load([k, pn * BLOCK_N])
+                acc = tl.dot(a, b, acc)
         offs = rm[:, None].to(tl.int64) * N + rn[None, :]
         if COUNT == 1:
             rows = tl.minimum(tl.load(count_ptr), M)
@@ -123,11 +135,13 @@ def parse_variant(text: str) -> dict:
     kind, rest = text[0], text[1:]
     count = {"c": 1, "e": 2}.get(rest[0], 0)  # the stored rows read from memory (tiny_kernel)
     rest = rest[1:] if count else rest
+    rot = rest[0] == "z"  # each program's K loop starts at its own step (orientation o)
+    rest = rest[1:] if rot else rest
     dims, rest = rest.split("w")
     warps, rest = rest.split("s")
     stages, splits = rest.split("k")
     bm, bn, bk = (int(v) for v in dims.split("x"))
-    return dict(name=text_all, reduce=reduce, count=count, swap=kind == "s", BM=bm, BN=bn, BK=bk, warps=int(warps),
+    return dict(name=text_all, reduce=reduce, count=count, rot=rot, swap=kind == "s", BM=bm, BN=bn, BK=bk, warps=int(warps),
                 stages=int(stages), split=int(splits))
 
 
@@ -153,7 +167,8 @@ def bare_call(v: dict, x: torch.Tensor, w: torch.Tensor):
         tiny_kernel[grid](x_desc, w_desc, c, parts, count, m, n, k, tiles_n, k_per,
                           BLOCK_M=v["BM"], BLOCK_N=v["BN"], BLOCK_K=v["BK"], SWAP=v["swap"],
                           SPLIT=v["split"], STAGES=v["stages"], PDL=pdl,
-                          COUNT=v.get("count", 0), num_warps=v["warps"])
+                          COUNT=v.get("count", 0), ROT=v.get("rot", False),
+                          num_warps=v["warps"])
         if v["split"] > 1:
             if v.get("reduce"):
                 split_sum_kernel[sum_grid](parts, c, m * n, SPLIT=v["split"], BLOCK=sum_block,
