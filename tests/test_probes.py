@@ -221,3 +221,31 @@ def test_tiny_gemm_ncu_summary_names_the_split_k_reduce_by_its_call_and_reads_nc
     # 128 programs
     us, dram_mb, to_sm_mb, *_, grid, _ = rows[1][2]
     assert (us, dram_mb, to_sm_mb, grid) == ("11.04", "1.40", "39.25", "128.00"), rows[1]
+
+
+def test_tiny_graph_probe_bare_kernels_match_float64_in_the_interpreter():
+    # benchmarks/probe_tiny_graph.py's bare kernels, as its variants name them: the plain
+    # tile, the count read after the loop (c), each program's K loop started at its own step
+    # (z), and split K summed by torch or by the probe's sum kernel (r); fp32 operands, as
+    # the interpreter computes bf16 dots wrongly on CPU
+    script = (
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(REPO / 'benchmarks')!r})\n"
+        "import probe_tiny_graph as p\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "x = torch.randn(64, 1024, generator=g)\n"
+        "w = torch.randn(1024, 128, generator=g) / 32\n"
+        "ref = x.double() @ w.double()\n"
+        "for name in ('o64x32x256w4s4k1', 'oc64x32x256w4s4k1', 'oz64x32x256w4s4k1',\n"
+        "             'ocz64x32x128w4s6k1', 'o64x32x128w4s4k4', 'oz64x32x128w4s4k2r'):\n"
+        "    got = p.bare_call(p.parse_variant(name), x, w)().double()\n"
+        "    print(name, float((got - ref).norm() / ref.norm()))\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    errors = dict(line.split() for line in proc.stdout.splitlines())
+    assert len(errors) == 6, proc.stdout
+    for name, err in errors.items():
+        assert float(err) < 1e-5, (name, err)
