@@ -10,13 +10,18 @@ import sys
 from rocmoe_testing import REPO
 
 
-def _dry_run(script, *args):
-    """The JSON records of benchmarks/`script` run on CPU under Triton's interpreter."""
+def _interpreter_env() -> dict:
+    """This process's environment with Triton's interpreter on and the repository importable."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def _dry_run(script, *args):
+    """The JSON records of benchmarks/`script` run on CPU under Triton's interpreter."""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--device", "cpu",
-                           "--reps", "1", *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+                           "--reps", "1", *args], env=_interpreter_env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -240,10 +245,8 @@ def test_tiny_graph_probe_bare_kernels_match_float64_in_the_interpreter():
         "             'ocz64x32x128w4s6k1', 'o64x32x128w4s4k4', 'oz64x32x128w4s4k2r'):\n"
         "    got = p.bare_call(p.parse_variant(name), x, w)().double()\n"
         "    print(name, float((got - ref).norm() / ref.norm()))\n")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], env=_interpreter_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     errors = dict(line.split() for line in proc.stdout.splitlines())
     assert len(errors) == 6, proc.stdout
