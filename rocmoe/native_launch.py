@@ -197,6 +197,9 @@ class NativeLaunch:
             raise Unsupported("a PDL kernel, and the driver has no cuLaunchKernelEx")
         # the driver call of every launch: PDL kernels keep their attribute
         self._launch = drv.launch_pdl if self.pdl else drv.launch
+        # launch_as_written(pdl=False): a PDL kernel launched plainly, after everything
+        # before it on its stream (its griddepcontrol.wait then returns at once)
+        self._launch_plain = drv.launch
         compiled._init_handles()
         self.function = int(compiled.function)
         self.block = 32 * int(md.num_warps)
@@ -410,10 +413,10 @@ class NativeLaunch:
             raise Unsupported(f"argument {pos} is not a pointer parameter")
         return fields[0].cell, bool(self._want[pos][0])
 
-    def launch_as_written(self, grid_x: int, stream: int) -> None:
+    def launch_as_written(self, grid_x: int, stream: int, pdl: bool = True) -> None:
         """Launch a 1-D grid on `stream` (a raw handle, as stream_getter gives it) with the
-        parameter buffer as it stands."""
-        rc = self._launch(self.function, grid_x, 1, 1, self.block, self.shared, stream,
+        parameter buffer as it stands; `pdl` False: without a PDL kernel's attribute."""
+        rc = (self._launch if pdl else self._launch_plain)(self.function, grid_x, 1, 1, self.block, self.shared, stream,
                           self._params)
         if rc != 0:
             from ._native import check

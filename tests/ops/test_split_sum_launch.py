@@ -25,7 +25,7 @@ class FakeSumNative:
     def pointer_cell(self, pos):
         return self.cells[pos], True  # compiled for 16-byte aligned addresses
 
-    def launch_as_written(self, grid_x, stream):
+    def launch_as_written(self, grid_x, stream, pdl=True):
         self.launched.append((grid_x, stream, self.cells[0][0], self.cells[1][0]))
 
 
