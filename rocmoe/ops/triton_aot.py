@@ -80,7 +80,7 @@ def gemm_source(platform: str, dtype: str = "bf16", mode: str = "exchange",
                       BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], MODE=kmode, COPY=False,
                       FP32_IEEE=fp32, EVEN_N=even, EVEN_K=even, USE_TMA=tma, SPLIT_K=split_k,
                       DIRECT=direct, CLOCK=kernels.device_clock(platform),
-                      SPLIT_SUM=split_sum, PDL=pdl, ROT=bool(cfg.get("ROT")) and direct)
+                      SPLIT_SUM=split_sum, PDL=pdl)
     signature = dict(kernels.aot_signatures(dtype)["gemm_a2a_kernel"])
     if tma:
         signature.update(x_ptr=f"tensordesc<{dtype}[{bm}, {bk}]>",

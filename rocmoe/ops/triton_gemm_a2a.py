@@ -237,54 +237,17 @@ def _pick(values, index, positions):
 
 
 @triton.jit
-def _k_step(acc, x_ptr, w_ptr, w_group, x_rows, w_cols, rk, row_first, n_tile, g, k0, N, K,
-            stride_xk, stride_xm, stride_wk, stride_wn, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, FP32_IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-            USE_TMA: tl.constexpr, TRANS_W: tl.constexpr):
-    # One BLOCK_K step of _tile_product's K loop, from K index k0 (see there).
-    ks = k0 + rk
-    if USE_TMA:
-        # rows past the segment (other segments', or past M: zeros) are computed
-        # and never stored
-        a = x_ptr.load([row_first.to(tl.int32), k0])
-        if TRANS_W:
-            b = w_ptr.load([tl.cast(g * N + n_tile * BLOCK_N, tl.int32), k0]).T
-        else:
-            b = w_ptr.load([tl.cast(g * K + k0, tl.int32),
-                            (n_tile * BLOCK_N).to(tl.int32)])
-    elif EVEN_K:
-        a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk)
-        b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
-                    + w_cols[None, :] * stride_wn)
-    else:
-        k_ok = ks < K
-        a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
-                    mask=k_ok[None, :], other=0.0)
-        b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
-                    + w_cols[None, :] * stride_wn, mask=k_ok[:, None], other=0.0)
-    if FP32_IEEE:  # float32 inputs: full-precision products, like the host
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
 def _tile_product(x_ptr, w_ptr, row_first, rows_left, n_tile, g, k_lo, k_hi, N, K,
                   stride_xm, stride_xk, stride_wg, stride_wk, stride_wn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   COPY: tl.constexpr, FP32_IEEE: tl.constexpr, EVEN_N: tl.constexpr,
-                  EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, TRANS_W: tl.constexpr = False,
-                  ROT: tl.constexpr = False):
+                  EVEN_K: tl.constexpr, USE_TMA: tl.constexpr, TRANS_W: tl.constexpr = False):
     # One output tile in fp32: X's rows [row_first, row_first + BLOCK_M) (those at or past
     # `rows_left` are not read: the pointer path reads row_first again in their place, TMA
     # zero-fills past X's end; either way they are computed and never stored) times W[g]'s
     # columns of tile n_tile, over K range [k_lo, k_hi). COPY: the tile of X itself.
     # USE_TMA: w_ptr is a descriptor of W as [G * K, N]; with TRANS_W (grouped_tiles_kernel)
     # of W^T's storage as [G * N, K], its boxes turned in registers.
-    # ROT: the K loop starts at step n_tile mod its steps and wraps, so that the tiles of
-    # one row band, run at once, read different slices of X instead of all the same one
-    # (the same sum in another order: fp32 rounding differs, not the product)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -303,21 +266,31 @@ def _tile_product(x_ptr, w_ptr, row_first, rows_left, n_tile, g, k_lo, k_hi, N, 
         else:
             w_cols = tl.where(col_ok, cols, 0).to(tl.int64)
         w_group = w_ptr if USE_TMA else w_ptr + tl.cast(g, tl.int64) * stride_wg
-        if ROT:
-            steps = tl.cdiv(k_hi - k_lo, BLOCK_K)
-            turn = (n_tile % steps).to(tl.int32)
-            for i in range(0, steps):
-                k0 = (k_lo + ((i + turn) % steps) * BLOCK_K).to(tl.int32)
-                acc = _k_step(acc, x_ptr, w_ptr, w_group, x_rows, w_cols, rk, row_first,
-                              n_tile, g, k0, N, K,
-                              stride_xk, stride_xm, stride_wk, stride_wn, BLOCK_N, BLOCK_K,
-                              FP32_IEEE, EVEN_K, USE_TMA, TRANS_W)
-        else:
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                acc = _k_step(acc, x_ptr, w_ptr, w_group, x_rows, w_cols, rk, row_first,
-                              n_tile, g, k0, N, K, stride_xk, stride_xm, stride_wk,
-                              stride_wn, BLOCK_N, BLOCK_K, FP32_IEEE, EVEN_K, USE_TMA,
-                              TRANS_W)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ks = k0 + rk
+            if USE_TMA:
+                # rows past the segment (other segments', or past M: zeros) are computed
+                # and never stored
+                a = x_ptr.load([row_first.to(tl.int32), k0])
+                if TRANS_W:
+                    b = w_ptr.load([tl.cast(g * N + n_tile * BLOCK_N, tl.int32), k0]).T
+                else:
+                    b = w_ptr.load([tl.cast(g * K + k0, tl.int32),
+                                    (n_tile * BLOCK_N).to(tl.int32)])
+            elif EVEN_K:
+                a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk)
+                b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
+                            + w_cols[None, :] * stride_wn)
+            else:
+                k_ok = ks < K
+                a = tl.load(x_ptr + x_rows[:, None] * stride_xm + ks[None, :] * stride_xk,
+                            mask=k_ok[None, :], other=0.0)
+                b = tl.load(w_group + ks[:, None].to(tl.int64) * stride_wk
+                            + w_cols[None, :] * stride_wn, mask=k_ok[:, None], other=0.0)
+            if FP32_IEEE:  # float32 inputs: full-precision products, like the host
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
     return acc
 
 
@@ -378,7 +351,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
                     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_TMA: tl.constexpr = False,
                     SPLIT_K: tl.constexpr = 1, DIRECT: tl.constexpr = False,
                     CLOCK: tl.constexpr = 0, SPLIT_SUM: tl.constexpr = False,
-                    PDL: tl.constexpr = False, ROT: tl.constexpr = False):
+                    PDL: tl.constexpr = False):
     # counts [world, G] int64 (G = 1 for one W): rows of X, destination-major then group.
     # COPY: no W, the "product" is X itself (the row exchange; N = K). USE_TMA (Hopper):
     # x_ptr / w_ptr are tensor descriptors of X [M, K] and W [G*K, N] with [BLOCK_M, BLOCK_K]
@@ -395,7 +368,6 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
     # partial and split_sum_kernel, the next launch, sums them (see there). PDL (with
     # SPLIT_SUM, Hopper, the sum launched for programmatic dependent launch): this grid
     # lets the sum's programs launch at once; they wait for its stores at griddepcontrol.wait
-    # ROT (DIRECT only): each tile's K loop starts at its own step (_tile_product)
     if PDL:
         _cuda_extra.gdc_launch_dependents()
     if USE_TMA:
@@ -434,7 +406,7 @@ def gemm_a2a_kernel(x_ptr, w_ptr, out_ptr, counts_ptr, order_ptr, peer_bases_ptr
             acc = _tile_product(x_ptr, w_ptr, m_tile * BLOCK_M, M - m_tile * BLOCK_M, n_tile,
                                 0, d_lo, tl.minimum(d_lo + d_k_per, K), N, K, stride_xm,
                                 stride_xk, stride_wg, stride_wk, stride_wn, BLOCK_M, BLOCK_N,
-                                BLOCK_K, COPY, FP32_IEEE, EVEN_N, EVEN_K, USE_TMA, False, ROT)
+                                BLOCK_K, COPY, FP32_IEEE, EVEN_N, EVEN_K, USE_TMA)
             d_store = True
             if SPLIT_K > 1:
                 if d_splits > 1:
@@ -862,7 +834,7 @@ def aot_signatures(dtype: str = "bf16") -> dict[str, dict[str, str]]:
             BLOCK_N="constexpr", BLOCK_K="constexpr", GROUP_M="constexpr", MODE="constexpr",
             COPY="constexpr", FP32_IEEE="constexpr", EVEN_N="constexpr", EVEN_K="constexpr",
             USE_TMA="constexpr", SPLIT_K="constexpr", DIRECT="constexpr", CLOCK="constexpr",
-            SPLIT_SUM="constexpr", PDL="constexpr", ROT="constexpr"),
+            SPLIT_SUM="constexpr", PDL="constexpr"),
         "split_sum_kernel": dict(
             out_ptr=p, counts_ptr=i64, M="i32", split_addr="i64", split_tiles="i32", N="i32",
             capacity="i64", BLOCK_M="constexpr", BLOCK_N="constexpr", SPLIT_K="constexpr",

@@ -265,33 +265,3 @@ def test_the_direct_path_splits_k_with_scratch_for_its_rows_class_alone():
     # tile), not the 130 tiles the handle's 1024 rows would make
     want = (True, 2, 2, 256 + 2 * 2 * 16 * 16 * 4)
     assert plans == {4: want, 3: want}, plans
-
-
-_ROT_SCRIPT = """
-    import os
-    os.environ["ROCMOE_GEMM_CONFIG"] = '{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "ROT": true, "SPLIT_K": %d}'
-    h = ops.GemmAllToAll(ctx, max_rows=64, K=64, N=64, dtype=torch.float32)
-    h._engine = "triton"
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(64, 64, generator=g)
-    for rows in (12, 40):
-        x = torch.randn(rows, 64, generator=g)
-        with torch.no_grad():
-            out, recv = h(x, w, [rows])
-        assert torch.allclose(out[:rows], x @ w, atol=1e-4), rows
-    print({key[-1]: (plan.direct, plan.constexprs["ROT"]) for key, plan in h._launches.items()})
-    h.close()
-"""
-
-
-def test_a_rotated_k_loop_gives_the_product_on_the_direct_path():
-    # ROT: each of the 4 column tiles starts its 4 K steps at its own step and wraps
-    plans = _interpreted(_ROT_SCRIPT % 1)
-    assert plans == {4: (True, True), 6: (True, True)}, plans
-
-
-def test_a_rotated_k_loop_stays_inside_each_split_of_k():
-    # split in 2, each task rotates its own 2 steps (reading past them would add another
-    # split's products twice)
-    plans = _interpreted(_ROT_SCRIPT % 2)
-    assert plans == {4: (True, True), 6: (True, True)}, plans

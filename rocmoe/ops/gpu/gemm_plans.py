@@ -373,7 +373,7 @@ class _GemmLaunch:
             MODE=0 if self.local else 1, COPY=self.copy, FP32_IEEE=x.dtype == torch.float32,
             EVEN_N=n % bn == 0, EVEN_K=(k % cfg["BLOCK_K"] == 0) or self.copy, USE_TMA=False,
             SPLIT_K=split_k, DIRECT=self.direct, CLOCK=_clock(), SPLIT_SUM=split_sum,
-            PDL=pdl, ROT=bool(cfg.get("ROT")) and self.direct)
+            PDL=pdl)
         self.key = (tuple(sorted(self.constexprs.items())), tuple(sorted(self.options.items())),
                     self.nprog)
         layout = handle.layout
@@ -553,9 +553,6 @@ class _SplitSum:
     (The second launch's own driver cost remains: the 16-row lean call took 25.1 us of host
     time against the 64-row one's 13.1 on the H100, torch.matmul's split-K 30.5 and 18.0.)"""
 
-    # whether an eager call (not under graph capture) launches the sum with its PDL attribute
-    EAGER_PDL = True
-
     def __init__(self, plan: "_GemmLaunch", n: int, split_k: int, pdl: bool, dev):
         rows = (plan.split_tiles // plan.n_tiles) * plan.bm  # the scratch's rows
         self.grid = max(1, math.ceil(rows * n / SPLIT_SUM_BLOCK))
@@ -580,8 +577,7 @@ class _SplitSum:
             p, q = out.data_ptr(), counts.data_ptr()
             if (p == self.out_slot.p or self.out_slot.put(p)) and \
                     (q == self.counts_slot.p or self.counts_slot.put(q)):
-                nl.launch_as_written(self.grid, self.stream() if stream is None else stream,
-                                     self.EAGER_PDL or capturing())
+                nl.launch_as_written(self.grid, self.stream() if stream is None else stream)
                 return
         if self.kernel((out, counts, m) + self.fixed, out.device):
             nl = self.kernel.native
