@@ -21,12 +21,14 @@ class FakeSumNative:
         self.generation = 0
         self.cells = {0: [0], 1: [0]}
         self.launched = []
+        self.pdl = []  # each launch's PDL attribute
 
     def pointer_cell(self, pos):
         return self.cells[pos], True  # compiled for 16-byte aligned addresses
 
     def launch_as_written(self, grid_x, stream, pdl=True):
         self.launched.append((grid_x, stream, self.cells[0][0], self.cells[1][0]))
+        self.pdl.append(pdl)
 
 
 class FakeKernel:
@@ -107,3 +109,16 @@ def test_an_output_of_another_alignment_writes_every_argument():
     odd = torch.empty(16 * 32 + 1)[1:].view(16, 32)  # 4 bytes past an aligned address
     s(odd, counts, 16, STREAM)
     assert len(s.kernel.full) == 2 and s.kernel.native.launched == []
+
+
+def test_the_sum_drops_its_pdl_attribute_only_in_eager_calls_with_eager_pdl_off(monkeypatch):
+    s = _split_sum()
+    out, counts = _aligned()
+    s(out, counts, 16, STREAM)
+    s(out, counts, 16, STREAM)
+    monkeypatch.setattr(_SplitSum, "EAGER_PDL", False)
+    s(out, counts, 16, STREAM)
+    # under graph capture the attribute stays, EAGER_PDL or not
+    monkeypatch.setattr("rocmoe.ops.gpu.gemm_plans.capturing", lambda: True)
+    s(out, counts, 16, STREAM)
+    assert s.kernel.native.pdl == [True, False, True]

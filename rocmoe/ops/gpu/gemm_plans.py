@@ -225,6 +225,12 @@ _TUNE_SKINNY_16BIT = (
 # no split tile is a candidate: 64 x 64-128 tiles split 2 or 4 ways replayed in 11.6-15.9 us
 # against the unsplit 64 x 32 x 256's 10.4-11.0
 # (results/probe_tiny_graph_split64_h100_fortyfourth_session.jsonl).
+# Nor is a K loop rotated per column tile (each starting at its own step, so that the 128
+# tiles of 64 x 4096^2 read 16 slices of X at once, not all the same one): graph-replayed,
+# 15.86 us bare against 10.75 (results/probe_tiny_graph_rot64_h100_fortysixth_session.jsonl)
+# and 0.643-0.647 x torch.matmul in the handle against 0.937-0.944 unrotated
+# (results/probe_rot_handle_h100_fortysixth_session.jsonl, the kernel option of 5a26149,
+# reverted): the X lines the tiles share are not what holds 64 rows back under graphs.
 _TINY_ROWS = 64
 _TUNE_TINY_16BIT = (
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
@@ -550,8 +556,16 @@ class _SplitSum:
     the PDL attribute where the plan has PDL). After a native launch, a call of the same M
     writes only the out and counts addresses that moved (as _LeanGemmLaunch does: an output
     ring hands out a few buffers in turn) and launches the parameter buffer as it stands.
-    (The second launch's own driver cost remains: the 16-row lean call took 25.1 us of host
-    time against the 64-row one's 13.1 on the H100, torch.matmul's split-K 30.5 and 18.0.)"""
+    (The second launch costs the host little: 18.9 us a call at 16 x 4096^2 against 18.2 for
+    the one-launch 32-row call, paired in one process on an H100; the 25.1 and 28.2 us of two
+    earlier bench runs were a noisy host, 15.8 in the forty-sixth session's.)"""
+
+    # whether an eager call (not under graph capture) launches the sum with its PDL
+    # attribute. Plainly launched it saved the host nothing (19.71 against 18.92 us a call,
+    # twelve samples each way, alternated) and cost the GPU 0.7 us a call queued (18.46
+    # against 17.80): benchmarks/probe_split_sum_pdl.py,
+    # results/probe_split_sum_pdl_h100_fortysixth_session.jsonl
+    EAGER_PDL = True
 
     def __init__(self, plan: "_GemmLaunch", n: int, split_k: int, pdl: bool, dev):
         rows = (plan.split_tiles // plan.n_tiles) * plan.bm  # the scratch's rows
@@ -577,7 +591,8 @@ class _SplitSum:
             p, q = out.data_ptr(), counts.data_ptr()
             if (p == self.out_slot.p or self.out_slot.put(p)) and \
                     (q == self.counts_slot.p or self.counts_slot.put(q)):
-                nl.launch_as_written(self.grid, self.stream() if stream is None else stream)
+                nl.launch_as_written(self.grid, self.stream() if stream is None else stream,
+                                     self.EAGER_PDL or capturing())
                 return
         if self.kernel((out, counts, m) + self.fixed, out.device):
             nl = self.kernel.native
