@@ -416,8 +416,8 @@ class NativeLaunch:
     def launch_as_written(self, grid_x: int, stream: int, pdl: bool = True) -> None:
         """Launch a 1-D grid on `stream` (a raw handle, as stream_getter gives it) with the
         parameter buffer as it stands; `pdl` False: without a PDL kernel's attribute."""
-        rc = (self._launch if pdl else self._launch_plain)(self.function, grid_x, 1, 1, self.block, self.shared, stream,
-                          self._params)
+        launch = self._launch if pdl else self._launch_plain
+        rc = launch(self.function, grid_x, 1, 1, self.block, self.shared, stream, self._params)
         if rc != 0:
             from ._native import check
             check(rc, "native launch")

@@ -274,3 +274,14 @@ def test_a_descriptor_step_never_remembers_a_refusal():
     bad = _descriptor(4104)
     assert not step(bad) and not step(bad)
     assert checked == [4104, 4104] and written == []
+
+
+def test_a_pdl_kernel_launched_as_written_without_pdl_goes_through_the_plain_driver_call():
+    nl = native_launch.NativeLaunch.__new__(native_launch.NativeLaunch)
+    calls = []
+    nl._launch = lambda *a: calls.append(("pdl", a[1])) or 0
+    nl._launch_plain = lambda *a: calls.append(("plain", a[1])) or 0
+    nl.function, nl.block, nl.shared, nl._params = 7, 128, 0, None
+    nl.launch_as_written(3, 99)
+    nl.launch_as_written(5, 99, pdl=False)
+    assert calls == [("pdl", 3), ("plain", 5)]
