@@ -9,6 +9,20 @@ if ! python3 -c "import cffi, pycparser" 2>/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Triton's compiled kernels in the checkout (gitignored), not in ~/.triton: a device machine
+# starts bare, and the first GPU tests on it spent most of a 330 s part compiling (forty-
+# seventh session). pack_triton_cache brings the cache back under $OUT; unpacked at the repo
+# root here and named in the run's carry (".triton_cache"), it travels to the next machine,
+# which then compiles only the kernels whose source changed (Triton keys an entry by the
+# kernel's source, its options, the target (sm_90 on H100 and H200 alike) and its own version)
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+
+# pack_triton_cache: $OUT/triton_cache.tgz, the cache as it is now (rc 0 when there is none)
+pack_triton_cache() {
+  [ -d "$TRITON_CACHE_DIR" ] || return 0
+  tar -C "$(dirname "$TRITON_CACHE_DIR")" -czf "${OUT:-device_out}/triton_cache.tgz" \
+    "$(basename "$TRITON_CACHE_DIR")"
+}
 
 # build_cuda LOG: librocmoe for CUDA in place (build/cuda); on failure the log's tail, rc 4
 build_cuda() {
