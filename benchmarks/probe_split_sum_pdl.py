@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import rocmoe  # noqa: E402
 from rocmoe import ops  # noqa: E402
-from rocmoe.bench.fused_gpu import host_us, random_gemm_inputs, stream_ms  # noqa: E402
+from rocmoe.bench.fused_gpu import host_us, random_gemm_inputs, rel_err, stream_ms  # noqa: E402
 from rocmoe.ops.gpu.gemm_plans import _SplitSum  # noqa: E402
 
 ROWS, K, N = (16, 32), 4096, 4096
@@ -39,7 +39,7 @@ def measure(ctx, m: int) -> dict:
     gen = torch.Generator(device=ctx.device).manual_seed(3)
     x, w = random_gemm_inputs(m, K, N, ctx.device, gen)
     h = ops.GemmAllToAll(ctx, m, K, N, torch.bfloat16)
-    ref = torch.matmul(x, w).float()
+    ref = torch.matmul(x, w)
 
     def call():
         return h(x, w, [m])
@@ -57,8 +57,7 @@ def measure(ctx, m: int) -> dict:
             err, queued = {}, {}
             for pdl in (True, False):
                 _SplitSum.EAGER_PDL = pdl
-                y = call()[0][:m].float()
-                err[pdl] = float((y - ref).norm() / ref.norm())
+                err[pdl] = rel_err(call()[0][:m], ref)
                 queued[pdl] = stream_ms({"h": call, "t": lambda: torch.matmul(x, w)}, 15)
     finally:
         _SplitSum.EAGER_PDL = True
